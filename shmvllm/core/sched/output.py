@@ -52,6 +52,12 @@ class SchedulerOutput:
     finished_req_ids: requests finished or aborted since the last step (the runner drops them).
     preempted_req_ids: requests preempted this step (the runner drops them; they come back later
     as NewRequestData).
+
+    A request's num_computed_tokens may count prefix-cache blocks that another request writes in
+    this same step (both share a prompt prefix and were scheduled together): the runner must
+    write each layer's KV for every scheduled token before attention at that layer reads the
+    cache. A plan with total_num_scheduled_tokens == 0 is never executed; its finished ids are
+    carried to the next executed plan.
     """
 
     scheduled_new_reqs: list[NewRequestData]

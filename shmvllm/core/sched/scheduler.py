@@ -1,0 +1,290 @@
+"""Scheduler with vLLM v1's semantics.
+
+Each step has one token budget (`max_num_batched_tokens`) shared by all requests; there is no
+separate prefill and decode phase. Running requests are served first, then waiting ones (new,
+or preempted earlier). A prompt larger than what is left of the budget is chunked over several
+steps (unless chunked prefill is off, or the request is a pooling one, which is scheduled whole).
+When a running request cannot get a block, the running request that comes last in the policy's
+order (FCFS: the latest arrival; priority: the lowest priority, then the latest) is preempted:
+its blocks are freed and it is recomputed later, from its prefix-cache hits on.
+
+`running` is kept sorted in that same order, so the victim is always its last element and
+never one already scheduled in this step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+from typing import Iterable, Optional
+
+import numpy as np
+
+from shmvllm.config import CacheConfig, SchedulerConfig
+from shmvllm.core.kv_cache_manager import KVCacheManager
+from shmvllm.core.request import Request, RequestStatus
+from shmvllm.core.sched.output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from shmvllm.core.sched.request_queue import RequestQueue
+from shmvllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats, now
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, cache_config.enable_prefix_caching)
+        capacity = num_blocks * self.block_size
+        # A request that outgrew the whole cache could never be scheduled again: cap its length.
+        self.max_model_len = min(scheduler_config.max_model_len, capacity)
+        if self.max_model_len < scheduler_config.max_model_len:
+            logger.warning(
+                "The KV cache holds %d tokens, fewer than max_model_len=%d: requests stop at %d tokens.",
+                capacity, scheduler_config.max_model_len, self.max_model_len,
+            )
+        self.requests: dict[str, Request] = {}
+        self.waiting = RequestQueue()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()  # since the last step that reached the runner
+        self._arrivals = itertools.count()
+        self._num_preemptions_step = 0
+        self.num_preemptions_total = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in the scheduler.")
+        priority = request.priority if self.config.policy == "priority" else 0
+        request.sched_key = (priority, next(self._arrivals))
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Ends requests from outside (aborts); unknown or finished ids are ignored."""
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"status must be a finished one, got {status!r}.")
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- schedule ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        cached = CachedRequestData()
+        new_reqs: list[NewRequestData] = []
+        preempted: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            new_blocks = self._allocate_or_preempt(request, num_new, preempted)
+            if new_blocks is None:
+                break  # the request preempted itself: nothing after it is left either
+            cached.req_ids.append(request.request_id)
+            cached.new_block_ids.append([b.block_id for b in new_blocks])
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            i += 1
+
+        if not preempted:
+            budget = self._schedule_waiting(budget, num_scheduled, new_reqs)
+
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        total = sum(num_scheduled.values())
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            preempted_req_ids=preempted,
+        )
+        if total > 0:  # a step with no tokens does not reach the runner; keep the news for later
+            output.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
+        return output
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: set[str]):
+        """Blocks for `request`, preempting from the end of `running` until they fit; None if
+        `request` itself had to go."""
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.add(victim.request_id)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._num_preemptions_step += 1
+        self.num_preemptions_total += 1
+        self.waiting.add(request)
+
+    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int], new_reqs: list[NewRequestData]) -> int:
+        chunking = self.config.enable_chunked_prefill
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if num_new > budget and (not chunking or request.is_pooling):
+                break
+            num_new = min(num_new, budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits, num_hit_tokens)
+            if new_blocks is None:
+                break
+            self.waiting.pop()
+            bisect.insort(self.running, request, key=lambda r: r.sched_key)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            new_reqs.append(self._new_request_data(request))
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+        return budget
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),
+            sampling_params=request.sampling_params,
+            pooling_params=request.pooling_params,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    # ---- results -------------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Appends the sampled tokens, finishes requests that stopped, and makes the outputs."""
+        index = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
+        outputs: list[EngineCoreOutput] = []
+        finished: list[str] = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished or preempted since it was scheduled
+            i = index.get(req_id)
+            sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
+            output = self._update_request(request, sampled, model_runner_output)
+            if output is not None:
+                outputs.append(output)
+            if request.is_finished:
+                finished.append(req_id)
+                self.running.remove(request)
+                self._free_request(request)
+        return EngineCoreOutputs(
+            outputs=outputs,
+            finished_requests=finished or None,
+            scheduler_stats=self.make_stats(),
+            timestamp=now(),
+        )
+
+    def _update_request(
+        self, request: Request, sampled: list[int], runner_output: ModelRunnerOutput
+    ) -> Optional[EngineCoreOutput]:
+        req_id = request.request_id
+        new_token_ids: list[int] = []
+        pooling_output: Optional[bytes] = None
+        if request.is_pooling:
+            pooled = runner_output.pooler_output.get(req_id)
+            if pooled is not None:
+                pooling_output = np.ascontiguousarray(pooled, dtype="<f4").tobytes()
+                request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            for token_id in sampled:
+                request.append_output_token_ids(token_id)
+                new_token_ids.append(token_id)
+                if self._check_stop(request):
+                    break
+        prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
+        if not new_token_ids and pooling_output is None and prompt_logprobs is None:
+            return None
+        return EngineCoreOutput(
+            request_id=req_id,
+            new_token_ids=new_token_ids,
+            new_logprobs=runner_output.logprobs.get(req_id) if new_token_ids else None,
+            new_prompt_logprobs=prompt_logprobs,
+            finish_reason=request.get_finish_reason(),
+            stop_reason=request.stop_reason,
+            pooling_output=pooling_output,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+
+    def _check_stop(self, request: Request) -> bool:
+        """Sets a finished status if the last token ends the request. Stop tokens count only
+        after min_tokens outputs; EOS gives stop_reason None, a stop_token_id gives itself."""
+        params = request.sampling_params
+        assert params is not None
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if params.eos_token_id is not None and not params.ignore_eos and last == params.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if params.stop_token_ids and last in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last
+                return True
+        max_tokens = params.max_tokens
+        if request.num_tokens >= self.max_model_len or (max_tokens is not None and request.num_output_tokens >= max_tokens):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    # ---- stats ---------------------------------------------------------------------------
+
+    def make_stats(self) -> SchedulerStats:
+        """Queue sizes and usage now; prefix-cache counts and preemptions since the last call."""
+        prefix = self.kv_cache_manager.make_prefix_cache_stats()
+        stats = SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=self._num_preemptions_step,
+        )
+        self._num_preemptions_step = 0
+        return stats

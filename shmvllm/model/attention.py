@@ -1,0 +1,178 @@
+"""Attention over a paged KV cache, in pure torch (the same code on CPU and CUDA).
+
+Layout: each layer owns a key and a value cache of shape
+[num_blocks, block_size, num_kv_heads, head_dim]. A token at position p of a request lives in
+slot `block_table[p // block_size] * block_size + p % block_size` of the flattened cache.
+
+One step runs a flat batch of tokens from many requests: first every token's K/V is written
+to its slot (slot_mapping), then
+- decode requests (one new token each) attend together in one batched call, over their
+  context gathered from the cache (padded to the longest, masked);
+- prefill requests (a chunk of prompt, maybe after a cached prefix) attend one by one: over
+  their fresh K/V when nothing precedes the chunk, else over the context gathered from the
+  cache with a causal mask shifted by the prefix length.
+Everything that does not depend on the layer (gather indices, masks) is built once per step
+by `build_attention_metadata`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    """One request's chunk of > 1 tokens: rows [start, end) of the flat batch."""
+
+    start: int
+    end: int
+    context_slots: Optional[torch.Tensor]  # [seq_len] cache slots of the whole context; None: no prefix
+    mask: Optional[torch.Tensor]  # [chunk_len, seq_len] bool, True = may attend; None: plain causal
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: Optional[torch.Tensor]  # [num_tokens] int64; None: do not touch the cache (profiling)
+    decode_token_idx: Optional[torch.Tensor] = None  # [num_decodes] rows of the flat batch
+    decode_slots: Optional[torch.Tensor] = None  # [num_decodes * max_len] cache slots (padded)
+    decode_mask: Optional[torch.Tensor] = None  # [num_decodes, 1, 1, max_len] bool
+    decode_max_len: int = 0
+    prefills: list[PrefillSeq] = field(default_factory=list)
+    decodes_are_prefix: bool = False  # decode rows are exactly [0, num_decodes)
+
+
+def build_attention_metadata(
+    query_lens: np.ndarray,
+    num_computed: np.ndarray,
+    block_table: np.ndarray,
+    slot_mapping: np.ndarray,
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """query_lens / num_computed: per scheduled request, in batch order; block_table: their rows
+    [num_reqs, max_blocks] (int32); slot_mapping: [num_tokens] for the flat batch."""
+    seq_lens = num_computed + query_lens
+    starts = np.concatenate(([0], np.cumsum(query_lens)[:-1]))
+    is_decode = query_lens == 1
+    meta = AttentionMetadata(slot_mapping=torch.from_numpy(slot_mapping.astype(np.int64)).to(device))
+    if is_decode.any():
+        _add_decodes(meta, starts[is_decode], seq_lens[is_decode], block_table[is_decode], block_size, device)
+    for i in np.flatnonzero(~is_decode):
+        start, end = int(starts[i]), int(starts[i] + query_lens[i])
+        meta.prefills.append(_prefill_seq(start, end, int(num_computed[i]), block_table[i], block_size, device))
+    return meta
+
+
+def _add_decodes(
+    meta: AttentionMetadata,
+    rows: np.ndarray,
+    seq_lens: np.ndarray,
+    block_table: np.ndarray,
+    block_size: int,
+    device: torch.device,
+) -> None:
+    max_len = int(seq_lens.max())
+    positions = np.arange(max_len)
+    valid = positions[None, :] < seq_lens[:, None]
+    blocks = block_table[:, : (max_len + block_size - 1) // block_size].astype(np.int64)
+    slots = blocks[:, positions // block_size] * block_size + positions % block_size
+    slots = np.where(valid, slots, 0)  # padding reads slot 0, masked out
+    meta.decode_token_idx = torch.from_numpy(rows.astype(np.int64)).to(device)
+    meta.decode_slots = torch.from_numpy(slots.reshape(-1)).to(device)
+    meta.decode_mask = torch.from_numpy(valid[:, None, None, :]).to(device)
+    meta.decode_max_len = max_len
+    meta.decodes_are_prefix = bool(rows[-1] == len(rows) - 1)
+
+
+def _prefill_seq(
+    start: int, end: int, num_computed: int, block_row: np.ndarray, block_size: int, device: torch.device
+) -> PrefillSeq:
+    if num_computed == 0:
+        return PrefillSeq(start, end, None, None)
+    seq_len = num_computed + end - start
+    positions = np.arange(seq_len)
+    slots = block_row[positions // block_size].astype(np.int64) * block_size + positions % block_size
+    query_pos = np.arange(num_computed, seq_len)
+    mask = positions[None, :] <= query_pos[:, None]
+    return PrefillSeq(start, end, torch.from_numpy(slots).to(device), torch.from_numpy(mask).to(device))
+
+
+class PagedAttention(torch.nn.Module):
+    """Causal self-attention of one layer; q/k/v come in flat as [num_tokens, heads, head_dim]."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.k_cache: Optional[torch.Tensor] = None  # bound by the model runner
+        self.v_cache: Optional[torch.Tensor] = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        k_flat = v_flat = None
+        if meta.slot_mapping is not None:
+            if self.k_cache is None or self.v_cache is None:
+                raise RuntimeError("PagedAttention has no KV cache bound; call initialize_kv_cache first.")
+            k_flat = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
+            v_flat = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+            k_flat.index_copy_(0, meta.slot_mapping, k)
+            v_flat.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        if meta.decode_token_idx is not None:
+            self._decode(q, k_flat, v_flat, meta, out)
+        for seq in meta.prefills:
+            out[seq.start : seq.end] = self._prefill(q, k, v, k_flat, v_flat, seq)
+        return out.view(q.shape[0], self.num_heads * self.head_dim)
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        k_flat: Optional[torch.Tensor],
+        v_flat: Optional[torch.Tensor],
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        if k_flat is None or v_flat is None:
+            raise RuntimeError("decode needs the KV cache (got metadata without slot_mapping).")
+        n = meta.decode_token_idx.shape[0]
+        shape = (n, meta.decode_max_len, self.num_kv_heads, self.head_dim)
+        keys = k_flat.index_select(0, meta.decode_slots).view(shape).transpose(1, 2)
+        values = v_flat.index_select(0, meta.decode_slots).view(shape).transpose(1, 2)
+        queries = q[:n] if meta.decodes_are_prefix else q.index_select(0, meta.decode_token_idx)
+        attn = F.scaled_dot_product_attention(
+            queries.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True
+        ).squeeze(2)
+        if meta.decodes_are_prefix:
+            out[:n] = attn
+        else:
+            out.index_copy_(0, meta.decode_token_idx, attn)
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_flat: Optional[torch.Tensor],
+        v_flat: Optional[torch.Tensor],
+        seq: PrefillSeq,
+    ) -> torch.Tensor:
+        queries = q[seq.start : seq.end].transpose(0, 1).unsqueeze(0)
+        if seq.context_slots is None:
+            keys = k[seq.start : seq.end].transpose(0, 1).unsqueeze(0)
+            values = v[seq.start : seq.end].transpose(0, 1).unsqueeze(0)
+            attn = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=self.scale, enable_gqa=True)
+        else:
+            if k_flat is None or v_flat is None:
+                raise RuntimeError("a prefill after a cached prefix needs the KV cache.")
+            keys = k_flat.index_select(0, seq.context_slots).transpose(0, 1).unsqueeze(0)
+            values = v_flat.index_select(0, seq.context_slots).transpose(0, 1).unsqueeze(0)
+            attn = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=seq.mask, scale=self.scale, enable_gqa=True
+            )
+        return attn.squeeze(0).transpose(0, 1)

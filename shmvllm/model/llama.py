@@ -1,0 +1,154 @@
+"""The Llama family (Llama, Mistral, Qwen2) as native modules over a paged KV cache.
+
+Module and parameter names follow transformers' so that checkpoints load by name, except
+that q/k/v projections are fused into `qkv_proj` and gate/up into `gate_up_proj` (one GEMM
+each instead of three and two); the loader stacks the checkpoint's shards into them.
+
+The forward pass takes a flat batch of tokens ([num_tokens]) from many requests and returns
+hidden states; `compute_logits` runs the lm_head only on the rows that are sampled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shmvllm.model.attention import AttentionMetadata, PagedAttention
+from shmvllm.model.rotary import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        qkv_bias = _has_qkv_bias(config)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2"
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.rotary_emb = rotary_emb
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act must be 'silu' for the Llama family, got {config.hidden_act!r}.")
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(torch.nn.functional.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary_emb)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, max_position: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rotary_emb = RotaryEmbedding(config, head_dim, max_position)  # shared by all layers
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary_emb) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, meta)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 decoder. `max_position`: the longest position the engine will use."""
+
+    packed_modules = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+    }
+
+    def __init__(self, config: Any, max_position: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, max_position)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden_size]."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states of the sampled rows -> float32 logits [rows, vocab_size]."""
+        return self.lm_head(hidden).float()
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def shard_for(self, param_name: str) -> tuple[str, int, int] | None:
+        """A checkpoint name of a fused shard -> (our parameter, row offset, row count)."""
+        for packed, shards in self.packed_modules.items():
+            for index, shard in enumerate(shards):
+                marker = f".{shard}."
+                if marker not in param_name:
+                    continue
+                target = param_name.replace(marker, f".{packed}.")
+                sizes = self._shard_sizes(packed)
+                return target, sum(sizes[:index]), sizes[index]
+        return None
+
+    def _shard_sizes(self, packed: str) -> list[int]:
+        attn = self.model.layers[0].self_attn
+        if packed == "qkv_proj":
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        size = self.model.layers[0].mlp.intermediate_size
+        return [size, size]
+
+
+def _has_qkv_bias(config: Any) -> bool:
+    if config.model_type == "qwen2":
+        return True
+    return bool(getattr(config, "attention_bias", False))

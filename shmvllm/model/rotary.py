@@ -1,0 +1,109 @@
+"""Rotary position embeddings (RoPE), with the scalings of transformers' `config.rope_parameters`.
+
+The cos/sin tables are computed once for every position up to the model's length, in float32
+the way transformers computes them (position * inv_freq, then cos/sin, times the attention
+factor), so that our rotations equal theirs bit for bit in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim // 2] and the attention factor that scales cos and sin."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    base = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"rope_parameters.partial_rotary_factor must be 1.0, got {params['partial_rotary_factor']}.")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
+    inv_freq = 1.0 / (base**exponents)
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"]), 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, params), 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(base, head_dim, params, hf_config)
+    raise ValueError(f"rope_parameters.rope_type must be one of {SUPPORTED_ROPE_TYPES}, got {rope_type!r}.")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    """Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the middle blended."""
+    factor = float(params["factor"])
+    low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+    original_len = float(params["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original_len / low, inv_freq / factor, inv_freq)
+    smooth = (original_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_middle = (wavelen >= original_len / high) & (wavelen <= original_len / low)
+    return torch.where(is_middle, blended, scaled)
+
+
+def _yarn_inv_freq(base: float, head_dim: int, params: dict, hf_config: Any) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate low frequencies, extrapolate high ones, ramp between; scale attention."""
+    original_len = params["original_max_position_embeddings"]
+    factor = params.get("factor") or hf_config.max_position_embeddings / original_len
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor, 1.0)
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, head_dim, 2, device="cpu").to(torch.float32) / head_dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Neox-style rotation (first half / second half of each head) from a precomputed table.
+
+    The tables are built on the CPU even under a meta-device context (the loader builds models
+    on meta), then follow the module to its device.
+    """
+
+    def __init__(self, hf_config: Any, head_dim: int, max_position: int) -> None:
+        super().__init__()
+        inv_freq, attention_factor = rope_inv_freq(hf_config, head_dim)
+        positions = torch.arange(max_position, dtype=torch.int64, device="cpu").to(torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]
+        self.register_buffer("cos_cache", freqs.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin_cache", freqs.sin() * attention_factor, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hkv, D], positions: [T] -> rotated q, k."""
+        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,285 @@
+"""GPUModelRunner's role, on any device: turns a SchedulerOutput into one forward pass.
+
+Per step: apply the scheduler's changes to the runner's request states and persistent batch,
+flatten the scheduled tokens of all requests into one batch (numpy, vectorized), run the
+model, compute logits only on the rows that sample (the last scheduled token of a request
+whose scheduled tokens reach the end of its known tokens) and on prompt rows whose logprobs
+were asked, sample, and append each sampled token to its request's state.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import numpy as np
+import torch
+
+from shmvllm.config import EngineConfig
+from shmvllm.core.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from shmvllm.engine.messages import Logprobs
+from shmvllm.model.attention import AttentionMetadata, PrefillSeq, build_attention_metadata
+from shmvllm.model.loader import get_model, torch_dtype
+from shmvllm.model.sampler import Sampler, SamplingMetadata, gather_logprobs, seeded_generator
+from shmvllm.worker.input_batch import CachedRequestState, InputBatch
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.device = device
+        self.dtype = torch_dtype(self.model_config.dtype)
+        self.block_size = config.cache_config.block_size
+        self.max_model_len = self.model_config.max_model_len
+        self.vocab_size = self.model_config.vocab_size
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(
+            config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size, self.vocab_size
+        )
+        generator = torch.Generator(device=device)
+        generator.manual_seed(self.model_config.seed)
+        self.sampler = Sampler(generator)
+        self.model: Optional[torch.nn.Module] = None
+        self.kv_cache: Optional[torch.Tensor] = None
+        self.num_blocks = 0
+
+    # ---- set-up -------------------------------------------------------------------------
+    def load_model(self) -> None:
+        self.model = get_model(self.model_config)
+
+    def kv_cache_bytes_per_block(self) -> int:
+        """Bytes of one block across all layers (keys and values)."""
+        attn = self._attention_layers()[0]
+        per_layer = 2 * self.block_size * attn.num_kv_heads * attn.head_dim
+        return per_layer * len(self._attention_layers()) * torch.tensor([], dtype=self.dtype).element_size()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocates [layers, 2, num_blocks, block_size, kv_heads, head_dim] and binds each layer's
+        key/value views; zeros, so untouched pages cost no memory on the CPU."""
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}.")
+        layers = self._attention_layers()
+        attn = layers[0]
+        shape = (len(layers), 2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for index, layer in enumerate(layers):
+            layer.k_cache = self.kv_cache[index, 0]
+            layer.v_cache = self.kv_cache[index, 1]
+        self.num_blocks = num_blocks
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)",
+            num_blocks, self.block_size, num_blocks * self.block_size,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
+        )
+
+    def _attention_layers(self) -> list:
+        if self.model is None:
+            raise RuntimeError("load_model must run first.")
+        return self.model.attention_layers()
+
+    # ---- one step ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.kv_cache is None:
+            raise RuntimeError("initialize_kv_cache must run before execute_model.")
+        self._update_states(scheduler_output)
+        batch = self.input_batch
+        if batch.num_reqs == 0:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        query_lens = np.array([scheduler_output.num_scheduled_tokens[r] for r in batch.req_ids], dtype=np.int32)
+        num_computed = batch.num_computed_tokens[: batch.num_reqs].copy()
+        ends = num_computed + query_lens
+        overrun = np.flatnonzero(ends > batch.num_tokens[: batch.num_reqs])
+        if len(overrun):
+            row = int(overrun[0])
+            raise ValueError(
+                f"request {batch.req_ids[row]!r}: num_computed_tokens {num_computed[row]} + scheduled "
+                f"{query_lens[row]} exceeds its {batch.num_tokens[row]} known tokens."
+            )
+        input_ids, positions, meta = self._prepare_inputs(query_lens, num_computed)
+        hidden = self.model(input_ids, positions, meta)
+        cu_ends = np.cumsum(query_lens)
+        sample_rows = np.flatnonzero(ends == batch.num_tokens[: batch.num_reqs])
+        output = self._sample(hidden, cu_ends, sample_rows)
+        prompt_logprobs = self._prompt_logprobs(hidden, cu_ends - query_lens, query_lens, num_computed)
+        if prompt_logprobs:
+            output.prompt_logprobs = prompt_logprobs
+        batch.num_computed_tokens[: batch.num_reqs] = ends
+        for row, state in enumerate(batch.states):
+            state.num_computed_tokens = int(ends[row])
+        return output
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            if req_id in batch.req_id_to_index:
+                batch.remove_request(req_id)
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            if new.req_id in batch.req_id_to_index:
+                batch.remove_request(new.req_id)
+            self.requests[new.req_id] = self._new_state(new)
+        cached = so.scheduled_cached_reqs
+        for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            state = self.requests.get(req_id)
+            if state is None:
+                raise ValueError(f"scheduled_cached_reqs names {req_id!r}, which the runner does not hold.")
+            state.block_ids.extend(new_blocks)
+            state.num_computed_tokens = num_computed
+            row = batch.req_id_to_index.get(req_id)
+            if row is not None:
+                batch.append_block_ids(row, new_blocks)
+                batch.num_computed_tokens[row] = num_computed
+        for req_id in [r for r in batch.req_ids if r not in so.num_scheduled_tokens]:
+            batch.remove_request(req_id)  # not scheduled this step: keep its state, leave the batch
+        for req_id in so.num_scheduled_tokens:
+            if req_id not in batch.req_id_to_index:
+                state = self.requests.get(req_id)
+                if state is None:
+                    raise ValueError(f"num_scheduled_tokens names {req_id!r}, which the runner does not hold.")
+                batch.add_request(state)
+
+    @staticmethod
+    def _new_state(new: NewRequestData) -> CachedRequestState:
+        if new.sampling_params is None:
+            raise ValueError(f"request {new.req_id!r} has no sampling_params (pooling is not served by this runner).")
+        params = new.sampling_params
+        return CachedRequestState(
+            req_id=new.req_id,
+            prompt_token_ids=list(new.prompt_token_ids),
+            output_token_ids=list(new.output_token_ids),
+            sampling_params=params,
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            stop_token_ids=sorted(params.all_stop_token_ids) if params.min_tokens > 0 else [],
+        )
+
+    def _prepare_inputs(
+        self, query_lens: np.ndarray, num_computed: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        batch = self.input_batch
+        n = batch.num_reqs
+        total = int(query_lens.sum())
+        req_idx = np.repeat(np.arange(n), query_lens)
+        starts = np.cumsum(query_lens) - query_lens
+        positions = num_computed[req_idx] + (np.arange(total) - starts[req_idx])
+        input_ids = batch.token_ids[req_idx, positions]
+        blocks = batch.block_table[req_idx, positions // self.block_size].astype(np.int64)
+        slot_mapping = blocks * self.block_size + positions % self.block_size
+        meta = build_attention_metadata(
+            query_lens, num_computed, batch.block_table[:n], slot_mapping, self.block_size, self.device
+        )
+        return (
+            torch.from_numpy(input_ids.astype(np.int64)).to(self.device),
+            torch.from_numpy(positions.astype(np.int64)).to(self.device),
+            meta,
+        )
+
+    # ---- sampling -----------------------------------------------------------------------
+    def _sample(self, hidden: torch.Tensor, cu_ends: np.ndarray, sample_rows: np.ndarray) -> ModelRunnerOutput:
+        batch = self.input_batch
+        sampled_lists: list[list[int]] = [[] for _ in range(batch.num_reqs)]
+        output = ModelRunnerOutput(req_ids=list(batch.req_ids), sampled_token_ids=sampled_lists)
+        if len(sample_rows) == 0:
+            return output
+        logits_idx = torch.from_numpy((cu_ends[sample_rows] - 1).astype(np.int64)).to(self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, logits_idx))
+        result = self.sampler(logits, self._sampling_metadata(sample_rows))
+        tokens = result.sampled_token_ids.tolist()
+        for i, row in enumerate(sample_rows.tolist()):
+            sampled_lists[row] = [tokens[i]]
+            batch.append_token(row, tokens[i])
+            batch.states[row].output_token_ids.append(tokens[i])
+        if result.logprobs is not None:
+            ids, lps, ranks = (t.cpu().numpy() for t in (result.logprob_token_ids, result.logprobs, result.ranks))
+            for i, row in enumerate(sample_rows.tolist()):
+                num = batch.states[row].sampling_params.logprobs
+                if num is not None:
+                    width = 1 + num
+                    output.logprobs[batch.req_ids[row]] = Logprobs.from_arrays(
+                        ids[i : i + 1, :width], lps[i : i + 1, :width], ranks[i : i + 1]
+                    )
+        return output
+
+    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        batch = self.input_batch
+        device = self.device
+        greedy = batch.greedy_mask(rows)
+        meta = SamplingMetadata(
+            temperature=torch.from_numpy(batch.temperature[rows]).to(device),
+            all_greedy=bool(greedy.all()),
+            all_random=not bool(greedy.any()),
+        )
+        if not meta.all_greedy:
+            if (batch.top_k[rows] < self.vocab_size).any():
+                meta.top_k = torch.from_numpy(batch.top_k[rows]).to(device)
+            if (batch.top_p[rows] < 1.0).any():
+                meta.top_p = torch.from_numpy(batch.top_p[rows]).to(device)
+            if (batch.min_p[rows] > 0.0).any():
+                meta.min_p = torch.from_numpy(batch.min_p[rows]).to(device)
+        if batch.needs_penalties(rows):
+            meta.presence_penalty = torch.from_numpy(batch.presence_penalty[rows]).to(device)
+            meta.frequency_penalty = torch.from_numpy(batch.frequency_penalty[rows]).to(device)
+            meta.repetition_penalty = torch.from_numpy(batch.repetition_penalty[rows]).to(device)
+            meta.output_token_ids = torch.from_numpy(batch.padded_tokens(rows, outputs=True)).to(device)
+            meta.prompt_token_ids = torch.from_numpy(batch.padded_tokens(rows, outputs=False)).to(device)
+        for i, row in enumerate(rows.tolist()):
+            state = batch.states[row]
+            params = state.sampling_params
+            if params.seed is not None and not greedy[i]:
+                meta.generators[i] = seeded_generator(params.seed, len(state.output_token_ids), device)
+            if state.stop_token_ids and len(state.output_token_ids) < params.min_tokens:
+                meta.stop_token_mask.append((i, state.stop_token_ids))
+            if params.logprobs is not None:
+                meta.max_num_logprobs = max(meta.max_num_logprobs or 0, params.logprobs)
+        return meta
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, starts: np.ndarray, query_lens: np.ndarray, num_computed: np.ndarray
+    ) -> dict[str, Logprobs]:
+        """Rows for the prompt positions p computed this step with p + 1 < prompt length: the
+        logprob of prompt token p + 1, its rank, and the top-k."""
+        batch = self.input_batch
+        result: dict[str, Logprobs] = {}
+        for row, state in enumerate(batch.states):
+            num = state.sampling_params.prompt_logprobs
+            prompt_len = len(state.prompt_token_ids)
+            first, last = int(num_computed[row]), min(int(num_computed[row] + query_lens[row]), prompt_len - 1)
+            if num is None or first >= last:
+                continue
+            hidden_rows = hidden[int(starts[row]) : int(starts[row]) + last - first]
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden_rows), dim=-1)
+            targets = torch.tensor(state.prompt_token_ids[first + 1 : last + 1], dtype=torch.int64, device=self.device)
+            ids, lps, ranks = (t.cpu().numpy() for t in gather_logprobs(logprobs, targets, num))
+            result[state.req_id] = Logprobs.from_arrays(ids, lps, ranks)
+        return result
+
+    # ---- profiling (CUDA memory sizing) -------------------------------------------------
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """Runs the largest step the scheduler may plan (max_num_batched_tokens, in prompts of at
+        most max_model_len) without a KV cache, then logits and sampling for max_num_seqs rows,
+        so that the peak activation memory can be measured."""
+        sched = self.config.scheduler_config
+        total = min(sched.max_num_batched_tokens, sched.max_num_seqs * self.max_model_len)
+        lengths = [min(self.max_model_len, total - start) for start in range(0, total, self.max_model_len)]
+        positions = torch.cat([torch.arange(length) for length in lengths]).to(self.device)
+        input_ids = torch.zeros(total, dtype=torch.int64, device=self.device)
+        meta = AttentionMetadata(slot_mapping=None)
+        start = 0
+        for length in lengths:
+            meta.prefills.append(PrefillSeq(start, start + length, None, None))
+            start += length
+        hidden = self.model(input_ids, positions, meta)
+        rows = min(sched.max_num_seqs, total)
+        logits = self.model.compute_logits(hidden[:rows])
+        temperature = torch.ones(rows, device=self.device)
+        sampling = SamplingMetadata(
+            temperature=temperature, all_greedy=False, all_random=True,
+            top_k=torch.full((rows,), 50, device=self.device), top_p=torch.full((rows,), 0.9, device=self.device),
+            max_num_logprobs=5,
+        )
+        self.sampler(logits, sampling)

@@ -22,6 +22,10 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2
 
 
+class ParameterTypeError(TypeError, ValueError):
+    """A parameter of the wrong type: a TypeError, and a ValueError like every other invalid parameter."""
+
+
 class SamplingType(enum.IntEnum):
     GREEDY = 0
     RANDOM = 1
@@ -33,7 +37,8 @@ class SamplingParams(
 ):  # type: ignore[call-arg]
     """Sampling parameters with vLLM's names and meanings.
 
-    Invalid values raise ValueError (TypeError for a wrong type) naming the field.
+    Invalid values raise ValueError naming the field (a wrong type raises ParameterTypeError,
+    which is both a TypeError and a ValueError).
     """
 
     n: int = 1
@@ -63,18 +68,22 @@ class SamplingParams(
     def __post_init__(self) -> None:
         self._normalize()
         self._verify()
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: the other truncation knobs are meaningless.
+            self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
 
     def _normalize(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        elif isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
         if self.stop is None:
             self.stop = []
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        if self.temperature < _SAMPLING_EPS and self.temperature >= 0:
-            # Greedy: the other truncation knobs are meaningless.
-            self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
         if isinstance(self.output_kind, int) and not isinstance(self.output_kind, RequestOutputKind):
+            if self.output_kind not in set(RequestOutputKind):
+                raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
             self.output_kind = RequestOutputKind(self.output_kind)
 
     def _verify(self) -> None:
@@ -121,13 +130,21 @@ class SamplingParams(
                 if value < 0:
                     raise ValueError(f"{name} must be non-negative, got {value}.")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
-            raise TypeError(f"stop must be a str or a list of str, got {self.stop!r}.")
+            raise ParameterTypeError(f"stop must be a str or a list of str, got {self.stop!r}.")
         if any(s == "" for s in self.stop):
             raise ValueError(f"stop cannot contain an empty string, got {self.stop!r}.")
         if not isinstance(self.stop_token_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids
         ):
-            raise TypeError(f"stop_token_ids must be a list of int, got {self.stop_token_ids!r}.")
+            raise ParameterTypeError(f"stop_token_ids must be a list of int, got {self.stop_token_ids!r}.")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids!r}.")
+        for name in ("ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
+                     "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ParameterTypeError(f"{name} must be a bool, got {getattr(self, name)!r}.")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ParameterTypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are only supported when detokenize is True.")
 
@@ -148,14 +165,15 @@ class SamplingParams(
         return ids
 
     def clone(self) -> "SamplingParams":
-        return msgspec.structs.replace(self)
+        """A copy that shares no mutable state (the stop lists) with this one."""
+        return msgspec.structs.replace(self, stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids or []))
 
 
 def _check_int(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")
+        raise ParameterTypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")
 
 
 def _check_number(name: str, value: object) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__}).")
+        raise ParameterTypeError(f"{name} must be a number, got {value!r} ({type(value).__name__}).")

@@ -1,0 +1,107 @@
+"""Incremental detokenization whose concatenated pieces equal `tokenizer.decode` of all the ids.
+
+Decoding each new token on its own is wrong in three ways: a character split over several
+tokens (byte-level BPE pieces of a multi-byte UTF-8 character, or SentencePiece byte-fallback
+tokens like `<0xE4>`) decodes to U+FFFD until its last byte arrives; SentencePiece tokenizers
+drop the leading space of the first token they decode; and a byte-fallback decoder turns a
+whole run of byte tokens into one U+FFFD per token when the run is not valid UTF-8, so a
+character that looked complete can still turn into replacement characters later.
+
+So each step decodes a short window of ids: `decode(ids[prefix:])` minus `decode(ids[prefix:read])`,
+where `prefix..read` are the tokens already emitted last time (context for the leading space),
+and text is emitted only at a clean boundary: the window's text does not end in U+FFFD and the
+last token it decodes (a skipped special token does not split a byte run) is not a
+byte-fallback token. At such a boundary the decoders are stateless, so the
+emitted pieces concatenate to the full decode. `flush()` emits what is held back at the end.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+_REPLACEMENT = "\ufffd"
+_BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
+
+
+def byte_fallback_token_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids of SentencePiece byte-fallback tokens (`<0x00>`..`<0xFF>`); empty for other tokenizers."""
+    vocab = tokenizer.get_vocab()
+    if sum(1 for token in vocab if _BYTE_TOKEN.match(token)) < 256:
+        return frozenset()
+    return frozenset(i for token, i in vocab.items() if _BYTE_TOKEN.match(token))
+
+
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids that `decode(..., skip_special_tokens=True)` drops: special added tokens."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return frozenset(tokenizer.all_special_ids) | frozenset(i for i, t in added.items() if getattr(t, "special", False))
+
+
+class IncrementalDetokenizer:
+    """Turns a request's output token ids into text as they arrive.
+
+    `token_ids` holds every output id; `output_text` the text emitted so far.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        skip_special_tokens: bool = True,
+        byte_token_ids: frozenset[int] = frozenset(),
+        special_ids: frozenset[int] = frozenset(),
+    ):
+        """byte_token_ids: from `byte_fallback_token_ids`; special_ids: from `special_token_ids`
+        (needed only with byte tokens and skip_special_tokens)."""
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.byte_token_ids = byte_token_ids
+        self.skipped_ids = special_ids if skip_special_tokens else frozenset()
+        self.token_ids: list[int] = []
+        self.output_text = ""
+        # Ids the detokenizer has seen; a stop token excluded from the text is in token_ids only.
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def update(self, new_token_ids: list[int], skip_last: bool = False) -> str:
+        """Adds ids; returns the text they complete. skip_last: keep the last id out of the text
+        (a stop token that the user does not want to see)."""
+        self.token_ids.extend(new_token_ids)
+        visible = new_token_ids[:-1] if skip_last else new_token_ids
+        if not visible:
+            return ""
+        self._ids.extend(visible)
+        prefix_text, new_text = self._window_texts()
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT) or self._ends_in_byte_run():
+            return ""
+        return self._emit(new_text[len(prefix_text):])
+
+    def flush(self) -> str:
+        """Emits the text held back (an unfinished character decodes to U+FFFD); call once, at the end."""
+        prefix_text, new_text = self._window_texts()
+        if len(new_text) <= len(prefix_text):
+            return ""
+        return self._emit(new_text[len(prefix_text):])
+
+    def _ends_in_byte_run(self) -> bool:
+        if not self.byte_token_ids:
+            return False
+        for token_id in reversed(self._ids):
+            if token_id not in self.skipped_ids:
+                return token_id in self.byte_token_ids
+        return False
+
+    def _window_texts(self) -> tuple[str, str]:
+        decode = self.tokenizer.decode
+        skip = self.skip_special_tokens
+        window = self._ids[self._prefix_offset:]
+        prefix_len = self._read_offset - self._prefix_offset
+        prefix_text = decode(window[:prefix_len], skip_special_tokens=skip) if prefix_len else ""
+        return prefix_text, decode(window, skip_special_tokens=skip)
+
+    def _emit(self, delta: str) -> str:
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self.output_text += delta
+        return delta

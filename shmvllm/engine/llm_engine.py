@@ -1,0 +1,93 @@
+"""LLMEngine: renderer + input processor + output processor + engine core client.
+
+`add_request` turns a prompt into EngineCoreRequests (n of them for n > 1), registers them with
+the output processor, then sends them to the engine; `step` takes one batch of engine outputs
+and returns the RequestOutputs they make.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import msgspec
+
+from shmvllm.config import EngineArgs, EngineConfig
+from shmvllm.engine.core_client import EngineCoreClient
+from shmvllm.engine.input_processor import InputProcessor, PromptType
+from shmvllm.engine.output_processor import OutputProcessor, ParentRequest
+from shmvllm.engine.renderer import Renderer, load_tokenizer
+from shmvllm.outputs import RequestOutput
+from shmvllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, multiprocess: bool = True, transport: str = "shm"):
+        self.config = config
+        model_config = config.model_config
+        self.tokenizer = load_tokenizer(model_config.tokenizer_dir or model_config.model_dir)
+        self.renderer = Renderer(self.tokenizer)
+        self.input_processor = InputProcessor(
+            self.renderer, model_config.max_model_len, model_config.vocab_size, model_config.model_dir
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess, transport=transport)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, multiprocess: bool = True, transport: str = "shm") -> "LLMEngine":
+        return cls(engine_args.create_engine_config(), multiprocess=multiprocess, transport=transport)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: Optional[float] = None,
+        priority: int = 0,
+    ) -> None:
+        """Validates, then queues; a ValueError here means nothing of this request was queued."""
+        request, prompt_text, prompt_ids = self.input_processor.process_inputs(
+            request_id, prompt, params, arrival_time, priority
+        )
+        if request_id in self.output_processor.request_states or request_id in self.output_processor.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use.")
+        if params.n == 1:
+            self.output_processor.add_request(request, prompt_text, prompt_ids)
+            self.engine_core.add_request(request)
+            return
+        parent = ParentRequest(request_id, request.sampling_params)
+        for index, child_id in enumerate(parent.child_ids):
+            child = msgspec.structs.replace(request, request_id=child_id, sampling_params=parent.child_params(index))
+            self.output_processor.add_request(child, prompt_text, prompt_ids, parent=parent, index=index)
+            self.engine_core.add_request(child)
+
+    def step(self) -> list[RequestOutput]:
+        """One batch of engine outputs -> RequestOutputs; aborts in the engine what stop strings ended."""
+        outputs = self.engine_core.get_output()
+        processed = self.output_processor.process_outputs(outputs.outputs)
+        if processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        """Aborts requests by the ids they were added with (a parent id aborts all its children)."""
+        engine_ids = self.output_processor.abort_requests(request_ids)
+        if engine_ids:
+            self.engine_core.abort_requests(engine_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

@@ -1,0 +1,318 @@
+"""EngineCoreOutputs -> RequestOutputs: detokenization, stop strings, logprobs, n > 1 merging.
+
+The output processor keeps one `RequestState` per request in the engine (a request with n > 1
+is n child requests in the engine, merged back by their `ParentRequest`). A request that hits a
+stop string finishes here, in the frontend; `reqs_to_abort` tells the caller to abort it in the
+engine, which does not know about stop strings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+import msgspec
+
+from shmvllm.engine.detokenizer import IncrementalDetokenizer, byte_fallback_token_ids, special_token_ids
+from shmvllm.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, Logprobs
+from shmvllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from shmvllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+class ParentRequest:
+    """A request with n > 1: fans out into n child requests and merges their completions."""
+
+    def __init__(self, request_id: str, params: SamplingParams):
+        self.request_id = request_id
+        self.params = params
+        self.output_kind = params.output_kind
+        self.child_ids = [self.child_request_id(i) for i in range(params.n)]
+        self.unfinished = set(self.child_ids)
+        self.latest: dict[int, CompletionOutput] = {}
+
+    def child_request_id(self, index: int) -> str:
+        return f"{index}_{self.request_id}"
+
+    def child_params(self, index: int) -> SamplingParams:
+        """n=1, and a seed of its own (seed + index) so that seeded children differ yet repeat."""
+        seed = None if self.params.seed is None else self.params.seed + index
+        return msgspec.structs.replace(self.params, n=1, seed=seed)
+
+    def merge(self, child_id: str, completion: Optional[CompletionOutput]) -> Optional[list[CompletionOutput]]:
+        """Records a child's completion; returns the completions the parent's output carries now."""
+        if completion is not None and completion.finished():
+            self.unfinished.discard(child_id)
+        if completion is None:
+            return None
+        self.latest[completion.index] = completion
+        if self.output_kind == RequestOutputKind.DELTA:
+            return [completion]
+        if self.output_kind == RequestOutputKind.FINAL_ONLY and self.unfinished:
+            return None
+        return [self.latest[i] for i in sorted(self.latest)]
+
+    @property
+    def finished(self) -> bool:
+        return not self.unfinished
+
+
+@dataclass
+class RequestState:
+    """Everything the frontend tracks for one request in the engine."""
+
+    request_id: str
+    external_id: str
+    index: int
+    parent: Optional[ParentRequest]
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    logprobs: Optional[SampleLogprobs] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
+    cumulative_logprob: Optional[float] = None
+    num_cached_tokens: int = 0
+    sent_tokens: int = 0
+    sent_text: int = 0
+    sent_logprobs: int = 0
+    sent_prompt_logprobs: bool = False
+    finish_reason: Optional[str] = None
+    stop_reason: Any = None
+    error: Optional[str] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class OutputProcessorOutput:
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    reqs_to_abort: list[str] = field(default_factory=list)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.byte_token_ids = byte_fallback_token_ids(tokenizer) if tokenizer is not None else frozenset()
+        self.special_ids = special_token_ids(tokenizer) if self.byte_token_ids else frozenset()
+        self.request_states: dict[str, RequestState] = {}
+        self.parents: dict[str, ParentRequest] = {}
+        self._token_text: dict[int, str] = {}
+
+    def add_request(
+        self,
+        request: EngineCoreRequest,
+        prompt: Optional[str],
+        prompt_token_ids: list[int],
+        parent: Optional[ParentRequest] = None,
+        index: int = 0,
+    ) -> None:
+        rid = request.request_id
+        if rid in self.request_states:
+            raise ValueError(f"request_id {rid!r} is already in use.")
+        params = request.sampling_params
+        assert params is not None, "the output processor handles generation requests"
+        external_id = parent.request_id if parent is not None else rid
+        if parent is not None:
+            self.parents[external_id] = parent
+        self.request_states[rid] = RequestState(
+            request_id=rid,
+            external_id=external_id,
+            index=index,
+            parent=parent,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, params.skip_special_tokens, self.byte_token_ids, self.special_ids
+            ),
+            logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            cumulative_logprob=0.0 if params.logprobs is not None else None,
+        )
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.request_states)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Forgets these requests (external ids or engine ids); returns the engine ids to abort."""
+        engine_ids = []
+        for rid in request_ids:
+            parent = self.parents.pop(rid, None)
+            ids = parent.child_ids if parent is not None else [rid]
+            for engine_id in ids:
+                if self.request_states.pop(engine_id, None) is not None:
+                    engine_ids.append(engine_id)
+        return engine_ids
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
+        result = OutputProcessorOutput()
+        by_external_id: dict[str, RequestOutput] = {}
+        for output in outputs:
+            state = self.request_states.get(output.request_id)
+            if state is None:  # aborted or finished by a stop string already
+                continue
+            stopped_here = self._update(state, output)
+            if stopped_here:
+                result.reqs_to_abort.append(state.request_id)
+            completion = self._make_completion(state)
+            if state.finished:
+                self.request_states.pop(state.request_id)
+            self._collect(state, completion, by_external_id)
+        result.request_outputs = list(by_external_id.values())
+        return result
+
+    def _update(self, state: RequestState, output: EngineCoreOutput) -> bool:
+        """Applies one step's output; returns True if a stop string finished it here."""
+        params = state.params
+        state.num_cached_tokens = output.num_cached_tokens or state.num_cached_tokens
+        if output.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
+            state.prompt_logprobs.extend(self._logprob_rows(output.new_prompt_logprobs))
+        if output.new_logprobs is not None and state.logprobs is not None:
+            rows = self._logprob_rows(output.new_logprobs)
+            state.logprobs.extend(rows)
+            _, lps, _ = output.new_logprobs.arrays()
+            state.cumulative_logprob += float(lps[:, 0].astype("float64").sum())
+        new_ids = output.new_token_ids
+        stop_token_hit = (
+            output.finish_reason == FinishReason.STOP
+            and bool(new_ids)
+            and new_ids[-1] in params.all_stop_token_ids
+            and not params.include_stop_str_in_output
+        )
+        detok = state.detokenizer
+        old_len = len(detok.output_text)
+        if params.detokenize:
+            detok.update(new_ids, skip_last=stop_token_hit)
+            if output.finished:
+                detok.flush()
+        else:
+            detok.token_ids.extend(new_ids)
+        stop = self._find_stop_string(state, old_len)
+        if stop is not None:
+            state.finish_reason, state.stop_reason = str(FinishReason.STOP), stop
+            return not output.finished
+        if output.finished:
+            state.finish_reason = str(output.finish_reason)
+            state.stop_reason = output.stop_reason
+            state.error = output.error
+        return False
+
+    def _find_stop_string(self, state: RequestState, old_len: int) -> Optional[str]:
+        """Looks for a stop string in the text new this step (and the few chars before it, for a
+        stop string spanning the boundary); truncates the text at it."""
+        params = state.params
+        detok = state.detokenizer
+        if not params.stop or len(detok.token_ids) < params.min_tokens:
+            return None
+        text = detok.output_text
+        longest = max(len(s) for s in params.stop)
+        start = max(0, old_len - longest + 1)
+        best: Optional[tuple[int, str]] = None
+        for stop in params.stop:
+            at = text.find(stop, start)
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, stop)
+        if best is None:
+            return None
+        at, stop = best
+        detok.output_text = text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
+        return stop
+
+    def _make_completion(self, state: RequestState) -> Optional[CompletionOutput]:
+        """The CompletionOutput this step shows for the request (None: nothing to show yet)."""
+        kind = state.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not state.finished:
+            return None
+        detok = state.detokenizer
+        text = detok.output_text
+        if not state.finished and state.params.stop and not state.params.include_stop_str_in_output:
+            # Hold back what could be the start of a stop string, so that none is ever shown.
+            text = text[: max(0, len(text) - (max(len(s) for s in state.params.stop) - 1))]
+        token_ids, logprobs = detok.token_ids, state.logprobs
+        if kind == RequestOutputKind.DELTA:
+            if len(token_ids) == state.sent_tokens and len(text) == state.sent_text and not state.finished:
+                return None
+            delta_text, delta_ids = text[state.sent_text:], token_ids[state.sent_tokens:]
+            delta_logprobs = logprobs[state.sent_logprobs:] if logprobs is not None else None
+            state.sent_text, state.sent_tokens = max(state.sent_text, len(text)), len(token_ids)
+            state.sent_logprobs = len(logprobs) if logprobs is not None else 0
+            text, token_ids, logprobs = delta_text, delta_ids, delta_logprobs
+        else:
+            token_ids = list(token_ids)
+            logprobs = list(logprobs) if logprobs is not None else None
+        return CompletionOutput(
+            index=state.index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=state.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=state.finish_reason,
+            stop_reason=state.stop_reason,
+        )
+
+    def _collect(
+        self, state: RequestState, completion: Optional[CompletionOutput], by_external_id: dict[str, RequestOutput]
+    ) -> None:
+        parent = state.parent
+        if parent is None:
+            if completion is not None:
+                by_external_id[state.external_id] = self._request_output(state, [completion], state.finished)
+            return
+        completions = parent.merge(state.request_id, completion)
+        if parent.finished:
+            self.parents.pop(parent.request_id, None)
+        if completions is None:
+            return
+        previous = by_external_id.get(parent.request_id)
+        if previous is not None and parent.output_kind == RequestOutputKind.DELTA:
+            completions = previous.outputs + completions
+        by_external_id[parent.request_id] = self._request_output(state, completions, parent.finished)
+        if state.error is not None:
+            by_external_id[parent.request_id].error = state.error
+
+    def _request_output(self, state: RequestState, completions: list[CompletionOutput], finished: bool) -> RequestOutput:
+        return RequestOutput(
+            request_id=state.external_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=self._take_prompt_logprobs(state),
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=state.num_cached_tokens,
+            error=state.error,
+        )
+
+    def _take_prompt_logprobs(self, state: RequestState) -> Optional[PromptLogprobs]:
+        """All prompt logprobs; with DELTA only in the first output after the prompt is done."""
+        if state.prompt_logprobs is None:
+            return None
+        if state.params.output_kind != RequestOutputKind.DELTA:
+            return state.prompt_logprobs
+        if state.sent_prompt_logprobs or len(state.prompt_logprobs) < len(state.prompt_token_ids):
+            return None
+        state.sent_prompt_logprobs = True
+        return state.prompt_logprobs
+
+    def _logprob_rows(self, logprobs: Logprobs) -> list[dict[int, Logprob]]:
+        ids, lps, ranks = logprobs.arrays()
+        rows = []
+        for r in range(logprobs.num_rows):
+            row = {int(ids[r, 0]): Logprob(float(lps[r, 0]), int(ranks[r]), self._decode_token(int(ids[r, 0])))}
+            for j in range(1, logprobs.width):
+                tid = int(ids[r, j])
+                if tid not in row:
+                    row[tid] = Logprob(float(lps[r, j]), j, self._decode_token(tid))
+            rows.append(row)
+        return rows
+
+    def _decode_token(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
+            self._token_text[token_id] = text
+        return text

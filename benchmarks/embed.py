@@ -1,0 +1,176 @@
+"""Embedding throughput: shmvllm against sentence-transformers, in the same run.
+
+    flock /tmp/shmvllm-cpu.lock python benchmarks/embed.py --json embed.json --plot embed.png
+
+10,000 deterministic generated sentences of 8-63 tokens (35 on average, [CLS] and [SEP]
+included) for all-MiniLM-L6-v2. Both engines are timed end to end from text (tokenization
+included) to float32 vectors, after a warm-up. sentence-transformers runs `encode` at its best
+batch size (32; it sorts by length and pads per batch). shmvllm packs the tokens of several
+sentences into one padding-free step per `--max-num-batched-tokens`.
+
+Until `LLM.embed` exists, the shmvllm row drives the PoolingModelRunner with the model's
+tokenizer directly and is labelled `shmvllm-runner`; `embed_with_llm` is the path to switch to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Callable
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+MODEL = "all-minilm-l6-v2"
+MIN_TOKENS, MAX_TOKENS = 8, 63
+
+
+def make_sentences(n: int, vocab: dict[str, int], seed: int = 0) -> list[str]:
+    """Sentences of whole-word vocabulary entries ending in '.', each target-many tokens long
+    (uniform in [MIN_TOKENS, MAX_TOKENS], counting [CLS], the period and [SEP])."""
+    words = sorted(w for w in vocab if w.isascii() and w.isalpha() and len(w) >= 3)
+    rng = random.Random(seed)
+    sentences = []
+    for _ in range(n):
+        num_words = rng.randint(MIN_TOKENS, MAX_TOKENS) - 3
+        text = " ".join(rng.choice(words) for _ in range(num_words))
+        sentences.append(text[0].upper() + text[1:] + ".")
+    return sentences
+
+
+def embed_with_sentence_transformers(model_dir: Path, batch_size: int) -> Callable[[list[str]], np.ndarray]:
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(model_dir), device="cpu")
+    return lambda texts: model.encode(texts, batch_size=batch_size, convert_to_numpy=True)
+
+
+def embed_with_runner(model_dir: Path, max_num_batched_tokens: int) -> Callable[[list[str]], np.ndarray]:
+    """Tokenizer + PoolingModelRunner, steps packed greedily up to the token budget (what the
+    scheduler will do for whole pooling prompts)."""
+    from transformers import AutoTokenizer
+
+    from shmvllm.config import EngineArgs
+    from shmvllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from shmvllm.pooling_params import PoolingParams
+    from shmvllm.worker.pooling_runner import PoolingModelRunner
+
+    model_config = EngineArgs(model=str(model_dir), task="embed").create_engine_config().model_config
+    runner = PoolingModelRunner(model_config)
+    runner.load_model()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    params = PoolingParams()
+
+    def run_step(reqs: list[NewRequestData]) -> dict[str, np.ndarray]:
+        num_tokens = {r.req_id: len(r.prompt_token_ids) for r in reqs}
+        step = SchedulerOutput(reqs, CachedRequestData(), num_tokens, sum(num_tokens.values()))
+        return runner.execute_model(step).pooler_output
+
+    def embed(texts: list[str]) -> np.ndarray:
+        encoded = tokenizer(texts, truncation=True, max_length=model_config.max_model_len)["input_ids"]
+        outputs: dict[str, np.ndarray] = {}
+        step: list[NewRequestData] = []
+        budget = max_num_batched_tokens
+        for i, ids in enumerate(encoded):
+            if step and len(ids) > budget:
+                outputs.update(run_step(step))
+                step, budget = [], max_num_batched_tokens
+            step.append(NewRequestData(str(i), ids, [], None, params, [], 0))
+            budget -= len(ids)
+        if step:
+            outputs.update(run_step(step))
+        return np.stack([outputs[str(i)] for i in range(len(texts))])
+
+    return embed
+
+
+def embed_with_llm(model_dir: Path) -> Callable[[list[str]], np.ndarray]:
+    """The path once `LLM.embed` exists (the engine row is then labelled `shmvllm`)."""
+    from shmvllm.entrypoints.llm import LLM
+
+    llm = LLM(model=str(model_dir), task="embed")
+    return lambda texts: np.stack([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+
+
+def timed(embed: Callable[[list[str]], np.ndarray], texts: list[str]) -> tuple[float, np.ndarray]:
+    embed(texts[:64])  # warm-up
+    started = time.perf_counter()
+    vectors = embed(texts)
+    return time.perf_counter() - started, vectors
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    names = [r["engine"] for r in rows]
+    rates = [r["sentences_per_s"] for r in rows]
+    bars = ax.barh(names, rates, color=["#4c72b0" if n.startswith("shmvllm") else "#999999" for n in names])
+    ax.bar_label(bars, fmt="%.1f")
+    ax.set_xlabel("sentences / s (higher is better)")
+    ax.set_title(f"all-MiniLM-L6-v2, {rows[0]['sentences']} sentences of {MIN_TOKENS}-{MAX_TOKENS} tokens, CPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sentences", type=int, default=10_000)
+    parser.add_argument("--quick", action="store_true", help="2,000 sentences")
+    parser.add_argument("--st-batch-size", type=int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--engine", choices=["runner", "llm"], default="runner")
+    parser.add_argument("--json", help="write the result rows to this JSON file")
+    parser.add_argument("--plot", help="draw the rows into this PNG file")
+    args = parser.parse_args()
+    n = 2_000 if args.quick else args.sentences
+
+    from transformers import AutoTokenizer
+
+    from shmvllm.model.registry import resolve_model_dir
+
+    model_dir = resolve_model_dir(MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    texts = make_sentences(n, tokenizer.get_vocab())
+    lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]]
+    print(f"{n} sentences, {min(lengths)}-{max(lengths)} tokens, {np.mean(lengths):.1f} on average; "
+          f"torch threads {torch.get_num_threads()}")
+
+    if args.engine == "llm":
+        ours_name, ours = "shmvllm", embed_with_llm(model_dir)
+    else:
+        ours_name, ours = "shmvllm-runner", embed_with_runner(model_dir, args.max_num_batched_tokens)
+    engines = [
+        (f"sentence-transformers (batch {args.st_batch_size})", embed_with_sentence_transformers(model_dir, args.st_batch_size)),
+        (ours_name, ours),
+    ]
+    rows, results = [], []
+    for name, embed in engines:
+        wall, vectors = timed(embed, texts)
+        results.append(vectors)
+        rows.append({"engine": name, "sentences": n, "wall_s": round(wall, 3), "sentences_per_s": round(n / wall, 1)})
+        print(f"{name:>34}: {wall:7.2f} s  {n / wall:7.1f} sentences/s", flush=True)
+    cosine = np.sum(results[0] * results[1], axis=1) / (
+        np.linalg.norm(results[0], axis=1) * np.linalg.norm(results[1], axis=1)
+    )
+    print(f"ratio {ours_name} / sentence-transformers: {rows[1]['sentences_per_s'] / rows[0]['sentences_per_s']:.3f}x"
+          f"  (min cosine between them {cosine.min():.6f})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    if args.plot:
+        plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()

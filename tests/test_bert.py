@@ -1,0 +1,104 @@
+"""The native packed BERT encoder against transformers' BertModel (padded, with attention mask)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
+from transformers import BertModel as HFBertModel
+
+from shmvllm.model.bert import BertModel, load_bert_model
+
+LENGTHS = [1, 5, 17, 2, 33, 9]
+
+
+@pytest.fixture(scope="module")
+def hf_config(tiny_bert_dir):
+    return AutoConfig.from_pretrained(tiny_bert_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_bert_dir):
+    return HFBertModel.from_pretrained(tiny_bert_dir, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def ours(tiny_bert_dir, hf_config):
+    return load_bert_model(tiny_bert_dir, hf_config, torch.float32, torch.device("cpu"))
+
+
+def _batch(seed: int = 0, with_token_types: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(1000, 30000, (n,), generator=g) for n in LENGTHS]
+    types = [torch.randint(0, 2, (n,), generator=g) if with_token_types else torch.zeros(n, dtype=torch.long) for n in LENGTHS]
+    return seqs, types
+
+
+def _hf_hidden(hf_model, seqs, types) -> list[torch.Tensor]:
+    """Per-sequence last hidden states from the padded HF batch."""
+    longest = max(LENGTHS)
+    ids = torch.zeros(len(seqs), longest, dtype=torch.long)
+    tt = torch.zeros_like(ids)
+    mask = torch.zeros_like(ids)
+    for i, (s, t) in enumerate(zip(seqs, types)):
+        ids[i, : len(s)], tt[i, : len(s)], mask[i, : len(s)] = s, t, 1
+    with torch.no_grad():
+        out = hf_model(input_ids=ids, token_type_ids=tt, attention_mask=mask).last_hidden_state
+    return [out[i, :n] for i, n in enumerate(LENGTHS)]
+
+
+def _our_hidden(model, seqs, types, pass_types: bool) -> list[torch.Tensor]:
+    cu = [0]
+    for s in seqs:
+        cu.append(cu[-1] + len(s))
+    positions = torch.cat([torch.arange(len(s)) for s in seqs])
+    with torch.inference_mode():
+        out = model(torch.cat(seqs), positions, cu, torch.cat(types) if pass_types else None)
+    assert out.shape == (cu[-1], model.hidden_size)
+    return [out[a:b] for a, b in zip(cu[:-1], cu[1:])]
+
+
+def test_packed_hidden_states_match_transformers(hf_model, ours):
+    seqs, types = _batch()
+    for ref, got in zip(_hf_hidden(hf_model, seqs, types), _our_hidden(ours, seqs, types, pass_types=False)):
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_token_type_ids_match_transformers(hf_model, ours):
+    seqs, types = _batch(seed=1, with_token_types=True)
+    for ref, got in zip(_hf_hidden(hf_model, seqs, types), _our_hidden(ours, seqs, types, pass_types=True)):
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_sequences_do_not_see_each_other(ours):
+    """A sequence's states are the same alone and packed between others."""
+    seqs, types = _batch(seed=2)
+    packed = _our_hidden(ours, seqs, types, pass_types=False)
+    for i in (0, 3, 5):
+        alone = _our_hidden(ours, [seqs[i]], [types[i]], pass_types=False)[0]
+        torch.testing.assert_close(packed[i], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_loads_prefixed_checkpoint_with_heads(tiny_bert_dir, hf_config, ours, tmp_path):
+    """`BertFor*` checkpoints carry `bert.` names plus head weights: the encoder loads the same."""
+    weights = load_file(tiny_bert_dir / "model.safetensors")
+    prefixed = {f"bert.{k}": v.contiguous() for k, v in weights.items()}
+    prefixed["cls.predictions.bias"] = torch.zeros(hf_config.vocab_size)
+    save_file(prefixed, tmp_path / "model.safetensors")
+    other = load_bert_model(tmp_path, hf_config, torch.float32, torch.device("cpu"))
+    for (name, a), (_, b) in zip(ours.state_dict().items(), other.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_unknown_weight_is_an_error(tiny_bert_dir, hf_config):
+    weights = load_file(tiny_bert_dir / "model.safetensors")
+    weights["encoder.layer.0.attention.self.rotary.weight"] = torch.zeros(3)
+    model = BertModel(hf_config)
+    with pytest.raises(ValueError, match="rotary"):
+        model.load_weights(weights)
+
+
+def test_missing_weights_dir_is_an_error(tmp_path, hf_config):
+    with pytest.raises(ValueError, match="safetensors"):
+        load_bert_model(tmp_path, hf_config, torch.float32, torch.device("cpu"))

@@ -1,0 +1,205 @@
+"""Poolers and the PoolingModelRunner against sentence-transformers and transformers."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+from shmvllm.config import EngineArgs
+from shmvllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from shmvllm.model.pooler import PoolerConfig, PoolingType, finalize, load_pooler_config, pool
+from shmvllm.pooling_params import PoolingParams
+from shmvllm.worker.pooling_runner import PoolingModelRunner
+
+
+def _runner(model_dir) -> PoolingModelRunner:
+    model_config = EngineArgs(model=str(model_dir), task="embed").create_engine_config().model_config
+    runner = PoolingModelRunner(model_config)
+    runner.load_model()
+    return runner
+
+
+def _step(prompts: list[list[int]], params=None, computed: int = 0, scheduled=None) -> SchedulerOutput:
+    reqs = [
+        NewRequestData(f"r{i}", p, [], None, params or PoolingParams(), [], computed) for i, p in enumerate(prompts)
+    ]
+    num = {r.req_id: len(r.prompt_token_ids) if scheduled is None else scheduled for r in reqs}
+    return SchedulerOutput(reqs, CachedRequestData(), num, sum(num.values()))
+
+
+def _embed(runner, prompts, params=None) -> np.ndarray:
+    out = runner.execute_model(_step(prompts, params))
+    assert out.req_ids == [f"r{i}" for i in range(len(prompts))]
+    assert out.sampled_token_ids == [[] for _ in prompts]
+    vectors = [out.pooler_output[f"r{i}"] for i in range(len(prompts))]
+    assert all(v.dtype == np.float32 and v.ndim == 1 for v in vectors)
+    return np.stack(vectors)
+
+
+def _sentences() -> list[str]:
+    """100 texts: short and medium English, non-ASCII scripts, long ones (> 256 tokens), empty."""
+    rng = random.Random(0)
+    words = "the of cat river quantum engine memory ring shared token throughput latency paris".split()
+    foreign = ["Grüße aus Köln, schöne Straße", "naïve café déjà vu", "Привет, как дела?", "東京は日本の首都です",
+               "مرحبا بالعالم", "emoji 🙂🚀 and ümlauts", "Ελληνικά γράμματα", "한국어 문장입니다"]
+    texts = ["", " ", "Hello.", "A"]
+    texts += [rng.choice(foreign) + " " + " ".join(rng.choices(words, k=rng.randint(0, 20))) for _ in range(30)]
+    texts += [" ".join(rng.choices(words, k=rng.randint(300, 600))) for _ in range(8)]
+    while len(texts) < 100:
+        texts.append(" ".join(rng.choices(words, k=rng.randint(1, 60))).capitalize() + ".")
+    return texts
+
+
+@pytest.fixture(scope="module")
+def minilm_runner(minilm_dir):
+    return _runner(minilm_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny_runner(tiny_bert_dir):
+    return _runner(tiny_bert_dir)
+
+
+def test_minilm_matches_sentence_transformers(minilm_dir, minilm_runner):
+    from sentence_transformers import SentenceTransformer
+
+    reference = SentenceTransformer(str(minilm_dir), device="cpu")
+    texts = _sentences()
+    expected = reference.encode(texts, batch_size=32, convert_to_numpy=True)
+    encoded = reference.tokenizer(texts, truncation=True, max_length=reference.max_seq_length)["input_ids"]
+    assert max(len(ids) for ids in encoded) == 256  # the long ones are truncated
+    assert encoded[0] == [reference.tokenizer.cls_token_id, reference.tokenizer.sep_token_id]  # empty text
+    got = _embed(minilm_runner, encoded)
+    cosine = (got * expected).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1))
+    assert cosine.min() >= 0.9999, (cosine.argmin(), cosine.min())
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+
+def test_tiny_bert_matches_transformers_mean_pooling(tiny_bert_dir, tiny_runner):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_bert_dir)
+    texts = _sentences()[:40]
+    batch = tokenizer(texts, truncation=True, max_length=256, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = AutoModel.from_pretrained(tiny_bert_dir).eval()(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).float()
+    expected = F.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1).numpy()
+    got = _embed(tiny_runner, tokenizer(texts, truncation=True, max_length=256)["input_ids"])
+    np.testing.assert_allclose(got, expected, atol=2e-5)
+
+
+def test_dimensions_truncate_then_renormalize(tiny_runner):
+    prompts = [[101, 2023, 2003, 102], [101, 7592, 102]]
+    full = _embed(tiny_runner, prompts, PoolingParams(normalize=False))
+    cut = _embed(tiny_runner, prompts, PoolingParams(dimensions=16))
+    raw_cut = _embed(tiny_runner, prompts, PoolingParams(dimensions=16, normalize=False))
+    expected = full[:, :16] / np.linalg.norm(full[:, :16], axis=1, keepdims=True)
+    np.testing.assert_allclose(cut, expected, atol=1e-6)
+    np.testing.assert_allclose(raw_cut, full[:, :16], atol=1e-6)
+
+
+def test_step_with_mixed_params(tiny_runner):
+    prompts = [[101, 2023, 102], [101, 2023, 102]]
+    step = _step(prompts)
+    step.scheduled_new_reqs[1].pooling_params = PoolingParams(dimensions=8)
+    out = tiny_runner.execute_model(step).pooler_output
+    assert out["r0"].shape == (64,) and out["r1"].shape == (8,)
+    np.testing.assert_allclose(out["r1"], out["r0"][:8] / np.linalg.norm(out["r0"][:8]), atol=1e-6)
+
+
+def test_empty_step(tiny_runner):
+    out = tiny_runner.execute_model(_step([]))
+    assert out.req_ids == [] and out.pooler_output == {}
+
+
+@pytest.mark.parametrize(
+    "step, field",
+    [
+        (_step([[101, 102, 103]], scheduled=2), "num_scheduled_tokens"),
+        (_step([[101, 102, 103]], computed=1), "num_computed_tokens"),
+        (_step([[101] * 300]), "max_model_len"),
+        (_step([[101, 102]], PoolingParams(dimensions=65)), "dimensions"),
+        (_step([[]]), "prompt_token_ids"),
+    ],
+)
+def test_invalid_steps_name_the_field(tiny_runner, step, field):
+    with pytest.raises(ValueError, match=field):
+        tiny_runner.execute_model(step)
+
+
+def test_cached_requests_are_refused(tiny_runner):
+    step = _step([])
+    step.scheduled_cached_reqs = CachedRequestData(req_ids=["r9"], new_block_ids=[[]], num_computed_tokens=[3])
+    with pytest.raises(ValueError, match="whole"):
+        tiny_runner.execute_model(step)
+
+
+def test_pool_modes_on_packed_states():
+    hidden = torch.arange(12, dtype=torch.float32).view(6, 2)
+    cu = torch.tensor([0, 1, 4, 6])
+    torch.testing.assert_close(pool(hidden, cu, PoolingType.CLS), hidden[[0, 1, 4]])
+    torch.testing.assert_close(pool(hidden, cu, PoolingType.LAST), hidden[[0, 3, 5]])
+    expected = torch.stack([hidden[0:1].mean(0), hidden[1:4].mean(0), hidden[4:6].mean(0)])
+    torch.testing.assert_close(pool(hidden, cu, PoolingType.MEAN), expected)
+
+
+def test_finalize_defaults():
+    pooled = torch.tensor([[3.0, 4.0], [0.0, 2.0]])
+    normalized = finalize(pooled, [None, PoolingParams()], default_normalize=True)
+    torch.testing.assert_close(torch.stack(normalized), torch.tensor([[0.6, 0.8], [0.0, 1.0]]))
+    raw = finalize(pooled, [None, None], default_normalize=False)
+    torch.testing.assert_close(torch.stack(raw), pooled)
+    with pytest.raises(ValueError, match="params"):
+        finalize(pooled, [None], default_normalize=True)
+
+
+def test_pooler_config_from_sentence_transformers(minilm_dir):
+    config = load_pooler_config(minilm_dir, AutoConfig.from_pretrained(minilm_dir))
+    assert config == PoolerConfig(PoolingType.MEAN, normalize=True)
+
+
+def _st_dir(tmp_path, pooling: dict, normalize: bool):
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "pooling, normalize, expected",
+    [
+        ({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}, False, PoolingType.CLS),
+        ({"pooling_mode_lasttoken": True}, True, PoolingType.LAST),
+        ({"pooling_mode": "lasttoken"}, True, PoolingType.LAST),
+        ({"pooling_mode": "mean"}, False, PoolingType.MEAN),
+    ],
+)
+def test_pooler_config_modes(tmp_path, pooling, normalize, expected):
+    config = load_pooler_config(_st_dir(tmp_path, pooling, normalize), None)
+    assert config == PoolerConfig(expected, normalize=normalize)
+
+
+@pytest.mark.parametrize("pooling", [{"pooling_mode_max_tokens": True}, {"pooling_mode": "max"}, {}])
+def test_unsupported_pooling_is_an_error(tmp_path, pooling):
+    with pytest.raises(ValueError, match="pooling"):
+        load_pooler_config(_st_dir(tmp_path, pooling, True), None)
+
+
+def test_default_pooler_config_without_sentence_transformers_files(tmp_path, tiny_bert_dir):
+    from transformers import LlamaConfig
+
+    bert = AutoConfig.from_pretrained(tiny_bert_dir)
+    assert load_pooler_config(tmp_path, bert) == PoolerConfig(PoolingType.CLS, normalize=True)
+    llama = LlamaConfig(architectures=["LlamaForCausalLM"])
+    assert load_pooler_config(tmp_path, llama) == PoolerConfig(PoolingType.LAST, normalize=True)

@@ -1,0 +1,171 @@
+"""EngineCore: the scheduler, the KV cache and the executor, stepped in one process.
+
+`step()` = `Scheduler.schedule()` -> `executor.execute_model()` -> `update_from_output()`.
+A request the engine cannot serve never raises out of `add_request`: it finishes with
+finish_reason ERROR (and an `error` text) in the next step's outputs, so one bad request
+cannot stop an engine that others share.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional
+
+from shmvllm.config import EngineConfig
+from shmvllm.core.request import Request, RequestStatus
+from shmvllm.core.sched.output import EMPTY_MODEL_RUNNER_OUTPUT
+from shmvllm.core.sched.scheduler import Scheduler
+from shmvllm.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+    now,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _default_executor_class() -> type:
+    from shmvllm.executor.uniproc import UniProcExecutor
+
+    return UniProcExecutor
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor_class: Optional[type] = None) -> None:
+        started = time.perf_counter()
+        self.config = config
+        self.model_config = config.model_config
+        self.executor = (executor_class or _default_executor_class())(config)
+        loaded = time.perf_counter()
+        self.num_kv_blocks = int(self.executor.determine_num_kv_blocks())
+        self.executor.initialize_kv_cache(self.num_kv_blocks)
+        self.block_size = config.cache_config.block_size
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_kv_blocks)
+        self._rejected: list[EngineCoreOutput] = []
+        self._totals = {"num_steps": 0, "num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+        self._last_stats = SchedulerStats()
+        logger.info(
+            "EngineCore ready: model loaded in %.2f s, KV cache %d blocks x %d tokens = %d tokens "
+            "(%.1f MiB, %.2fx max concurrency at max_model_len=%d), set up in %.2f s",
+            loaded - started, self.num_kv_blocks, self.block_size, self.num_kv_blocks * self.block_size,
+            self._kv_cache_bytes() / 2**20, self.max_concurrency, self.scheduler.max_model_len,
+            time.perf_counter() - loaded,
+        )
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many requests of max_model_len tokens the KV cache holds at once."""
+        return self.num_kv_blocks * self.block_size / self.scheduler.max_model_len
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        try:
+            engine_request = Request.from_engine_core_request(request)
+            error = self._validate(engine_request)
+        except Exception as exc:  # a malformed message: still only this request's failure
+            error = f"invalid request: {exc!r}"
+        if error is not None:
+            logger.warning("request %r rejected: %s", request.request_id, error)
+            self._rejected.append(
+                EngineCoreOutput(request_id=request.request_id, finish_reason=FinishReason.ERROR, error=error)
+            )
+            return
+        self.scheduler.add_request(engine_request)
+
+    def _validate(self, request: Request) -> Optional[str]:
+        """Why this engine cannot serve the request, or None."""
+        req_id = request.request_id
+        if req_id in self.scheduler.requests or any(o.request_id == req_id for o in self._rejected):
+            return f"request_id {req_id!r} is already in use"
+        if (request.sampling_params is None) == (request.pooling_params is None):
+            return "a request needs exactly one of sampling_params and pooling_params"
+        if request.is_pooling != self.model_config.is_embedding:
+            kind = "pooling" if request.is_pooling else "generation"
+            return f"this engine serves task {self.model_config.task!r} and cannot serve a {kind} request"
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            return "the prompt is empty"
+        max_len = self.scheduler.max_model_len
+        if num_prompt > max_len:
+            return f"the prompt has {num_prompt} tokens, more than max_model_len={max_len}"
+        low, high = min(request.prompt_token_ids), max(request.prompt_token_ids)
+        if low < 0 or high >= self.model_config.vocab_size:
+            bad = low if low < 0 else high
+            return f"prompt token id {bad} is outside the vocabulary [0, {self.model_config.vocab_size})"
+        budget = self.config.scheduler_config.max_num_batched_tokens
+        if request.is_pooling and num_prompt > budget:
+            return f"the prompt has {num_prompt} tokens, more than max_num_batched_tokens={budget} for pooling"
+        return None
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        ids = set(request_ids)
+        self._rejected = [o for o in self._rejected if o.request_id not in ids]
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._rejected) or self.scheduler.has_unfinished_requests()
+
+    # ---- stepping ------------------------------------------------------------------------
+
+    def step(self) -> EngineCoreOutputs:
+        """One engine iteration; empty outputs when there is nothing to do."""
+        rejected, self._rejected = self._rejected, []
+        if not self.scheduler.has_unfinished_requests():
+            return EngineCoreOutputs(outputs=rejected, timestamp=now()) if rejected else EngineCoreOutputs()
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens > 0:
+            runner_output = self.executor.execute_model(scheduler_output)
+        else:
+            runner_output = EMPTY_MODEL_RUNNER_OUTPUT
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if rejected:
+            outputs.outputs = rejected + outputs.outputs
+        self._record(outputs.scheduler_stats)
+        return outputs
+
+    def _record(self, stats: Optional[SchedulerStats]) -> None:
+        if stats is None:
+            return
+        self._last_stats = stats
+        totals = self._totals
+        totals["num_steps"] += 1
+        totals["num_preemptions"] += stats.num_preemptions
+        totals["prefix_cache_queries"] += stats.prefix_cache_queries
+        totals["prefix_cache_hits"] += stats.prefix_cache_hits
+
+    # ---- utilities -----------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets all cached prefixes; False (nothing done) while requests hold blocks."""
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def get_stats(self) -> dict[str, Any]:
+        """Sizes, the current state, and totals since the engine started."""
+        kv = self.scheduler.kv_cache_manager
+        return {
+            "num_kv_blocks": self.num_kv_blocks,
+            "block_size": self.block_size,
+            "num_free_blocks": kv.get_num_free_blocks(),
+            "kv_cache_usage": kv.usage,
+            "num_running_reqs": len(self.scheduler.running),
+            "num_waiting_reqs": len(self.scheduler.waiting),
+            **self._totals,
+        }
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    def _kv_cache_bytes(self) -> int:
+        """The KV cache's size from the model's shape (for the log line)."""
+        hf = self.model_config.hf_config
+        heads = getattr(hf, "num_attention_heads", 0) or 0
+        head_dim = getattr(hf, "head_dim", None) or (self.model_config.hidden_size // heads if heads else 0)
+        kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+        layers = getattr(hf, "num_hidden_layers", 0) or 0
+        element = 4 if self.model_config.dtype == "float32" else 2
+        return 2 * layers * kv_heads * head_dim * element * self.block_size * self.num_kv_blocks

@@ -212,6 +212,13 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_qwen2_dir):
     batched = run(engine, others[:2] + [make_request(prompt, params, "batched")] + others[2:])
     assert tokens_of(batched["batched"]) == alone
     assert len(set(alone)) > 1  # really sampled, not a constant
+    # And when preemption makes it recompute part of its sequence.
+    small = make_engine(tiny_qwen2_dir, num_kv_blocks=12, block_size=4)
+    requests = [make_request(p, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))
+                for p in random_prompts([20, 25, 18], seed=7)]
+    preempted = run(small, requests + [make_request(prompt, params, "preempted")])
+    assert small.get_stats()["num_preemptions"] > 0
+    assert tokens_of(preempted["preempted"]) == alone
 
 
 # ---- aborts and errors -----------------------------------------------------------------------

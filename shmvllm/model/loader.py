@@ -57,7 +57,7 @@ def get_model(model_config: ModelConfig) -> nn.Module:
     with torch.device("meta"):
         model = builder(hf_config, max_position)
     model = _materialize(model, device, dtype)
-    load_weights(model, Path(model_config.model_dir), dtype)
+    load_weights(model, Path(model_config.model_dir))
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(
@@ -98,19 +98,20 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: nn.Module, model_dir: Path, dtype: torch.dtype) -> None:
+def load_weights(model: nn.Module, model_dir: Path) -> None:
     """Copies every checkpoint tensor into its parameter (fused shards into their slices)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
+    unexpected: list[str] = []
     shard_for = getattr(model, "shard_for", lambda name: None)
     for path in _weight_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if "rotary_emb.inv_freq" in name:
                     continue
-                tensor = f.get_tensor(name)
                 shard = shard_for(name)
-                if shard is not None:
+                tensor = f.get_tensor(name)
+                if shard is not None and shard[0] in params:
                     target, offset, rows = shard
                     _check_shape(name, tensor, (rows, *params[target].shape[1:]))
                     params[target].data[offset : offset + rows].copy_(tensor)
@@ -120,6 +121,10 @@ def load_weights(model: nn.Module, model_dir: Path, dtype: torch.dtype) -> None:
                     _check_shape(name, tensor, tuple(params[name].shape))
                     params[name].data.copy_(tensor)
                     loaded.add(name)
+                else:
+                    unexpected.append(name)
+    if unexpected:
+        raise ValueError(f"checkpoint tensors {unexpected[:8]} have no place in {type(model).__name__}.")
     _check_complete(model, params, loaded)
 
 

@@ -198,3 +198,18 @@ def test_progress_bar_shows_output_speed(llm, capsys):
 def test_unknown_engine_argument(tiny_llama_dir):
     with pytest.raises(TypeError, match="max_modle_len"):
         LLM(model=str(tiny_llama_dir), multiprocess=False, max_modle_len=10)
+
+
+def test_logprobs_end_to_end(llm, tokenizer):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    out = llm.generate("Logprobs for this prompt", params, use_tqdm=False)[0]
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == len(completion.token_ids) == 6
+    for token_id, position in zip(completion.token_ids, completion.logprobs):
+        assert position[token_id].rank == 1  # greedy picks the most likely token
+        assert len(position) == 3 and position[token_id].decoded_token == tokenizer.decode([token_id])
+    chosen = sum(p[t].logprob for t, p in zip(completion.token_ids, completion.logprobs))
+    assert completion.cumulative_logprob == pytest.approx(chosen, abs=1e-4)
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids) and out.prompt_logprobs[0] is None
+    for token_id, position in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        assert token_id in position and 2 <= len(position) <= 3

@@ -246,3 +246,20 @@ def test_logprobs_become_dicts_with_ranks(tokenizer, input_processor):
     assert first[28].decoded_token == tokenizer.decode([28])
     assert set(second) == {30, 31} and second[30].rank == 2 and second[31].rank == 1
     assert out.prompt_logprobs[0] is None and out.prompt_logprobs[1][905].logprob == pytest.approx(-3.0)
+
+
+def test_child_error_reaches_the_parent_output(tokenizer, input_processor):
+    import msgspec
+
+    processor = OutputProcessor(tokenizer)
+    request, text, ids = input_processor.process_inputs("p", "Hi", SamplingParams(n=2))
+    parent = ParentRequest("p", request.sampling_params)
+    for i, child_id in enumerate(parent.child_ids):
+        child = msgspec.structs.replace(request, request_id=child_id, sampling_params=parent.child_params(i))
+        processor.add_request(child, text, ids, parent=parent, index=i)
+    processor.process_outputs([EngineCoreOutput(request_id="0_p", finish_reason=FinishReason.ERROR, error="bad child")])
+    final = processor.process_outputs(
+        [EngineCoreOutput(request_id="1_p", new_token_ids=[28], finish_reason=FinishReason.LENGTH)]
+    ).request_outputs[0]
+    assert final.finished and final.error == "bad child"
+    assert [c.finish_reason for c in final.outputs] == ["error", "length"]

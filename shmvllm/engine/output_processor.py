@@ -29,6 +29,7 @@ class ParentRequest:
         self.child_ids = [self.child_request_id(i) for i in range(params.n)]
         self.unfinished = set(self.child_ids)
         self.latest: dict[int, CompletionOutput] = {}
+        self.error: Optional[str] = None  # the first child's engine error, if any
 
     def child_request_id(self, index: int) -> str:
         return f"{index}_{self.request_id}"
@@ -261,9 +262,10 @@ class OutputProcessor:
         parent = state.parent
         if parent is None:
             if completion is not None:
-                by_external_id[state.external_id] = self._request_output(state, [completion], state.finished)
+                by_external_id[state.external_id] = self._request_output(state, [completion], state.finished, state.error)
             return
         completions = parent.merge(state.request_id, completion)
+        parent.error = parent.error or state.error
         if parent.finished:
             self.parents.pop(parent.request_id, None)
         if completions is None:
@@ -271,11 +273,11 @@ class OutputProcessor:
         previous = by_external_id.get(parent.request_id)
         if previous is not None and parent.output_kind == RequestOutputKind.DELTA:
             completions = previous.outputs + completions
-        by_external_id[parent.request_id] = self._request_output(state, completions, parent.finished)
-        if state.error is not None:
-            by_external_id[parent.request_id].error = state.error
+        by_external_id[parent.request_id] = self._request_output(state, completions, parent.finished, parent.error)
 
-    def _request_output(self, state: RequestState, completions: list[CompletionOutput], finished: bool) -> RequestOutput:
+    def _request_output(
+        self, state: RequestState, completions: list[CompletionOutput], finished: bool, error: Optional[str]
+    ) -> RequestOutput:
         return RequestOutput(
             request_id=state.external_id,
             prompt=state.prompt,
@@ -284,7 +286,7 @@ class OutputProcessor:
             outputs=completions,
             finished=finished,
             num_cached_tokens=state.num_cached_tokens,
-            error=state.error,
+            error=error,
         )
 
     def _take_prompt_logprobs(self, state: RequestState) -> Optional[PromptLogprobs]:

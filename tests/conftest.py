@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -12,21 +13,38 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 SHM_DIR = Path("/dev/shm")
-OUR_SHM_PREFIXES = ("ipcring-", "shmvllm")
+_RING_NAME = re.compile(r"^(?:sem\.)?(?:ipcring|shmvllm)-(\d+)-")
 
 
-def our_shm_entries() -> set[str]:
-    if not SHM_DIR.exists():
-        return set()
-    return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(OUR_SHM_PREFIXES) or p.name.startswith("sem.ipcring-")}
+def leaked_shm_entries() -> set[str]:
+    """Our segments in /dev/shm created by this process or by a process that is gone.
+
+    Segments of other live processes (another test run on the same machine) are theirs.
+    """
+    leaked = set()
+    for entry in SHM_DIR.iterdir() if SHM_DIR.exists() else ():
+        match = _RING_NAME.match(entry.name)
+        if match and (int(match.group(1)) == os.getpid() or not _pid_alive(int(match.group(1)))):
+            leaked.add(entry.name)
+    return leaked
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @pytest.fixture(scope="session", autouse=True)
 def no_shm_left_behind():
     """After the whole suite, nothing of ours may stay in /dev/shm."""
-    before = our_shm_entries()
+    before = leaked_shm_entries()
     yield
-    left = our_shm_entries() - before
+    left = leaked_shm_entries() - before
     assert not left, f"shared memory left in /dev/shm after the tests: {sorted(left)}"
 
 

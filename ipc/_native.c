@@ -1,0 +1,253 @@
+/* The ring's hot path and its memory ordering, with the compiler's C11 atomics.
+ *
+ * Built at first import by ipc/_native.py (cc -O2 -shared -fPIC) and called through ctypes.
+ * Every function takes the base address of the mapped segment; the layout constants must
+ * match ipc/ring.py. Ordering (see ring.py for the full argument):
+ *   - the producer writes payload + record header, then store-releases `tail`;
+ *   - the consumer load-acquires `tail`, reads the record, then store-releases `head`;
+ *   - a side that goes to sleep stores its "sleeping" flag, runs a seq_cst fence, and re-reads
+ *     the peer's counter; a side that publishes stores its counter, runs a seq_cst fence, and
+ *     reads the flag (Dekker), so at least one of them sees the other: no lost wake-up.
+ * __atomic_* builtins are the primitives C11 <stdatomic.h> is built on (gcc and clang); they
+ * work on plain shared memory, which _Atomic-qualified objects would not let us name.
+ */
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#define OFF_CAPACITY 16
+#define OFF_MAX_RECORD 24
+#define OFF_TAIL 64
+#define OFF_P_HEAD_CACHE 72
+#define OFF_P_PENDING 80
+#define OFF_P_RECORD_POS 88
+#define OFF_HEAD 128
+#define OFF_C_TAIL_CACHE 136
+#define OFF_C_PENDING 144
+#define OFF_C_SLEEPING 192
+#define OFF_P_SLEEPING 256
+#define DATA 4096
+
+#define KIND_MSG 1
+#define KIND_FIRST 2
+#define KIND_MIDDLE 3
+#define KIND_LAST 4
+#define KIND_ABORT 5
+#define KIND_PAD 6
+#define RECORD_MAGIC 0x5A1Fu
+
+#define EMPTY (-1)
+#define BAD_COUNTERS (-2)
+#define BAD_MAGIC (-3)
+#define BAD_KIND (-4)
+#define BAD_LENGTH (-5)
+#define TRUNCATED (-6)
+#define BAD_PAD (-7)
+#define FULL (-1)
+#define TOO_BIG (-8)
+
+#define U64(b, off) (*(uint64_t *)((b) + (off)))
+#define LOAD_ACQ(b, off) __atomic_load_n((uint64_t *)((b) + (off)), __ATOMIC_ACQUIRE)
+#define LOAD_RLX(b, off) __atomic_load_n((uint64_t *)((b) + (off)), __ATOMIC_RELAXED)
+#define STORE_REL(b, off, v) __atomic_store_n((uint64_t *)((b) + (off)), (v), __ATOMIC_RELEASE)
+#define STORE_RLX(b, off, v) __atomic_store_n((uint64_t *)((b) + (off)), (v), __ATOMIC_RELAXED)
+#define FENCE() __atomic_thread_fence(__ATOMIC_SEQ_CST)
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__) || defined(__arm__)
+    __asm__ __volatile__("yield" ::: "memory");
+#endif
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static inline uint64_t align8(uint64_t n) { return (n + 7) & ~(uint64_t)7; }
+
+static inline void write_header(uint8_t *b, uint64_t pos, uint32_t len, uint16_t kind) {
+    uint8_t *h = b + DATA + pos;
+    uint16_t magic = RECORD_MAGIC;
+    memcpy(h, &len, 4);
+    memcpy(h + 4, &kind, 2);
+    memcpy(h + 6, &magic, 2);
+}
+
+/* Wakes the side sleeping on `flag_off` if it announced it sleeps; 1 = post its semaphore. */
+static inline int take_sleeper(uint8_t *b, int flag_off) {
+    FENCE();
+    if (LOAD_RLX(b, flag_off) == 0) return 0;
+    return __atomic_exchange_n((uint64_t *)(b + flag_off), 0, __ATOMIC_SEQ_CST) != 0;
+}
+
+/* Capacity and record limit are written once by the creator; a garbage value must not divide by 0. */
+static inline int bad_geometry(uint8_t *b) {
+    uint64_t cap = U64(b, OFF_CAPACITY), max_rec = U64(b, OFF_MAX_RECORD);
+    return cap < 64 || (cap & 7) || max_rec < 16 || max_rec > cap / 2;
+}
+
+static inline int64_t free_bytes(uint8_t *b, uint64_t tail, uint64_t head, uint64_t cap) {
+    if (head > tail || tail - head > cap || (head & 7)) return BAD_COUNTERS;
+    return (int64_t)(cap - (tail - head));
+}
+
+/* Producer: room for an n-byte payload? Returns the payload's offset from the base, FULL,
+ * TOO_BIG or BAD_COUNTERS. Writes a padding record first when the record would cross the end. */
+int64_t ipc_reserve(uint8_t *b, int n) {
+    uint64_t cap = U64(b, OFF_CAPACITY), rec = align8(8 + (uint64_t)n);
+    if (bad_geometry(b)) return BAD_COUNTERS;
+    if (n < 0 || rec > U64(b, OFF_MAX_RECORD)) return TOO_BIG;
+    uint64_t tail = LOAD_RLX(b, OFF_TAIL), pos = tail % cap, room = cap - pos;
+    uint64_t total = rec <= room ? rec : room + rec;
+    int64_t free_ = free_bytes(b, tail, U64(b, OFF_P_HEAD_CACHE), cap);
+    if (free_ < (int64_t)total) {
+        uint64_t head = LOAD_ACQ(b, OFF_HEAD);
+        U64(b, OFF_P_HEAD_CACHE) = head;
+        free_ = free_bytes(b, tail, head, cap);
+        if (free_ < 0) return free_;
+        if (free_ < (int64_t)total) return FULL;
+    }
+    if (rec > room) {
+        write_header(b, pos, (uint32_t)(room - 8), KIND_PAD);
+        pos = 0;
+    }
+    U64(b, OFF_P_PENDING) = tail + total;
+    U64(b, OFF_P_RECORD_POS) = pos;
+    return DATA + pos + 8;
+}
+
+/* Producer: publish the reserved record. Returns 1 when the consumer sleeps and must be woken. */
+int ipc_commit(uint8_t *b, int n, int kind) {
+    write_header(b, U64(b, OFF_P_RECORD_POS), (uint32_t)n, (uint16_t)kind);
+    STORE_REL(b, OFF_TAIL, U64(b, OFF_P_PENDING));
+    return take_sleeper(b, OFF_C_SLEEPING);
+}
+
+/* Producer: reserve + copy + commit of one whole message. FULL/TOO_BIG/BAD_COUNTERS, or 0/1 as commit. */
+int64_t ipc_push(uint8_t *b, const uint8_t *data, int n) {
+    int64_t off = ipc_reserve(b, n);
+    if (off < 0) return off;
+    memcpy(b + off, data, (size_t)n);
+    return ipc_commit(b, n, KIND_MSG);
+}
+
+/* Consumer: the next record, skipping a padding record. Returns EMPTY, a negative BAD_* code, or
+ * kind << 60 | length << 30 | payload offset from the base. The record stays in the ring until
+ * ipc_release. Validates everything it reads, so a corrupted ring gives an error, not a crash. */
+int64_t ipc_peek(uint8_t *b) {
+    uint64_t cap = U64(b, OFF_CAPACITY), max_rec = U64(b, OFF_MAX_RECORD);
+    if (bad_geometry(b)) return BAD_COUNTERS;
+    uint64_t head = LOAD_RLX(b, OFF_HEAD), tail = U64(b, OFF_C_TAIL_CACHE);
+    if (tail == head) {
+        tail = LOAD_ACQ(b, OFF_TAIL);
+        U64(b, OFF_C_TAIL_CACHE) = tail;
+        if (tail == head) return EMPTY;
+    }
+    if (head > tail || tail - head > cap || ((head | tail) & 7)) return BAD_COUNTERS;
+    uint64_t pos = head % cap, avail = tail - head, skipped = 0;
+    uint32_t len;
+    uint16_t kind, magic;
+    for (int pass = 0; pass < 2; pass++) {
+        if (avail < 8) return TRUNCATED;
+        memcpy(&len, b + DATA + pos, 4);
+        memcpy(&kind, b + DATA + pos + 4, 2);
+        memcpy(&magic, b + DATA + pos + 6, 2);
+        if (magic != RECORD_MAGIC) return BAD_MAGIC;
+        if (kind != KIND_PAD) break;
+        if (pass == 1 || pos == 0 || pos + 8 + (uint64_t)len != cap) return BAD_PAD;
+        skipped = cap - pos;
+        avail -= skipped < avail ? skipped : avail;
+        pos = 0;
+    }
+    if (kind < KIND_MSG || kind > KIND_ABORT) return BAD_KIND;
+    uint64_t rec = align8(8 + (uint64_t)len);
+    if (rec > max_rec || pos + rec > cap) return BAD_LENGTH;
+    if (rec > avail) return TRUNCATED;
+    U64(b, OFF_C_PENDING) = head + skipped + rec;
+    return ((int64_t)kind << 60) | ((int64_t)len << 30) | (int64_t)(DATA + pos + 8);
+}
+
+/* Consumer: free the record returned by ipc_peek. Returns 1 when the producer sleeps for space. */
+int ipc_release(uint8_t *b) {
+    STORE_REL(b, OFF_HEAD, U64(b, OFF_C_PENDING));
+    return take_sleeper(b, OFF_P_SLEEPING);
+}
+
+static inline int has_data(uint8_t *b) {
+    return LOAD_ACQ(b, OFF_TAIL) != LOAD_RLX(b, OFF_HEAD);
+}
+
+static inline int has_space(uint8_t *b, int64_t n) {
+    if (bad_geometry(b)) return 1;
+    uint64_t cap = U64(b, OFF_CAPACITY), rec = align8(8 + (uint64_t)n);
+    uint64_t tail = LOAD_RLX(b, OFF_TAIL), pos = tail % cap, room = cap - pos;
+    uint64_t total = rec <= room ? rec : room + rec;
+    int64_t free_ = free_bytes(b, tail, LOAD_ACQ(b, OFF_HEAD), cap);
+    return free_ < 0 || free_ >= (int64_t)total;  /* corrupt counters: stop waiting, let reserve say so */
+}
+
+/* Announce sleep, fence, re-check: 1 = the condition already holds (flag withdrawn), 0 = sleep. */
+int ipc_arm_consumer(uint8_t *b) {
+    __atomic_store_n((uint64_t *)(b + OFF_C_SLEEPING), 1, __ATOMIC_SEQ_CST);
+    FENCE();
+    if (!has_data(b)) return 0;
+    STORE_RLX(b, OFF_C_SLEEPING, 0);
+    return 1;
+}
+
+int ipc_arm_producer(uint8_t *b, int64_t n) {
+    __atomic_store_n((uint64_t *)(b + OFF_P_SLEEPING), 1, __ATOMIC_SEQ_CST);
+    FENCE();
+    if (!has_space(b, n)) return 0;
+    STORE_RLX(b, OFF_P_SLEEPING, 0);
+    return 1;
+}
+
+void ipc_disarm(uint8_t *b, int flag_off) { STORE_RLX(b, flag_off, 0); }
+
+/* Spin (called with the GIL released) until there is data / space, for at most ns nanoseconds. */
+int ipc_spin_consumer(uint8_t *b, int64_t ns) {
+    int64_t deadline = now_ns() + ns;
+    for (uint32_t i = 1;; i++) {
+        if (has_data(b)) return 1;
+        cpu_relax();
+        if ((i & 63) == 0 && now_ns() >= deadline) return has_data(b);
+    }
+}
+
+int ipc_spin_producer(uint8_t *b, int64_t n, int64_t ns) {
+    int64_t deadline = now_ns() + ns;
+    for (uint32_t i = 1;; i++) {
+        if (has_space(b, n)) return 1;
+        cpu_relax();
+        if ((i & 63) == 0 && now_ns() >= deadline) return has_space(b, n);
+    }
+}
+
+uint64_t ipc_load(uint8_t *b, int64_t off) { return LOAD_ACQ(b, off); }
+
+void ipc_store(uint8_t *b, int64_t off, uint64_t v) {
+    STORE_REL(b, off, v);
+    FENCE();
+}
+
+/* The physical floor: two processes bouncing a counter on one cache line, no ring, no Python.
+ * Role 0 sends i and waits for i back, `iters` times; role 1 echoes. Returns elapsed ns. */
+int64_t ipc_floor_pingpong(uint8_t *b, int64_t off, int64_t iters, int64_t role) {
+    uint64_t *ping = (uint64_t *)(b + off), *pong = (uint64_t *)(b + off + 64);
+    int64_t t0 = now_ns();
+    for (uint64_t i = 1; i <= (uint64_t)iters; i++) {
+        if (role == 0) {
+            __atomic_store_n(ping, i, __ATOMIC_RELEASE);
+            while (__atomic_load_n(pong, __ATOMIC_ACQUIRE) != i) cpu_relax();
+        } else {
+            while (__atomic_load_n(ping, __ATOMIC_ACQUIRE) != i) cpu_relax();
+            __atomic_store_n(pong, i, __ATOMIC_RELEASE);
+        }
+    }
+    return now_ns() - t0;
+}

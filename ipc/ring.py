@@ -1,0 +1,510 @@
+"""A single-producer/single-consumer byte ring in named POSIX shared memory.
+
+One process creates the ring (`RingBuffer.create`), another attaches by name
+(`RingBuffer.attach`); one side pushes, the other pops. Layout: see `ipc.layout`.
+
+Memory ordering — what makes a popped message complete on x86-64 *and* aarch64:
+
+- With the C helper (`_native.c`, built at first import): the producer copies the payload and
+  writes the record header, then stores `tail` with release semantics
+  (``__atomic_store_n(..., __ATOMIC_RELEASE)``: ``stlr`` on aarch64, a plain store on x86-64,
+  whose TSO already keeps stores in order). The consumer loads `tail` with acquire semantics
+  (``ldar``), so every byte it then reads was written before that tail; it reads the record,
+  then stores `head` with release semantics, so the producer (which loads `head` with acquire)
+  overwrites the space only after the consumer has finished reading it. The payload copy done
+  by Python (a memoryview slice assignment) happens before the C call that publishes it, in
+  program order of the same thread, and the release store orders all earlier accesses.
+- The sleep/wake handshake needs a store-load fence on both architectures (x86-64 reorders a
+  store with a later load): the C helper runs ``__atomic_thread_fence(__ATOMIC_SEQ_CST)``
+  (``mfence``/``lock``-prefixed op; ``dmb ish``) between publishing a counter and reading the
+  peer's "sleeping" flag, and between setting the flag and re-reading the peer's counter.
+- Without a C compiler, `_pyops.PythonOps` does the same with POSIX semaphore operations as
+  full fences (see that module for the argument).
+
+Pure-Python stores to shared memory alone would be enough on x86-64 but not on aarch64, which
+is why the Python paths never publish a counter themselves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import struct
+import time
+import weakref
+from typing import Any, Callable, Optional, TypeVar
+
+import posix_ipc
+
+from ipc import _native
+from ipc import layout as L
+from ipc._pyops import PythonOps
+from ipc.segment import Segment, pid_alive, process_start_time, unlink_quietly
+from ipc.wait import Doorbell, Waiter
+
+T = TypeVar("T")
+
+_U64 = struct.Struct("=Q")
+_MASK = L.PEEK_FIELD_MASK
+_MSG = L.KIND_MSG
+# (pid, start time, closed flag) offsets of a side, keyed by "is the creator".
+_SIDES = {
+    True: (L.OFF_CREATOR_PID, L.OFF_CREATOR_START, L.OFF_CREATOR_CLOSED),
+    False: (L.OFF_ATTACHER_PID, L.OFF_ATTACHER_START, L.OFF_ATTACHER_CLOSED),
+}
+
+
+class RingError(Exception):
+    """Base class of the ring's own errors."""
+
+
+class RingCorruptedError(RingError):
+    """The ring's memory holds something no correct peer writes (a malformed frame)."""
+
+
+class PeerGoneError(RingError):
+    """Waiting is hopeless: the other side is gone."""
+
+
+class PeerDeadError(PeerGoneError):
+    """The peer process died (or became a zombie) without closing the ring."""
+
+
+class PeerClosedError(PeerGoneError):
+    """The peer closed its end of the ring (after everything it pushed was popped)."""
+
+
+@functools.lru_cache(maxsize=1)
+def _native_lib() -> Optional[_native.NativeLib]:
+    return _native.load()
+
+
+def native_available() -> bool:
+    """Whether rings use the C helper (True) or the pure-Python fallback (False)."""
+    return _native_lib() is not None
+
+
+class _NativeOps:
+    """The C helper's functions with the segment's base address bound (see `_pyops.PythonOps`)."""
+
+    def __init__(self, lib: _native.NativeLib, anchor: ctypes.Array) -> None:
+        base = ctypes.c_void_p(ctypes.addressof(anchor))
+        fast, nogil = lib.fast, lib.nogil
+        for name in ("push", "reserve", "commit", "peek", "release", "arm_consumer", "disarm", "load", "store"):
+            setattr(self, name, functools.partial(getattr(fast, "ipc_" + name), base))
+        self.arm_producer = functools.partial(fast.ipc_arm_producer, base)
+        self.spin_consumer = functools.partial(nogil.ipc_spin_consumer, base)
+        self.spin_producer = functools.partial(nogil.ipc_spin_producer, base)
+        self.floor_pingpong = functools.partial(nogil.ipc_floor_pingpong, base)
+
+
+def _unlink_ring(name: str, creator_pid: int) -> None:
+    """Finalizer: the creator removes the segment and its semaphores (never a forked child)."""
+    if os.getpid() != creator_pid:
+        return
+    unlink_quietly(posix_ipc.unlink_shared_memory, name)
+    for suffix in ("-d", "-s"):
+        unlink_quietly(posix_ipc.unlink_semaphore, name + suffix)
+
+
+def _deadline(timeout: Optional[float]) -> Optional[float]:
+    if timeout is None:
+        return None
+    if timeout < 0:
+        raise ValueError(f"timeout must be >= 0 or None, got {timeout}")
+    return time.monotonic() + timeout
+
+
+class RingBuffer:
+    """One direction of a byte pipe between two processes. Not thread-safe per side: one
+    producer thread and one consumer thread (in the same or different processes).
+
+    spin_us: how long a waiting side spins (GIL released) before sleeping on a semaphore.
+    poll_interval: how often a sleeping side wakes to check that its peer is alive.
+    """
+
+    def __init__(
+        self,
+        segment: Segment,
+        *,
+        spin_us: float,
+        poll_interval: float,
+        pure_python: bool,
+    ) -> None:
+        self._segment = segment
+        self._mv = memoryview(segment.buf)
+        self.name = segment.name
+        self.is_creator = segment.creator
+        lib = None if pure_python else _native_lib()
+        if lib is not None:
+            self._anchor = (ctypes.c_char * segment.size).from_buffer(segment.buf)
+            self._ops: Any = _NativeOps(lib, self._anchor)
+        else:
+            self._ops = PythonOps(self._mv)
+        self.native = lib is not None
+        self._spin_us, self._poll_interval = spin_us, poll_interval
+        self._closed = False
+        self._partial: Optional[bytearray] = None
+        self._partial_total = 0
+        self._send_abort = False
+        self._fast_push = True  # not closed, no aborted fragmented message to announce
+        self._finalizer: Optional[weakref.finalize] = None
+        self._data_bell: Optional[Doorbell] = None
+        self._space_bell: Optional[Doorbell] = None
+
+    def _bind(self, data_bell: Doorbell, space_bell: Doorbell) -> None:
+        """Hooks the semaphores and the C functions into the methods' hot paths."""
+        ops = self._ops
+        self._data_bell, self._space_bell = data_bell, space_bell
+        self._op_push, self._op_peek, self._op_release = ops.push, ops.peek, ops.release
+        self._op_reserve, self._op_commit = ops.reserve, ops.commit
+        self._ring_data, self._ring_space = data_bell.ring, space_bell.ring
+        self._data_waiter = Waiter(
+            ops.spin_consumer, ops.arm_consumer, functools.partial(ops.disarm, L.OFF_C_SLEEPING),
+            data_bell, self._check_peer, self._spin_us, self._poll_interval,
+        )
+        self._space_waiter = Waiter(
+            ops.spin_producer, ops.arm_producer, functools.partial(ops.disarm, L.OFF_P_SLEEPING),
+            space_bell, self._check_peer, self._spin_us, self._poll_interval,
+        )
+        capacity = ops.load(L.OFF_CAPACITY)
+        self.capacity = capacity
+        self.max_payload = L.max_record_for(capacity) - 8
+
+    # ---------------------------------------------------------------- construction
+
+    @classmethod
+    def create(
+        cls,
+        capacity: int = 1 << 20,
+        *,
+        spin_us: float = 50.0,
+        poll_interval: float = 0.1,
+        pure_python: bool = False,
+    ) -> "RingBuffer":
+        """A new ring of `capacity` bytes (multiple of 8, 256 B .. 512 MiB) that this process owns.
+
+        Messages up to `capacity/4 - 8` bytes travel contiguously; longer ones in fragments.
+        """
+        if not isinstance(capacity, int) or capacity % 8 or not L.MIN_CAPACITY <= capacity <= L.MAX_CAPACITY:
+            raise ValueError(
+                f"capacity must be a multiple of 8 in [{L.MIN_CAPACITY}, {L.MAX_CAPACITY}], got {capacity!r}"
+            )
+        segment = Segment.create(L.HEADER_SIZE + capacity)
+        finalizer = weakref.finalize(segment, _unlink_ring, segment.name, os.getpid())
+        try:
+            ring = cls(segment, spin_us=spin_us, poll_interval=poll_interval, pure_python=pure_python)
+            ring._finalizer = finalizer
+            ring._init_header(capacity)
+            ring._bind(Doorbell.create(segment.name + "-d"), Doorbell.create(segment.name + "-s"))
+        except BaseException:
+            finalizer()
+            raise
+        return ring
+
+    def _init_header(self, capacity: int) -> None:
+        store, pid = self._ops.store, os.getpid()
+        store(L.OFF_VERSION, L.VERSION)
+        store(L.OFF_CAPACITY, capacity)
+        store(L.OFF_MAX_RECORD, L.max_record_for(capacity))
+        store(L.OFF_CREATOR_PID, pid)
+        store(L.OFF_CREATOR_START, process_start_time(pid))
+        store(L.OFF_MAGIC, L.MAGIC)
+
+    @classmethod
+    def attach(
+        cls,
+        name: str,
+        *,
+        spin_us: float = 50.0,
+        poll_interval: float = 0.1,
+        pure_python: bool = False,
+    ) -> "RingBuffer":
+        """Attaches to a ring another process created; records our pid as the creator's peer."""
+        try:
+            segment = Segment.attach(name)
+        except posix_ipc.ExistentialError:
+            raise FileNotFoundError(f"no ring named {name!r} (its creator may have closed it)") from None
+        ring = cls(segment, spin_us=spin_us, poll_interval=poll_interval, pure_python=pure_python)
+        ring._check_header()
+        try:
+            bells = Doorbell.attach(name + "-d"), Doorbell.attach(name + "-s")
+        except posix_ipc.ExistentialError:
+            raise FileNotFoundError(f"the semaphores of ring {name!r} are gone") from None
+        ring._bind(*bells)
+        pid = os.getpid()
+        ring._ops.store(L.OFF_ATTACHER_START, process_start_time(pid))
+        ring._ops.store(L.OFF_ATTACHER_PID, pid)
+        return ring
+
+    def _check_header(self) -> None:
+        load = self._ops.load
+        magic, version, capacity = load(L.OFF_MAGIC), load(L.OFF_VERSION), load(L.OFF_CAPACITY)
+        if magic != L.MAGIC:
+            raise RingCorruptedError(f"{self.name} is not an ipc ring (magic {magic:#x})")
+        if version != L.VERSION:
+            raise RingCorruptedError(f"{self.name} has layout version {version}, expected {L.VERSION}")
+        if capacity + L.HEADER_SIZE > self._segment.size or capacity < L.MIN_CAPACITY or capacity % 8:
+            raise RingCorruptedError(f"{self.name} claims capacity {capacity} in a {self._segment.size}-byte segment")
+
+    def __reduce__(self) -> tuple:
+        """Pickles as "attach by name", so a ring can be handed to a multiprocessing child."""
+        return (_attach_by_name, (self.name, self._spin_us, self._poll_interval, not self.native))
+
+    # ---------------------------------------------------------------- peers and closing
+
+    @property
+    def peer_pid(self) -> int:
+        """The other side's pid; 0 while nobody has attached to a ring we created."""
+        return self._ops.load(L.OFF_ATTACHER_PID if self.is_creator else L.OFF_CREATOR_PID)
+
+    def _check_peer(self) -> None:
+        if self._closed:
+            raise ValueError(f"ring {self.name} is closed")
+        pid_off, start_off, closed_off = _SIDES[not self.is_creator]
+        load = self._ops.load
+        if load(closed_off):
+            raise PeerClosedError(f"the peer closed ring {self.name}")
+        pid = load(pid_off)
+        if pid and pid != os.getpid() and not pid_alive(pid, load(start_off)):
+            raise PeerDeadError(f"peer process {pid} of ring {self.name} died")
+
+    def close(self) -> None:
+        """Closes our end: wakes a blocked peer (which then raises PeerClosedError once it has
+        popped everything) and, for the creator, unlinks the segment and its semaphores.
+
+        The memory stays mapped until the object is garbage-collected, so another thread still
+        inside a call on this ring never touches unmapped memory; it raises ValueError instead.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._fast_push = False
+        if self._data_bell is not None:
+            self._ops.store(_SIDES[self.is_creator][2], 1)
+            self._data_bell.ring()
+            self._space_bell.ring()
+        if self._finalizer is not None:
+            self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "RingBuffer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        role = "creator" if self.is_creator else "attacher"
+        return f"RingBuffer({self.name!r}, capacity={self.capacity}, {role}, native={self.native})"
+
+    # ---------------------------------------------------------------- producer
+
+    def push(self, data: "bytes | bytearray | memoryview", timeout: Optional[float] = None) -> None:
+        """Appends one message (any size, any bytes-like object); blocks while the ring is full.
+
+        Raises TimeoutError (nothing was delivered), PeerDeadError / PeerClosedError, or
+        ValueError once this end is closed.
+        """
+        if self._fast_push:
+            kind, n = type(data), len(data)
+            if kind is bytes and n <= self.max_payload:
+                r = self._op_push(data, n)
+                if r >= 0:
+                    if r:
+                        self._ring_data()
+                    return
+            elif kind is bytearray and n <= self.max_payload:
+                off = self._op_reserve(n)
+                if off >= 0:
+                    self._mv[off : off + n] = data
+                    if self._op_commit(n, _MSG):
+                        self._ring_data()
+                    return
+        self._push_slow(data, timeout)
+
+    def _push_slow(self, data: "bytes | bytearray | memoryview", timeout: Optional[float]) -> None:
+        if self._closed:
+            raise ValueError(f"ring {self.name} is closed")
+        deadline = _deadline(timeout)
+        if self._send_abort:
+            self._put_record(b"", L.KIND_ABORT, deadline)
+            self._send_abort = False
+            self._fast_push = True
+        with memoryview(data) as raw, raw.cast("B") as view:
+            if len(view) <= self.max_payload:
+                self._put_record(view, L.KIND_MSG, deadline)
+            else:
+                self._put_fragments(view, deadline)
+
+    def _put_fragments(self, view: memoryview, deadline: Optional[float]) -> None:
+        total, step = len(view), self.max_payload
+        first = step - 8
+        self._put_record(view[:first], L.KIND_FIRST, deadline, total=total)
+        try:
+            for start in range(first, total, step):
+                end = min(start + step, total)
+                self._put_record(view[start:end], L.KIND_LAST if end == total else L.KIND_MIDDLE, deadline)
+        except BaseException:
+            self._send_abort = True  # the consumer holds a partial message: drop it before the next one
+            self._fast_push = False
+            raise
+
+    def _put_record(self, view: "bytes | memoryview", kind: int, deadline: Optional[float], total: int = -1) -> None:
+        n = len(view) + (8 if total >= 0 else 0)
+        while True:
+            off = self._ops.reserve(n)
+            if off >= 0:
+                break
+            if off != L.FULL:
+                raise self._corrupted(off)
+            self._space_waiter.wait(deadline, n)
+        if total >= 0:
+            _U64.pack_into(self._mv, off, total)
+            off += 8
+        self._mv[off : off + len(view)] = view
+        if self._ops.commit(n, kind):
+            self._ring_data()
+
+    # ---------------------------------------------------------------- consumer
+
+    def pop(self, timeout: Optional[float] = None) -> bytes:
+        """Removes and returns the next message; blocks while the ring is empty.
+
+        Raises TimeoutError, PeerDeadError, PeerClosedError (once the closed peer's messages
+        are all popped), or RingCorruptedError on a malformed frame.
+        """
+        r = self._op_peek()
+        if r >= 0 and r >> 60 == _MSG and self._partial is None:
+            off = r & _MASK
+            data = self._mv[off : off + ((r >> 30) & _MASK)].tobytes()
+            if self._op_release():
+                self._ring_space()
+            return data
+        return self._consume_slow(bytes, r, _deadline(timeout))
+
+    def consume(self, fn: Callable[[memoryview], T], timeout: Optional[float] = None) -> T:
+        """Calls `fn` on the next message, read in place from the ring's memory when it is
+        contiguous (a reassembled buffer when it came in fragments), then frees it.
+
+        `fn` must not keep the view (decode or copy out of it). The message is consumed even if
+        `fn` raises.
+        """
+        r = self._op_peek()
+        if r >= 0 and r >> 60 == _MSG and self._partial is None:
+            return self._deliver(fn, r)
+        return self._consume_slow(fn, r, _deadline(timeout))
+
+    def try_pop(self) -> Optional[bytes]:
+        """The next message, or None if no whole message is there yet (never blocks)."""
+        return self.try_consume(bytes)
+
+    def try_consume(self, fn: Callable[[memoryview], T]) -> Optional[T]:
+        """`consume` without waiting: None if no whole message is there yet."""
+        r = self._op_peek()
+        if r >= 0 and r >> 60 == _MSG and self._partial is None:
+            return self._deliver(fn, r)
+        if r == L.EMPTY:
+            return None
+        try:
+            return self._consume_slow(fn, r, time.monotonic())
+        except TimeoutError:
+            return None
+
+    def wait_readable(self, timeout: Optional[float] = None) -> bool:
+        """Blocks (GIL released) until a message can be popped; False on timeout.
+
+        For a thread that only waits, leaving the popping to another part of the program.
+        Raises like `pop` when the peer is gone and the ring is empty.
+        """
+        if self._op_peek() != L.EMPTY:
+            return True
+        try:
+            self._data_waiter.wait(_deadline(timeout))
+        except TimeoutError:
+            return False
+        return True
+
+    def _deliver(self, fn: Callable[[memoryview], T], r: int) -> T:
+        off = r & _MASK
+        view = self._mv[off : off + ((r >> 30) & _MASK)]
+        try:
+            return fn(view)
+        finally:
+            view.release()
+            if self._op_release():
+                self._ring_space()
+
+    def _consume_slow(self, fn: Callable[[memoryview], T], r: int, deadline: Optional[float]) -> T:
+        if self._closed:
+            raise ValueError(f"ring {self.name} is closed")
+        while True:
+            if r == L.EMPTY:
+                self._data_waiter.wait(deadline)
+            elif r < 0:
+                raise self._corrupted(r)
+            elif r >> 60 == _MSG:
+                if self._partial is not None:
+                    raise self._corrupted(r, "a whole message inside a fragmented one")
+                return self._deliver(fn, r)
+            else:
+                message = self._take_fragment(r)
+                if self._op_release():
+                    self._ring_space()
+                if message is not None:
+                    with memoryview(message) as view:
+                        return fn(view)
+            r = self._op_peek()
+
+    def _take_fragment(self, r: int) -> Optional[bytearray]:
+        """Adds a fragment record to the message being reassembled; the message once complete."""
+        kind, off, n = r >> 60, r & _MASK, (r >> 30) & _MASK
+        partial = self._partial
+        if kind == L.KIND_FIRST:
+            total = _U64.unpack_from(self._mv, off)[0] if n >= 8 else -1
+            if partial is not None or total <= self.max_payload or total < n - 8:
+                raise self._corrupted(r, f"bad first fragment (total {total}, in a message: {partial is not None})")
+            self._partial, self._partial_total = bytearray(self._mv[off + 8 : off + n]), total
+            return None
+        if partial is None:
+            raise self._corrupted(r, f"fragment of kind {kind} outside a fragmented message")
+        if kind == L.KIND_ABORT:
+            self._partial = None
+            return None
+        partial += self._mv[off : off + n]
+        if len(partial) > self._partial_total or (kind == L.KIND_LAST and len(partial) != self._partial_total):
+            raise self._corrupted(r, f"fragments add up to {len(partial)} bytes, not {self._partial_total}")
+        if kind == L.KIND_MIDDLE:
+            return None
+        self._partial = None
+        return partial
+
+    def _corrupted(self, code: int, problem: Optional[str] = None) -> RingCorruptedError:
+        load = self._ops.load
+        problem = problem or L.PROBLEMS.get(code, f"unexpected result {code}")
+        self._partial = None
+        return RingCorruptedError(
+            f"ring {self.name}: {problem} (head={load(L.OFF_HEAD)}, tail={load(L.OFF_TAIL)}, "
+            f"capacity={load(L.OFF_CAPACITY)})"
+        )
+
+    # ---------------------------------------------------------------- measurement
+
+    def floor_pingpong(self, iters: int, role: int) -> float:
+        """The physical floor: mean ns per round trip of a bare cache-line ping-pong between
+        the two processes of this ring, in C, with no ring logic and no Python in the loop.
+
+        Both sides call it at once with the same `iters`, one with role 0, the other role 1,
+        and only once per ring (it counts up from zero). Needs the C helper.
+        """
+        if not self.native:
+            raise RuntimeError("the cache-line floor needs the C helper")
+        return self._ops.floor_pingpong(L.OFF_FLOOR, iters, role) / iters
+
+
+def _attach_by_name(name: str, spin_us: float, poll_interval: float, pure_python: bool) -> RingBuffer:
+    return RingBuffer.attach(name, spin_us=spin_us, poll_interval=poll_interval, pure_python=pure_python)

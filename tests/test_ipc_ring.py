@@ -1,0 +1,264 @@
+"""The ring in one process: layout, wrap-around, fragments, timeouts, closing, properties."""
+
+from __future__ import annotations
+
+import gc
+import pickle
+import struct
+import threading
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ipc import PeerClosedError, RingBuffer, RingCorruptedError, native_available
+from ipc import layout as L
+
+BACKENDS = [pytest.param(False, id="native"), pytest.param(True, id="python")]
+
+
+def _u64(ring: RingBuffer, off: int) -> int:
+    return struct.unpack_from("=Q", ring._mv, off)[0]
+
+
+@pytest.fixture(params=BACKENDS)
+def pure_python(request) -> bool:
+    if not request.param and not native_available():
+        pytest.fail("the C helper did not build (cc is expected on this machine)")
+    return request.param
+
+
+@pytest.fixture
+def pair(pure_python):
+    """A creator (producer) and an attacher (consumer) of a 1 KiB ring, closed afterwards."""
+    tx = RingBuffer.create(1024, pure_python=pure_python)
+    rx = RingBuffer.attach(tx.name, pure_python=pure_python)
+    yield tx, rx
+    rx.close()
+    tx.close()
+
+
+def _pump(tx: RingBuffer, messages: list, errors: list) -> threading.Thread:
+    def run() -> None:
+        try:
+            for m in messages:
+                tx.push(m, timeout=20)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_header_layout(pair):
+    tx, rx = pair
+    assert _u64(tx, L.OFF_MAGIC) == L.MAGIC and _u64(tx, L.OFF_VERSION) == L.VERSION
+    assert _u64(tx, L.OFF_CAPACITY) == 1024 == rx.capacity
+    assert _u64(tx, L.OFF_MAX_RECORD) == 256 and tx.max_payload == 248
+    import os
+
+    assert _u64(tx, L.OFF_CREATOR_PID) == os.getpid() == _u64(tx, L.OFF_ATTACHER_PID)
+    assert tx.peer_pid == rx.peer_pid == os.getpid()
+    assert tx.is_creator and not rx.is_creator
+
+
+def test_records_are_aligned_and_counted(pair):
+    tx, rx = pair
+    for n, step in [(0, 8), (1, 16), (8, 16), (9, 24), (248, 256)]:
+        before = _u64(tx, L.OFF_TAIL)
+        tx.push(b"a" * n)
+        assert _u64(tx, L.OFF_TAIL) - before == step
+        length, kind, magic = struct.unpack_from("=IHH", tx._mv, L.DATA + before % 1024)
+        assert (length, kind, magic) == (n, L.KIND_MSG, L.RECORD_MAGIC)
+        assert rx.pop() == b"a" * n
+        assert _u64(tx, L.OFF_HEAD) == _u64(tx, L.OFF_TAIL)
+
+
+def test_wrap_around_pads_to_the_end(pair):
+    tx, rx = pair
+    for _ in range(6):  # 6 * 152 = 912: the next 152-byte record no longer fits before 1024
+        tx.push(b"x" * 144)
+        rx.pop()
+    tx.push(b"wrapped" * 20)
+    length, kind, _ = struct.unpack_from("=IHH", tx._mv, L.DATA + 912)
+    assert (kind, length) == (L.KIND_PAD, 1024 - 912 - 8)
+    assert _u64(tx, L.OFF_TAIL) == 1024 + 152
+    assert rx.pop() == b"wrapped" * 20
+    for i in range(500):  # many laps with mixed sizes
+        msg = bytes([i % 251]) * (i * 37 % 249)
+        tx.push(msg)
+        assert rx.pop() == msg
+
+
+def test_full_ring_times_out_and_then_drains(pair):
+    tx, rx = pair
+    pushed = []
+    while True:
+        try:
+            tx.push(b"m%03d" % len(pushed) + b"." * 60, timeout=0)
+        except TimeoutError:
+            break
+        pushed.append(len(pushed))
+    assert len(pushed) == 1024 // 72
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        tx.push(b"one more" * 8, timeout=0.05)
+    assert 0.04 < time.monotonic() - t0 < 1.0
+    assert [int(rx.pop()[1:4]) for _ in pushed] == pushed
+    assert rx.try_pop() is None
+
+
+def test_pop_timeout_try_pop_and_wait_readable(pair):
+    tx, rx = pair
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        rx.pop(timeout=0.05)
+    assert time.monotonic() - t0 >= 0.04
+    assert rx.try_pop() is None
+    assert rx.wait_readable(timeout=0.01) is False
+    threading.Timer(0.05, tx.push, args=(b"late",)).start()
+    assert rx.wait_readable(timeout=5) is True
+    assert rx.pop(timeout=0) == b"late"
+    with pytest.raises(ValueError, match="timeout"):
+        rx.pop(timeout=-1)
+
+
+def test_any_buffer_type_is_accepted(pair):
+    import array
+
+    tx, rx = pair
+    tx.push(bytearray(b"ba"))
+    tx.push(memoryview(b"xxmvxx")[2:4])
+    tx.push(array.array("i", [1, 2]))
+    assert [rx.pop(), rx.pop(), rx.pop()] == [b"ba", b"mv", array.array("i", [1, 2]).tobytes()]
+
+
+def test_fragmented_message_bigger_than_the_ring(pair):
+    tx, rx = pair
+    big = bytes(range(256)) * 40  # 10 KiB through a 1 KiB ring
+    errors: list = []
+    thread = _pump(tx, [big, b"after"], errors)
+    assert rx.pop(timeout=20) == big
+    assert rx.consume(bytes, timeout=20) == b"after"
+    thread.join()
+    assert not errors
+
+
+def test_fragmented_push_timeout_is_aborted_cleanly(pair):
+    tx, rx = pair
+    with pytest.raises(TimeoutError):
+        tx.push(b"z" * 3000, timeout=0.05)  # FIRST..MIDDLE fit, then the ring is full
+    assert rx.try_pop() is None  # a partial message is never delivered
+    tx.push(b"next", timeout=1)  # announces ABORT first
+    assert rx.pop(timeout=1) == b"next"
+    errors: list = []
+    thread = _pump(tx, [b"q" * 3000], errors)
+    assert rx.pop(timeout=20) == b"q" * 3000
+    thread.join()
+    assert not errors
+
+
+def test_consume_reads_in_place_and_frees_even_if_fn_raises(pair):
+    tx, rx = pair
+    tx.push(b"hello")
+    assert rx.consume(lambda view: (type(view), view.readonly, view.tobytes())) == (memoryview, False, b"hello")
+    tx.push(b"boom")
+    with pytest.raises(ZeroDivisionError):
+        rx.consume(lambda view: 1 / 0)
+    assert rx.try_pop() is None
+    leaked = []
+    tx.push(b"kept")
+    rx.consume(leaked.append)
+    with pytest.raises(ValueError):
+        leaked[0].tobytes()  # the view was released when consume returned
+
+
+def test_close_wakes_peer_after_drain(pair):
+    tx, rx = pair
+    tx.push(b"last words")
+    threading.Timer(0.05, tx.close).start()
+    assert rx.pop(timeout=5) == b"last words"
+    t0 = time.monotonic()
+    with pytest.raises(PeerClosedError):
+        rx.pop(timeout=5)
+    assert time.monotonic() - t0 < 1.0
+    with pytest.raises(ValueError, match="closed"):
+        tx.push(b"after close")
+
+
+def test_pickles_as_attach(pair):
+    tx, rx = pair
+    clone = pickle.loads(pickle.dumps(tx))
+    assert clone.name == tx.name and not clone.is_creator
+    clone.push(b"via clone")
+    assert rx.pop() == b"via clone"
+
+
+def test_native_and_python_sides_interoperate():
+    if not native_available():
+        pytest.fail("the C helper did not build")
+    tx = RingBuffer.create(512)
+    rx = RingBuffer.attach(tx.name, pure_python=True)
+    back = RingBuffer.attach(tx.name)
+    try:
+        for i in range(300):
+            msg = bytes([i % 256]) * (i % 200)
+            tx.push(msg)
+            assert rx.pop() == msg
+        assert rx.native is False and tx.native is True and back.native is True
+    finally:
+        rx.close()
+        back.close()
+        tx.close()
+
+
+def test_bad_arguments_name_the_value():
+    with pytest.raises(ValueError, match="1004"):
+        RingBuffer.create(1000 + 4)
+    with pytest.raises(ValueError, match="128"):
+        RingBuffer.create(128)
+    with pytest.raises(FileNotFoundError, match="ipcring-nope"):
+        RingBuffer.attach("/ipcring-nope")
+
+
+def test_corrupted_counters_raise(pair):
+    tx, rx = pair
+    tx.push(b"fine")
+    struct.pack_into("=Q", tx._mv, L.OFF_TAIL, 10**12)
+    struct.pack_into("=Q", tx._mv, L.OFF_C_TAIL_CACHE, 10**12)
+    with pytest.raises(RingCorruptedError, match="counters"):
+        rx.pop(timeout=0)
+    with pytest.raises(RingCorruptedError, match="counters"):
+        tx.push(b"x" * 200, timeout=0)
+
+
+def test_gc_of_creator_unlinks(pure_python):
+    from pathlib import Path
+
+    ring = RingBuffer.create(256, pure_python=pure_python)
+    path = Path("/dev/shm") / ring.name[1:]
+    assert path.exists()
+    del ring
+    gc.collect()
+    assert not path.exists() and not Path(f"/dev/shm/sem.{path.name}-d").exists()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.integers(min_value=0, max_value=3 * 1024), max_size=25), st.randoms(use_true_random=False))
+def test_property_popped_equals_pushed(pure_python, sizes, rnd):
+    tx = RingBuffer.create(1024, pure_python=pure_python)
+    rx = RingBuffer.attach(tx.name, pure_python=pure_python)
+    try:
+        messages = [rnd.randbytes(n) for n in sizes]
+        errors: list = []
+        thread = _pump(tx, messages, errors)
+        popped = [rx.pop(timeout=20) for _ in messages]
+        thread.join()
+        assert not errors
+        assert popped == messages
+        assert rx.try_pop() is None
+    finally:
+        rx.close()
+        tx.close()

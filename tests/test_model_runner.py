@@ -318,3 +318,24 @@ def test_smollm2_greedy_batch_matches_hf(smollm2_dir):
     done = driver.run()
     for i, prompt in enumerate(prompts):
         assert done[f"r{i}"].outputs == _hf_greedy(hf, prompt, 10), texts[i]
+
+
+def test_embedding_task_runs_the_pooling_runner(tiny_bert_dir):
+    from sentence_transformers import SentenceTransformer
+
+    from shmvllm.pooling_params import PoolingParams
+
+    config = EngineArgs(model=str(tiny_bert_dir), max_num_seqs=4).create_engine_config()
+    executor = UniProcExecutor(config)
+    num_blocks = executor.determine_num_kv_blocks()
+    assert num_blocks == 4 * -(-config.scheduler_config.max_model_len // config.cache_config.block_size)
+    executor.initialize_kv_cache(num_blocks)
+    prompt = [101, 7592, 2088, 102]
+    new = NewRequestData("e", prompt, [], None, PoolingParams(), [0], 0)
+    out = executor.execute_model(SchedulerOutput([new], CachedRequestData(), {"e": 4}, 4))
+    reference = SentenceTransformer(str(tiny_bert_dir), device="cpu")
+    with torch.no_grad():
+        features = {"input_ids": torch.tensor([prompt]), "attention_mask": torch.ones(1, 4, dtype=torch.int64)}
+        expected = reference(features)["sentence_embedding"][0].numpy()
+    np.testing.assert_allclose(out.pooler_output["e"], expected, atol=1e-5)
+    executor.shutdown()

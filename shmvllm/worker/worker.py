@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING, Union
 
 import torch
 
 from shmvllm.config import EngineConfig
 from shmvllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from shmvllm.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from shmvllm.worker.pooling_runner import PoolingModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -18,11 +22,21 @@ DEFAULT_CPU_KV_CACHE_CAP = 4 * 2**30
 
 
 class Worker:
+    """Runs generation (ModelRunner, paged KV cache) or embedding (PoolingModelRunner, no KV
+    cache: its blocks are only the scheduler's bookkeeping) by the model config's task."""
+
     def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         self.config = config
         self.rank = rank
         self.device = torch.device(config.model_config.device)
-        self.model_runner = ModelRunner(config, self.device)
+        self.is_pooling = config.model_config.is_embedding
+        self.model_runner: Union[ModelRunner, "PoolingModelRunner"]
+        if self.is_pooling:
+            from shmvllm.worker.pooling_runner import PoolingModelRunner
+
+            self.model_runner = PoolingModelRunner(config.model_config, self.device)
+        else:
+            self.model_runner = ModelRunner(config, self.device)
 
     def init_device(self) -> None:
         if self.device.type == "cuda":
@@ -42,12 +56,13 @@ class Worker:
         cache = self.config.cache_config
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        per_block = self.model_runner.kv_cache_bytes_per_block()
-        budget = self._cuda_kv_budget() if self.device.type == "cuda" else self._cpu_kv_budget()
-        num_blocks = budget // per_block
         sched = self.config.scheduler_config
         blocks_per_seq = -(-sched.max_model_len // cache.block_size)
-        num_blocks = min(num_blocks, sched.max_num_seqs * blocks_per_seq)
+        if self.is_pooling:
+            return sched.max_num_seqs * blocks_per_seq
+        per_block = self.model_runner.kv_cache_bytes_per_block()
+        budget = self._cuda_kv_budget() if self.device.type == "cuda" else self._cpu_kv_budget()
+        num_blocks = min(budget // per_block, sched.max_num_seqs * blocks_per_seq)
         if num_blocks < 1:
             raise ValueError(
                 f"the KV cache budget ({budget} bytes) holds no block of {per_block} bytes; "
@@ -81,14 +96,16 @@ class Worker:
         return max(budget, 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.model_runner.initialize_kv_cache(num_blocks)
+        if not self.is_pooling:
+            self.model_runner.initialize_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
         self.model_runner.model = None
-        self.model_runner.kv_cache = None
+        if not self.is_pooling:
+            self.model_runner.kv_cache = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

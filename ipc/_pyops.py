@@ -8,9 +8,10 @@ fences of its own, so this relies on two things, both written down here:
   process-private semaphore, which glibc implements as a release RMW followed by an acquire RMW
   on one word: no load or store moves across the pair, on x86-64 and on aarch64 (where a store
   release is never reordered with a later load acquire).
-- The counters are 8-byte aligned and written with `struct.pack_into("=Q")`, a fixed-size
-  8-byte memcpy that compilers emit as one store, which both architectures make single-copy
-  atomic for aligned addresses, so the peer never sees a torn counter.
+- The counters are 8-byte aligned and accessed with struct's *native* format ``"@Q"``, which
+  CPython implements as a fixed-size 8-byte memcpy that compilers emit as one load/store,
+  single-copy atomic on both architectures for aligned addresses, so the peer never sees a
+  torn counter. (The standard-size formats "=Q"/"<Q" go byte by byte and would tear.)
 
 Each public function mirrors the C function of the same name (without the ``ipc_`` prefix).
 """
@@ -25,7 +26,7 @@ import posix_ipc
 from ipc import layout as L
 from ipc.segment import new_name
 
-_U64 = struct.Struct("=Q")
+_U64 = struct.Struct("@Q")  # native: one 8-byte memcpy, see above
 _HEADER = struct.Struct("=IHH")
 
 

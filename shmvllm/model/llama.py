@@ -10,6 +10,7 @@ hidden states; `compute_logits` runs the lm_head only on the rows that are sampl
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -17,6 +18,8 @@ from torch import nn
 
 from shmvllm.model.attention import AttentionMetadata, PagedAttention
 from shmvllm.model.rotary import RotaryEmbedding
+
+logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -110,6 +113,12 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: Any, max_position: int) -> None:
         super().__init__()
+        window = _sliding_window(config)
+        if window is not None and window < max_position:
+            logger.warning(
+                "sliding_window=%d is not implemented: attention sees the whole context, so outputs past "
+                "%d tokens differ from the reference (max_model_len is %d)", window, window, max_position,
+            )
         self.config = config
         self.model = LlamaModel(config, max_position)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -146,6 +155,12 @@ class LlamaForCausalLM(nn.Module):
             return [attn.q_size, attn.kv_size, attn.kv_size]
         size = self.model.layers[0].mlp.intermediate_size
         return [size, size]
+
+
+def _sliding_window(config: Any) -> int | None:
+    if config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+        return None
+    return getattr(config, "sliding_window", None)
 
 
 def _has_qkv_bias(config: Any) -> bool:

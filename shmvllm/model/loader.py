@@ -1,8 +1,9 @@
 """Builds a native model for an HF directory and fills it from the directory's safetensors.
 
 The model is created on the meta device (no random init), materialized empty on the target
-device and dtype, then every parameter is copied from the checkpoint; a parameter the
-checkpoint does not provide is an error, except a tied lm_head.
+device and dtype, then every parameter is copied from the checkpoint. A parameter the
+checkpoint does not provide (except a tied lm_head), a checkpoint tensor with no parameter, or
+a shape mismatch is an error naming the tensor.
 """
 
 from __future__ import annotations

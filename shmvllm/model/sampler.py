@@ -154,6 +154,8 @@ def race_sample(
     noise.exponential_(generator=default)
     for row, generator in generators.items():
         noise[row].exponential_(generator=generator)
+    # A zero draw would turn a masked token's 0 / 0 into NaN, which argmax picks.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
     return (probs / noise).argmax(dim=-1)
 
 

@@ -7,13 +7,28 @@ tests and debugging use). Both expose the same calls.
 
 from __future__ import annotations
 
+import collections
+import itertools
 import logging
+import multiprocessing.util
+import os
 import sys
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Optional
 
+from ipc import PeerGoneError
 from shmvllm.config import EngineConfig
-from shmvllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from shmvllm.engine.core_proc import ENGINE_FAILED_CALL_ID, POLL_S, decode_outputs
+from shmvllm.engine.exceptions import EngineDeadError
+from shmvllm.engine.messages import (
+    EngineCoreAbort,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreShutdown,
+    EngineCoreUtility,
+)
+from shmvllm.engine.proc_manager import DEFAULT_READY_TIMEOUT_S, CoreEngineProcManager
+from shmvllm.engine.transport import TRANSPORTS, Endpoint, PeerMissingError, open_frontend
 
 logger = logging.getLogger(__name__)
 
@@ -23,8 +38,8 @@ class EngineCoreClient(ABC):
     def make_client(config: EngineConfig, multiprocess: bool = True, transport: str = "shm") -> "EngineCoreClient":
         """SyncMPClient when multiprocess (its `transport` picks the channel), else InprocClient.
 
-        Until this module defines SyncMPClient, multiprocess=True runs the engine in this process
-        and says so in the log.
+        Falls back to the engine in this process (and says so in the log) only where this module
+        lacks SyncMPClient.
         """
         if multiprocess:
             mp_client = getattr(sys.modules[__name__], "SyncMPClient", None)
@@ -97,3 +112,170 @@ class InprocClient(EngineCoreClient):
     @property
     def block_size(self) -> int:
         return self.engine_core.block_size
+
+
+class EngineUtilityError(RuntimeError):
+    """A UTILITY call raised in the engine; the message carries the engine's exception text."""
+
+
+_PEER_ERRORS = (PeerGoneError, PeerMissingError)
+
+
+class _EngineResources:
+    """What a SyncMPClient must release, kept apart from it so that a finalizer can run it."""
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.endpoint = endpoint
+        self.manager: Optional[CoreEngineProcManager] = None
+        self.closed = False
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """SHUTDOWN, wait (then terminate/kill), then remove the channel. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.manager is not None:
+                if self.manager.is_alive():
+                    try:
+                        self.endpoint.send(EngineCoreShutdown(), timeout=1.0)
+                    except Exception:  # a full or broken channel: the manager terminates it
+                        pass
+                self.manager.shutdown(timeout)
+        finally:
+            self.endpoint.close()
+
+
+class SyncMPClient(EngineCoreClient):
+    """The engine in its own process, reached over a transport ("shm" rings or "zmq" sockets).
+
+    Every blocking call waits with the GIL released and looks at the engine process at least
+    every POLL_S seconds, so a dead engine becomes an EngineDeadError, never a hang. The engine
+    stops on `shutdown()`, when this client is garbage-collected, and at interpreter exit.
+
+    io_threads: serve with vLLM's input/output threads instead of polling from the busy loop
+    (default from the environment variable SHMVLLM_ENGINE_IO=threads|poll, else polling).
+    executor_class: for the engine's EngineCore (tests inject faults with it).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        transport: str = "shm",
+        *,
+        io_threads: Optional[bool] = None,
+        executor_class: Optional[type] = None,
+        ready_timeout: float = DEFAULT_READY_TIMEOUT_S,
+    ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if io_threads is None:
+            io_threads = os.environ.get("SHMVLLM_ENGINE_IO", "poll") == "threads"
+        self.transport = transport
+        self._endpoint, self.addresses = open_frontend(transport)
+        resources = _EngineResources(self._endpoint)
+        # multiprocessing's finalizers run at exit before it joins its children, so the engine
+        # gets SHUTDOWN first instead of being waited for forever.
+        self._finalizer = multiprocessing.util.Finalize(self, resources.shutdown, exitpriority=100)
+        try:
+            self._manager = resources.manager = CoreEngineProcManager(config, self.addresses, io_threads, executor_class)
+            self._ready = self._manager.wait_for_ready(self._endpoint, ready_timeout)
+        except BaseException:
+            self._finalizer()
+            raise
+        self._pending: collections.deque[EngineCoreOutputs] = collections.deque()
+        self._call_ids = itertools.count()
+        self._dead: Optional[str] = None
+
+    @property
+    def engine_pid(self) -> Optional[int]:
+        return self._manager.pid
+
+    # ---- sending and receiving ------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if not self._finalizer.still_active():
+            raise EngineDeadError("the engine client is shut down.")
+
+    def _died(self, why: str) -> EngineDeadError:
+        self._dead = f"the engine process (pid {self._manager.pid}) is dead: {why}"
+        return EngineDeadError(self._dead)
+
+    def _send(self, msg: Any) -> None:
+        self._check_usable()
+        try:
+            self._endpoint.send(msg)
+        except _PEER_ERRORS as exc:
+            raise self._died(str(exc)) from exc
+
+    def _recv(self) -> EngineCoreOutputs:
+        """The engine's next message; EngineDeadError within ~POLL_S of its death."""
+        self._check_usable()
+        endpoint = self._endpoint
+        while True:
+            try:
+                outputs = endpoint.recv(decode_outputs, POLL_S)
+            except TimeoutError:
+                if self._manager.is_alive():
+                    continue
+                outputs = endpoint.try_recv(decode_outputs)  # what it said before it died
+                if outputs is None:
+                    raise self._died(f"it exited with code {self._manager.exitcode}") from None
+            except _PEER_ERRORS as exc:
+                raise self._died(str(exc)) from exc
+            utility = outputs.utility_output
+            if utility is not None and utility.call_id == ENGINE_FAILED_CALL_ID:
+                raise self._died(f"it failed:\n{utility.failure_message}")
+            return outputs
+
+    # ---- the client API -------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(request)
+
+    def get_output(self) -> EngineCoreOutputs:
+        if self._pending:
+            return self._pending.popleft()
+        return self._recv()
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """A dead engine holds no requests: then there is nothing to abort, and no error."""
+        if request_ids and self._dead is None and self._finalizer.still_active():
+            self._send(EngineCoreAbort(list(request_ids)))
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """Calls `EngineCore.<method>(*args)` in the engine; EngineUtilityError if it raised there."""
+        call_id = next(self._call_ids)
+        self._send(EngineCoreUtility(call_id, method, list(args)))
+        while True:
+            outputs = self._recv()
+            utility = outputs.utility_output
+            if utility is not None and utility.call_id == call_id:
+                if utility.failure_message is not None:
+                    raise EngineUtilityError(f"EngineCore.{method}() failed in the engine: {utility.failure_message}")
+                return utility.result
+            if outputs.outputs or outputs.finished_requests:
+                self._pending.append(outputs)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.call_utility("reset_prefix_cache")
+
+    def get_stats(self) -> Any:
+        return self.call_utility("get_stats")
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self._ready.num_kv_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._ready.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        return self._ready.max_concurrency

@@ -1,0 +1,200 @@
+"""The channel between the frontend and the engine process: shared-memory rings or ZeroMQ.
+
+Both transports carry the same msgspec messages with the same msgpack encoding, so comparing
+them measures the channel and nothing else:
+
+- "shm": two `ipc.RingBuffer`s (frontend -> engine, engine -> frontend), created by the frontend,
+  attached by the engine by name. Receiving decodes straight from the ring's memory; sending
+  encodes into one reused buffer. A side blocked on a dead peer gets `ipc.PeerGoneError`.
+- "zmq": two pyzmq PUSH/PULL pairs over ipc:// sockets in a private temporary directory (what
+  vLLM uses), bound by the frontend, connected by the engine. ZeroMQ never reports a dead
+  peer: both sides watch their peer process themselves (see core_client and core_proc).
+
+`open_frontend(kind)` creates the channel and returns the frontend's `Endpoint` and the
+`Addresses` the engine passes to `open_engine`. The creator removes everything on `close()`;
+`remove_orphaned` is for the engine when the frontend died without closing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from abc import ABC, abstractmethod
+from typing import Any, Callable, Optional
+
+import msgspec
+
+TRANSPORTS = ("shm", "zmq")
+RING_CAPACITY = 4 << 20
+
+Decode = Callable[[Any], Any]
+
+
+class PeerMissingError(ConnectionError):
+    """The zmq peer is not connected (it died, or never came): sending cannot succeed."""
+
+
+class Addresses(msgspec.Struct, frozen=True):
+    """What the engine needs to reach the frontend: ring names or socket paths."""
+
+    kind: str
+    to_engine: str
+    to_frontend: str
+
+
+class Endpoint(ABC):
+    """One side of the channel: sends to the peer, receives from it."""
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._buf = bytearray(4096)
+
+    @abstractmethod
+    def send(self, msg: Any, timeout: Optional[float] = None) -> None:
+        """Encodes and sends; TimeoutError if it could not within `timeout` s (a full ring)."""
+
+    @abstractmethod
+    def recv(self, decode: Decode, timeout: Optional[float]) -> Any:
+        """The next message passed through `decode`; TimeoutError when none came in `timeout` s."""
+
+    @abstractmethod
+    def try_recv(self, decode: Decode) -> Any:
+        """The next message decoded, or None when none is there (never blocks)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Closes this side; the creator also removes the channel's files and segments."""
+
+
+class ShmEndpoint(Endpoint):
+    def __init__(self, send_ring: Any, recv_ring: Any) -> None:
+        super().__init__()
+        self._send_ring, self._recv_ring = send_ring, recv_ring
+        self._push, self._consume, self._try_consume = send_ring.push, recv_ring.consume, recv_ring.try_consume
+
+    def send(self, msg: Any, timeout: Optional[float] = None) -> None:
+        self._encoder.encode_into(msg, self._buf)
+        self._push(self._buf, timeout)
+
+    def recv(self, decode: Decode, timeout: Optional[float]) -> Any:
+        return self._consume(decode, timeout)
+
+    def try_recv(self, decode: Decode) -> Any:
+        return self._try_consume(decode)
+
+    def close(self) -> None:
+        self._send_ring.close()
+        self._recv_ring.close()
+
+
+class ZmqEndpoint(Endpoint):
+    def __init__(self, ctx: Any, push: Any, pull: Any, owned_dir: Optional[str]) -> None:
+        super().__init__()
+        import zmq
+
+        self._zmq = zmq
+        self._ctx, self._push, self._pull, self._owned_dir = ctx, push, pull, owned_dir
+
+    def send(self, msg: Any, timeout: Optional[float] = None) -> None:
+        # The queue is unbounded, so the only reason to block is a peer that is not there.
+        try:
+            self._push.send(self._encoder.encode(msg), self._zmq.NOBLOCK)
+        except self._zmq.Again:
+            raise PeerMissingError("no peer is connected to the zmq socket") from None
+
+    def recv(self, decode: Decode, timeout: Optional[float]) -> Any:
+        try:  # what is already there costs one call, as with the ring
+            return decode(self._pull.recv(self._zmq.NOBLOCK))
+        except self._zmq.Again:
+            pass
+        if not self._pull.poll(None if timeout is None else int(timeout * 1000)):
+            raise TimeoutError("nothing received on the zmq socket")
+        return decode(self._pull.recv())
+
+    def try_recv(self, decode: Decode) -> Any:
+        try:
+            data = self._pull.recv(self._zmq.NOBLOCK)
+        except self._zmq.Again:
+            return None
+        return decode(data)
+
+    def close(self) -> None:
+        self._push.close(linger=0)
+        self._pull.close(linger=0)
+        self._ctx.term()
+        if self._owned_dir is not None:
+            shutil.rmtree(self._owned_dir, ignore_errors=True)
+
+
+def _zmq_socket(ctx: Any, kind: int, path: str, bind: bool) -> Any:
+    import zmq
+
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)  # unbounded queues: a send never blocks on a slow peer
+    sock.setsockopt(zmq.RCVHWM, 0)
+    (sock.bind if bind else sock.connect)(f"ipc://{path}")
+    return sock
+
+
+def open_frontend(kind: str) -> tuple[Endpoint, Addresses]:
+    """Creates the channel; returns the frontend's endpoint and the engine's addresses."""
+    if kind == "shm":
+        from ipc import RingBuffer
+
+        to_engine = RingBuffer.create(RING_CAPACITY)
+        try:
+            to_frontend = RingBuffer.create(RING_CAPACITY)
+        except BaseException:
+            to_engine.close()
+            raise
+        return ShmEndpoint(to_engine, to_frontend), Addresses(kind, to_engine.name, to_frontend.name)
+    if kind == "zmq":
+        import zmq
+
+        sock_dir = tempfile.mkdtemp(prefix="shmvllm-zmq-")
+        ctx = zmq.Context(io_threads=1)
+        try:
+            to_engine = os.path.join(sock_dir, "to_engine")
+            to_frontend = os.path.join(sock_dir, "to_frontend")
+            push = _zmq_socket(ctx, zmq.PUSH, to_engine, bind=True)
+            pull = _zmq_socket(ctx, zmq.PULL, to_frontend, bind=True)
+        except BaseException:
+            ctx.destroy(linger=0)
+            shutil.rmtree(sock_dir, ignore_errors=True)
+            raise
+        return ZmqEndpoint(ctx, push, pull, sock_dir), Addresses(kind, to_engine, to_frontend)
+    raise ValueError(f"transport must be one of {TRANSPORTS}, got {kind!r}")
+
+
+def open_engine(addresses: Addresses) -> Endpoint:
+    """The engine's endpoint, attached to the channel the frontend created."""
+    if addresses.kind == "shm":
+        from ipc import RingBuffer
+
+        recv_ring = RingBuffer.attach(addresses.to_engine)
+        try:
+            send_ring = RingBuffer.attach(addresses.to_frontend)
+        except BaseException:
+            recv_ring.close()
+            raise
+        return ShmEndpoint(send_ring, recv_ring)
+    if addresses.kind == "zmq":
+        import zmq
+
+        ctx = zmq.Context(io_threads=1)
+        pull = _zmq_socket(ctx, zmq.PULL, addresses.to_engine, bind=False)
+        push = _zmq_socket(ctx, zmq.PUSH, addresses.to_frontend, bind=False)
+        return ZmqEndpoint(ctx, push, pull, None)
+    raise ValueError(f"transport must be one of {TRANSPORTS}, got {addresses.kind!r}")
+
+
+def remove_orphaned(addresses: Addresses) -> None:
+    """Removes what a frontend that died without closing left of this channel."""
+    if addresses.kind == "shm":
+        from ipc import sweep_stale_segments
+
+        sweep_stale_segments()
+    elif addresses.kind == "zmq":
+        shutil.rmtree(os.path.dirname(addresses.to_engine), ignore_errors=True)

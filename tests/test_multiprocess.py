@@ -1,0 +1,239 @@
+"""The engine in its own process: same outputs as in-process over shm and zmq, and every way
+it can end (shutdown, garbage collection, kill -9 of either side, a failing step, a failing
+start, Ctrl-C) leaves no process and nothing in /dev/shm behind."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import leaked_shm_entries
+from ipc.segment import pid_alive
+from shmvllm import LLM, SamplingParams
+from shmvllm.config import EngineArgs
+from shmvllm.engine.core_client import EngineUtilityError, SyncMPClient
+from shmvllm.engine.exceptions import EngineDeadError, EngineStartupError
+from shmvllm.engine.messages import EngineCoreRequest
+from shmvllm.executor.uniproc import UniProcExecutor
+
+ENGINE_ARGS = dict(max_model_len=1024, num_kv_blocks=512)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+PROMPTS = ["Hello, my name is", "The capital of France is", "1, 2, 3,", "Once upon a time"]
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind():
+    before = leaked_shm_entries()
+    yield
+    deadline = time.monotonic() + 5
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not multiprocessing.active_children(), "an engine process outlived its test"
+    assert not leaked_shm_entries() - before
+
+
+def wait_until_dead(pid: int, timeout: float) -> float:
+    """Seconds until `pid` is gone (zombies count as gone); fails after `timeout`."""
+    started = time.monotonic()
+    while pid_alive(pid):
+        assert time.monotonic() - started < timeout, f"process {pid} still alive after {timeout} s"
+        time.sleep(0.01)
+    return time.monotonic() - started
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_outputs_identical_across_inproc_shm_and_zmq(tiny_llama_dir):
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True)
+    results = {}
+    for multiprocess, transport in ((False, "shm"), (True, "shm"), (True, "zmq")):
+        with LLM(str(tiny_llama_dir), multiprocess=multiprocess, transport=transport, **ENGINE_ARGS) as llm:
+            client = llm.llm_engine.engine_core
+            results[(multiprocess, transport)] = (
+                token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)),
+                token_ids(llm.generate(PROMPTS, seeded, use_tqdm=False)),
+                [o.outputs[0].text for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)],
+                client.num_kv_blocks, client.block_size, client.get_stats()["num_steps"],
+                llm.llm_engine.reset_prefix_cache(),
+            )
+            pid = getattr(client, "engine_pid", None)
+        if pid is not None:
+            wait_until_dead(pid, 2.0)
+    inproc = results[(False, "shm")]
+    assert len(inproc[0]) == 4 and all(len(ids) == 24 for ids in inproc[0])
+    assert results[(True, "shm")] == inproc
+    assert results[(True, "zmq")] == inproc
+
+
+def make_client(tiny_llama_dir, transport: str = "shm", **kwargs) -> SyncMPClient:
+    config = EngineArgs(model=str(tiny_llama_dir), **ENGINE_ARGS).create_engine_config()
+    return SyncMPClient(config, transport, **kwargs)
+
+
+def test_utility_calls_return_results_and_exceptions(tiny_llama_dir):
+    client = make_client(tiny_llama_dir)
+    pid = client.engine_pid
+    assert client.get_stats()["num_kv_blocks"] == client.num_kv_blocks == 512
+    with pytest.raises(EngineUtilityError, match="TypeError"):
+        client.call_utility("abort_requests", 5)
+    with pytest.raises(EngineUtilityError, match="AttributeError.*no_such_method"):
+        client.call_utility("no_such_method")
+    with pytest.raises(EngineUtilityError, match="no public method '_validate'"):
+        client.call_utility("_validate", None)
+    assert client.reset_prefix_cache() is True  # the engine still serves after failed calls
+    del client  # a garbage-collected client stops its engine
+    gc.collect()
+    wait_until_dead(pid, 5.0)
+
+
+class FailingExecutor(UniProcExecutor):
+    """Raises in the third model step: an engine failure in the middle of serving."""
+
+    def execute_model(self, scheduler_output):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 3:
+            raise RuntimeError("boom in execute_model")
+        return super().execute_model(scheduler_output)
+
+
+@pytest.mark.parametrize("io_threads", [False, True], ids=["poll", "threads"])
+def test_exception_in_step_raises_engine_dead_error(tiny_llama_dir, io_threads):
+    client = make_client(tiny_llama_dir, executor_class=FailingExecutor, io_threads=io_threads)
+    try:
+        request = EngineCoreRequest(
+            request_id="r0", prompt_token_ids=EngineCoreRequest.pack_token_ids([1, 2, 3]),
+            sampling_params=SamplingParams(max_tokens=50, ignore_eos=True),
+        )
+        client.add_request(request)
+        with pytest.raises(EngineDeadError, match="boom in execute_model"):
+            for _ in range(100):
+                client.get_output()
+        with pytest.raises(EngineDeadError):  # and every later call
+            client.add_request(request)
+        wait_until_dead(client.engine_pid, 2.0)
+    finally:
+        client.shutdown()
+
+
+def kill_engine_during_generate(tiny_llama_dir, transport: str) -> float:
+    with LLM(str(tiny_llama_dir), transport=transport, **ENGINE_ARGS) as llm:
+        pid = llm.llm_engine.engine_core.engine_pid
+        killed_at: list[float] = []
+
+        def kill() -> None:
+            time.sleep(0.3)
+            killed_at.append(time.monotonic())
+            os.kill(pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill)
+        killer.start()
+        params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+        with pytest.raises(EngineDeadError):
+            llm.generate(PROMPTS, params, use_tqdm=False)
+        raised_at = time.monotonic()
+        killer.join()
+        assert not llm.llm_engine.has_unfinished_requests()
+    return raised_at - killed_at[0]
+
+
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_kill_engine_during_generate_raises_within_2s(tiny_llama_dir, transport):
+    trials = 3 if transport == "shm" else 1
+    for _ in range(trials):
+        assert kill_engine_during_generate(tiny_llama_dir, transport) < 2.0
+
+
+@pytest.mark.slow
+def test_kill_engine_during_generate_20_trials(tiny_llama_dir):
+    delays = [kill_engine_during_generate(tiny_llama_dir, "shm") for _ in range(20)]
+    assert max(delays) < 2.0, delays
+
+
+def run_script(tmp_path: Path, body: str) -> subprocess.Popen:
+    script = tmp_path / "frontend.py"
+    script.write_text(textwrap.dedent(body))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+FRONTEND = """
+import sys
+from shmvllm import LLM, SamplingParams
+
+if __name__ == "__main__":
+    llm = LLM({model!r}, transport={transport!r}, max_model_len=1024, num_kv_blocks=512)
+    client = llm.llm_engine.engine_core
+    print("ENGINE", client.engine_pid, client.addresses.to_engine, flush=True)
+    params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+    print("GENERATING", flush=True)
+    try:
+        llm.generate(["Hello"] * 8, params, use_tqdm=False)
+    except KeyboardInterrupt:
+        stats = client.get_stats()
+        print("INTERRUPTED", stats["num_running_reqs"], stats["num_waiting_reqs"], flush=True)
+        raise
+"""
+
+
+def start_frontend(tmp_path: Path, tiny_llama_dir, transport: str) -> tuple[subprocess.Popen, int, str]:
+    proc = run_script(tmp_path, FRONTEND.format(model=str(tiny_llama_dir), transport=transport))
+    _, pid, address = proc.stdout.readline().split()
+    assert proc.stdout.readline().strip() == "GENERATING"
+    time.sleep(0.5)
+    return proc, int(pid), address
+
+
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_kill_frontend_engine_exits_within_2s(tmp_path, tiny_llama_dir, transport):
+    proc, engine_pid, address = start_frontend(tmp_path, tiny_llama_dir, transport)
+    try:
+        assert pid_alive(engine_pid)
+        proc.kill()
+        proc.wait(timeout=10)
+        assert wait_until_dead(engine_pid, 2.0) < 2.0
+        deadline = time.monotonic() + 2.0  # the engine removes what the frontend left
+        while (Path(address).parent.exists() if transport == "zmq" else leaked_shm_entries()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if transport == "zmq":
+            assert not Path(address).parent.exists()
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def test_ctrl_c_during_generate_aborts_and_leaves_nothing(tmp_path, tiny_llama_dir):
+    proc, engine_pid, _ = start_frontend(tmp_path, tiny_llama_dir, "shm")
+    try:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert "INTERRUPTED 0 0" in out, err  # the engine holds none of its requests any more
+    assert "KeyboardInterrupt" in err
+    wait_until_dead(engine_pid, 2.0)
+
+
+def test_startup_failure_shows_the_engines_error(tmp_path, tiny_llama_dir):
+    broken = tmp_path / "broken-llama"
+    shutil.copytree(tiny_llama_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"this is not a safetensors file")
+    with pytest.raises(EngineStartupError, match="(?s)failed to start.*Traceback"):
+        LLM(str(broken), **ENGINE_ARGS)
+
+
+def test_unknown_transport_is_a_value_error(tiny_llama_dir):
+    with pytest.raises(ValueError, match="transport"):
+        LLM(str(tiny_llama_dir), transport="carrier-pigeon", **ENGINE_ARGS)

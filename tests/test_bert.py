@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 from transformers import BertModel as HFBertModel
 
-from shmvllm.model.bert import BertModel, load_bert_model
+from shmvllm.model.bert import AttentionPlan, BertModel, load_bert_model
 
 LENGTHS = [1, 5, 17, 2, 33, 9]
 
@@ -102,3 +102,48 @@ def test_unknown_weight_is_an_error(tiny_bert_dir, hf_config):
 def test_missing_weights_dir_is_an_error(tmp_path, hf_config):
     with pytest.raises(ValueError, match="safetensors"):
         load_bert_model(tmp_path, hf_config, torch.float32, torch.device("cpu"))
+
+
+def test_attention_runs_for_sorted_lengths(ours):
+    """Length-sorted packing attends runs of equal length together, and each sequence still
+    attends only to itself."""
+    lengths = [3, 3, 3, 8, 9, 10, 40]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    assert AttentionPlan(cu).runs == [(0, 3, 3), (9, 1, 8), (17, 1, 9), (26, 1, 10), (36, 1, 40)]
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(1000, 30000, (n,), generator=g) for n in lengths]
+    zeros = [torch.zeros(n, dtype=torch.long) for n in lengths]
+    packed = _our_hidden(ours, seqs, zeros, pass_types=False)
+    for i in range(len(lengths)):
+        alone = _our_hidden(ours, [seqs[i]], [zeros[i]], pass_types=False)[0]
+        torch.testing.assert_close(packed[i], alone, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_linear_epilogues(monkeypatch, fused, approximate):
+    """The oneDNN-fused GEMM epilogues (CPU) and the plain path (other devices) agree with torch."""
+    from shmvllm.model import bert
+
+    monkeypatch.setattr(bert, "_ONEDNN_FUSION", fused)
+    g = torch.Generator().manual_seed(4)
+    layer = torch.nn.Linear(24, 40)
+    x, residual = torch.randn(7, 24, generator=g), torch.randn(7, 40, generator=g)
+    ref = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    with torch.inference_mode():
+        torch.testing.assert_close(bert._linear(x, layer), ref)
+        torch.testing.assert_close(bert._linear(x, layer, residual=residual), ref + residual)
+        torch.testing.assert_close(
+            bert._linear(x, layer, gelu=approximate), torch.nn.functional.gelu(ref, approximate=approximate)
+        )
+
+
+def test_unfused_path_matches_transformers(monkeypatch, hf_model, ours):
+    from shmvllm.model import bert
+
+    monkeypatch.setattr(bert, "_ONEDNN_FUSION", False)
+    seqs, types = _batch(seed=5)
+    for ref, got in zip(_hf_hidden(hf_model, seqs, types), _our_hidden(ours, seqs, types, pass_types=False)):
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)

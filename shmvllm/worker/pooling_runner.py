@@ -54,16 +54,21 @@ class PoolingModelRunner:
         reqs = scheduler_output.scheduled_new_reqs
         if not reqs:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        prompts = [self._checked_prompt(req, scheduler_output.num_scheduled_tokens) for req in reqs]
+        for req in reqs:
+            self._check(req, scheduler_output.num_scheduled_tokens)
+        # Packed by length, equal lengths sit together: the encoder attends each such run at once.
+        by_length = sorted(reqs, key=lambda req: len(req.prompt_token_ids))
         with torch.inference_mode():
-            vectors = self._embed(prompts, [req.pooling_params for req in reqs])
+            vectors = self._embed(
+                [req.prompt_token_ids for req in by_length], [req.pooling_params for req in by_length]
+            )
         return ModelRunnerOutput(
             req_ids=[req.req_id for req in reqs],
             sampled_token_ids=[[] for _ in reqs],
-            pooler_output={req.req_id: vec for req, vec in zip(reqs, vectors)},
+            pooler_output={req.req_id: vec for req, vec in zip(by_length, vectors)},
         )
 
-    def _checked_prompt(self, req: NewRequestData, num_scheduled_tokens: dict[str, int]) -> list[int]:
+    def _check(self, req: NewRequestData, num_scheduled_tokens: dict[str, int]) -> None:
         prompt = req.prompt_token_ids
         if req.pooling_params is None:
             raise ValueError(f"request {req.req_id!r} has no pooling_params; this runner only embeds.")
@@ -83,7 +88,6 @@ class PoolingModelRunner:
             )
         if req.pooling_params.dimensions is not None:
             req.pooling_params.verify(self.hidden_size)
-        return prompt
 
     def _embed(self, prompts: list[list[int]], params: list[Optional[PoolingParams]]) -> list[np.ndarray]:
         lengths = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=len(prompts))

@@ -131,10 +131,10 @@ def _prompts(count: int, seed: int = 0, vocab: int = 49152) -> list[list[int]]:
     return [rng.integers(3, vocab, size=int(rng.integers(3, 30))).tolist() for _ in range(count)]
 
 
-def _hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
+def _hf_greedy(hf_model, prompt: list[int], max_tokens: int, **kwargs) -> list[int]:
     ids = torch.tensor([prompt])
     out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
-                            pad_token_id=hf_model.config.eos_token_id)
+                            pad_token_id=hf_model.config.eos_token_id, **kwargs)
     return out[0, len(prompt):].tolist()
 
 
@@ -155,9 +155,26 @@ def test_greedy_batch_matches_hf_generate(which, budget, tiny_llama_dir, tiny_qw
     prompts = _prompts(9, seed=1)
     for i, prompt in enumerate(prompts):
         driver.add(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=12 + i))
+        if i % 4 == 0:  # random rows in the same batch leave the greedy ones alone
+            driver.add(f"x{i}", prompt, SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8))
     done = driver.run()
     for i, prompt in enumerate(prompts):
         assert done[f"r{i}"].outputs == _hf_greedy(hf, prompt, 12 + i), f"request r{i}"
+
+
+def test_greedy_with_repetition_penalty_matches_hf(tiny_llama_dir, hf_models):
+    hf = hf_models[tiny_llama_dir]
+    executor = _executor(tiny_llama_dir)
+    driver = StepDriver(executor, 256, 512, eos=None)
+    prompts = _prompts(3, seed=6)
+    for i, prompt in enumerate(prompts):
+        driver.add(f"r{i}", prompt, SamplingParams(temperature=0.0, repetition_penalty=1.8, max_tokens=20))
+    driver.add("plain", prompts[0], SamplingParams(temperature=0.0, max_tokens=20))
+    done = driver.run()
+    for i, prompt in enumerate(prompts):
+        assert done[f"r{i}"].outputs == _hf_greedy(hf, prompt, 20, repetition_penalty=1.8), f"request r{i}"
+    assert done["plain"].outputs == _hf_greedy(hf, prompts[0], 20)
+    assert done["plain"].outputs != done["r0"].outputs
 
 
 def test_preemption_and_resume_match_hf(tiny_llama_dir, hf_models):

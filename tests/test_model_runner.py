@@ -356,3 +356,22 @@ def test_embedding_task_runs_the_pooling_runner(tiny_bert_dir):
         expected = reference(features)["sentence_embedding"][0].numpy()
     np.testing.assert_allclose(out.pooler_output["e"], expected, atol=1e-5)
     executor.shutdown()
+
+
+def test_prompt_logprobs_cover_a_prompt_whose_prefix_is_cached(tiny_llama_dir):
+    """Through EngineCore: a prompt_logprobs request skips prefix-cache hits, so every prompt row comes."""
+    from shmvllm.engine.core import EngineCore
+    from shmvllm.engine.messages import EngineCoreRequest
+
+    config = EngineArgs(model=str(tiny_llama_dir), max_model_len=256, block_size=BLOCK_SIZE,
+                        num_kv_blocks=64).create_engine_config()
+    engine = EngineCore(config)
+    prefix = list(range(10, 30))
+    for req_id, tail, prompt_logprobs in (("warm", [5, 6], None), ("lp", [7, 8], 1)):
+        params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=prompt_logprobs)
+        engine.add_request(EngineCoreRequest(req_id, EngineCoreRequest.pack_token_ids(prefix + tail), params))
+        rows = 0
+        while engine.has_unfinished_requests():
+            rows += sum(o.new_prompt_logprobs.num_rows for o in engine.step().outputs if o.new_prompt_logprobs)
+    assert rows == len(prefix) + 1
+    engine.shutdown()

@@ -101,8 +101,11 @@ class Request:
 
     @property
     def use_prefix_cache(self) -> bool:
-        """Pooling needs every prompt position's hidden state, so it cannot skip a cached prefix."""
-        return not self.is_pooling
+        """Pooling and prompt_logprobs need every prompt position's hidden state, so they cannot
+        skip a cached prefix."""
+        if self.is_pooling:
+            return False
+        return self.sampling_params is None or self.sampling_params.prompt_logprobs is None
 
     @property
     def is_finished(self) -> bool:

@@ -7,7 +7,8 @@ included) for all-MiniLM-L6-v2. Both engines are timed end to end from text (tok
 included) to float32 vectors, after a warm-up; with --rounds N they alternate N times and each
 reports its best round (other processes on a shared machine then hit both alike). sentence-transformers runs `encode` at its best
 batch size (32; it sorts by length and pads per batch). shmvllm packs the tokens of several
-sentences into one padding-free step per `--max-num-batched-tokens`.
+sentences into one padding-free step per `--max-num-batched-tokens` (16384: larger steps mean
+fewer, larger attention calls; ~3% faster than 8192 here) and `--max-num-seqs`.
 
 Until `LLM.embed` exists, the shmvllm row drives the PoolingModelRunner with the model's
 tokenizer directly and is labelled `shmvllm-runner`; `embed_with_llm` is the path to switch to.
@@ -54,9 +55,11 @@ def embed_with_sentence_transformers(model_dir: Path, batch_size: int) -> Callab
     return lambda texts: model.encode(texts, batch_size=batch_size, convert_to_numpy=True)
 
 
-def embed_with_runner(model_dir: Path, max_num_batched_tokens: int) -> Callable[[list[str]], np.ndarray]:
-    """Tokenizer + PoolingModelRunner, steps packed greedily up to the token budget (what the
-    scheduler will do for whole pooling prompts)."""
+def embed_with_runner(
+    model_dir: Path, max_num_batched_tokens: int, max_num_seqs: int
+) -> Callable[[list[str]], np.ndarray]:
+    """Tokenizer + PoolingModelRunner, steps packed greedily in arrival order up to the token
+    budget and the sequence cap (what the scheduler will do for whole pooling prompts)."""
     from transformers import AutoTokenizer
 
     from shmvllm.config import EngineArgs
@@ -81,7 +84,7 @@ def embed_with_runner(model_dir: Path, max_num_batched_tokens: int) -> Callable[
         step: list[NewRequestData] = []
         budget = max_num_batched_tokens
         for i, ids in enumerate(encoded):
-            if step and len(ids) > budget:
+            if step and (len(ids) > budget or len(step) == max_num_seqs):
                 outputs.update(run_step(step))
                 step, budget = [], max_num_batched_tokens
             step.append(NewRequestData(str(i), ids, [], None, params, [], 0))
@@ -130,7 +133,8 @@ def main() -> None:
     parser.add_argument("--sentences", type=int, default=10_000)
     parser.add_argument("--quick", action="store_true", help="2,000 sentences")
     parser.add_argument("--st-batch-size", type=int, default=32)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--engine", choices=["runner", "llm"], default="runner")
     parser.add_argument("--rounds", type=int, default=1, help="alternate the engines this often; report each one's best")
     parser.add_argument("--json", help="write the result rows to this JSON file")
@@ -152,7 +156,7 @@ def main() -> None:
     if args.engine == "llm":
         ours_name, ours = "shmvllm", embed_with_llm(model_dir)
     else:
-        ours_name, ours = "shmvllm-runner", embed_with_runner(model_dir, args.max_num_batched_tokens)
+        ours_name, ours = "shmvllm-runner", embed_with_runner(model_dir, args.max_num_batched_tokens, args.max_num_seqs)
     engines = [
         (f"sentence-transformers (batch {args.st_batch_size})", embed_with_sentence_transformers(model_dir, args.st_batch_size)),
         (ours_name, ours),

@@ -147,3 +147,13 @@ def test_unfused_path_matches_transformers(monkeypatch, hf_model, ours):
     seqs, types = _batch(seed=5)
     for ref, got in zip(_hf_hidden(hf_model, seqs, types), _our_hidden(ours, seqs, types, pass_types=False)):
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_token_chunks_do_not_change_the_result(monkeypatch, ours):
+    from shmvllm.model import bert
+
+    seqs, types = _batch(seed=6)
+    whole = _our_hidden(ours, seqs, types, pass_types=False)
+    monkeypatch.setattr(bert, "TOKEN_CHUNK", 7)
+    for a, b in zip(whole, _our_hidden(ours, seqs, types, pass_types=False)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)

@@ -79,9 +79,22 @@ class BertLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
         attn = plan.attend(_linear(x, self.qkv), self.num_heads, self.head_dim)
-        x = self.attn_norm(_linear(attn, self.attn_out, residual=x))
+        if x.shape[0] <= TOKEN_CHUNK:
+            return self._token_wise(attn, x)
+        chunks = zip(attn.split(TOKEN_CHUNK), x.split(TOKEN_CHUNK))
+        return torch.cat([self._token_wise(a, r) for a, r in chunks])
+
+    def _token_wise(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Everything after attention: output projection, norms and the MLP, row by row."""
+        x = self.attn_norm(_linear(attn, self.attn_out, residual=residual))
         h = _linear(x, self.intermediate, gelu=self.gelu_approximate)
         return self.out_norm(_linear(h, self.out, residual=x))
+
+
+TOKEN_CHUNK = 2048
+"""The token-wise half of a layer runs on chunks of this many tokens, so that the wide MLP
+activation stays in cache: measured here for 16384 tokens, the fused MLP runs at ~194 GFLOP/s
+in chunks of 2048 against ~169 in one piece (chunks of 1024-4096 are alike, 512 and less slower)."""
 
 
 def _linear(

@@ -57,6 +57,7 @@ def token_ids(outputs) -> list[list[int]]:
 
 
 def test_outputs_identical_across_inproc_shm_and_zmq(tiny_llama_dir):
+    """Step counts may differ: requests reach a separate engine while it is already stepping."""
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True)
     results = {}
     for multiprocess, transport in ((False, "shm"), (True, "shm"), (True, "zmq")):
@@ -66,7 +67,7 @@ def test_outputs_identical_across_inproc_shm_and_zmq(tiny_llama_dir):
                 token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)),
                 token_ids(llm.generate(PROMPTS, seeded, use_tqdm=False)),
                 [o.outputs[0].text for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)],
-                client.num_kv_blocks, client.block_size, client.get_stats()["num_steps"],
+                client.num_kv_blocks, client.block_size, client.get_stats()["num_steps"] > 0,
                 llm.llm_engine.reset_prefix_cache(),
             )
             pid = getattr(client, "engine_pid", None)

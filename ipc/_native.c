@@ -13,6 +13,7 @@
  */
 #include <stdint.h>
 #include <string.h>
+#include <sched.h>
 #include <time.h>
 
 #define OFF_CAPACITY 16
@@ -215,7 +216,10 @@ int ipc_spin_consumer(uint8_t *b, int64_t ns) {
     for (uint32_t i = 1;; i++) {
         if (has_data(b)) return 1;
         cpu_relax();
-        if ((i & 63) == 0 && now_ns() >= deadline) return has_data(b);
+        if ((i & 63) == 0) {
+            if (now_ns() >= deadline) return has_data(b);
+            sched_yield();
+        }
     }
 }
 
@@ -224,7 +228,10 @@ int ipc_spin_producer(uint8_t *b, int64_t n, int64_t ns) {
     for (uint32_t i = 1;; i++) {
         if (has_space(b, n)) return 1;
         cpu_relax();
-        if ((i & 63) == 0 && now_ns() >= deadline) return has_space(b, n);
+        if ((i & 63) == 0) {
+            if (now_ns() >= deadline) return has_space(b, n);
+            sched_yield();
+        }
     }
 }
 

@@ -8,10 +8,11 @@ fences of its own, so this relies on two things, both written down here:
   process-private semaphore, which glibc implements as a release RMW followed by an acquire RMW
   on one word: no load or store moves across the pair, on x86-64 and on aarch64 (where a store
   release is never reordered with a later load acquire).
-- The counters are 8-byte aligned and accessed with struct's *native* format ``"@Q"``, which
-  CPython implements as a fixed-size 8-byte memcpy that compilers emit as one load/store,
-  single-copy atomic on both architectures for aligned addresses, so the peer never sees a
-  torn counter. (The standard-size formats "=Q"/"<Q" go byte by byte and would tear.)
+- The counters are 8-byte aligned and accessed as items of a memoryview cast to "Q", which
+  CPython reads and writes with a fixed-size 8-byte memcpy that compilers emit as one
+  load/store, single-copy atomic on both architectures for aligned addresses, so the peer
+  never sees a torn counter. (struct.pack_into would not do: it zeroes the target before
+  writing it, and its standard-size formats go byte by byte.)
 
 Each public function mirrors the C function of the same name (without the ``ipc_`` prefix).
 """
@@ -26,7 +27,6 @@ import posix_ipc
 from ipc import layout as L
 from ipc.segment import new_name
 
-_U64 = struct.Struct("@Q")  # native: one 8-byte memcpy, see above
 _HEADER = struct.Struct("=IHH")
 
 
@@ -37,6 +37,7 @@ def _align8(n: int) -> int:
 class PythonOps:
     def __init__(self, buf: memoryview) -> None:
         self._buf = buf
+        self._words = buf.cast("Q")  # counters: one 8-byte load/store each, see above
         name = new_name() + "-f"
         self._fence_sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
         self._fence_sem.unlink()
@@ -46,10 +47,10 @@ class PythonOps:
         self._fence_sem.acquire(0)
 
     def _get(self, off: int) -> int:
-        return _U64.unpack_from(self._buf, off)[0]
+        return self._words[off >> 3]
 
     def _set(self, off: int, value: int) -> None:
-        _U64.pack_into(self._buf, off, value)
+        self._words[off >> 3] = value
 
     def _geometry(self) -> "tuple[int, int] | None":
         cap, max_rec = self._get(L.OFF_CAPACITY), self._get(L.OFF_MAX_RECORD)

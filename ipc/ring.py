@@ -48,6 +48,10 @@ T = TypeVar("T")
 _U64 = struct.Struct("=Q")
 _MASK = L.PEEK_FIELD_MASK
 _MSG = L.KIND_MSG
+# Long enough to cover a peer that answers within a couple of hundred µs (a wake-up on this
+# kind of machine costs 10-30 µs, a cold msgspec decode about as much); cheap because the spin
+# yields the CPU every ~2 µs (sched_yield) and releases the GIL.
+DEFAULT_SPIN_US = 200.0
 # (pid, start time, closed flag) offsets of a side, keyed by "is the creator".
 _SIDES = {
     True: (L.OFF_CREATOR_PID, L.OFF_CREATOR_START, L.OFF_CREATOR_CLOSED),
@@ -120,7 +124,8 @@ class RingBuffer:
     """One direction of a byte pipe between two processes. Not thread-safe per side: one
     producer thread and one consumer thread (in the same or different processes).
 
-    spin_us: how long a waiting side spins (GIL released) before sleeping on a semaphore.
+    spin_us: how long a waiting side spins (GIL released, yielding the CPU every few µs)
+        before sleeping on a semaphore.
     poll_interval: how often a sleeping side wakes to check that its peer is alive.
     """
 
@@ -179,7 +184,7 @@ class RingBuffer:
         cls,
         capacity: int = 1 << 20,
         *,
-        spin_us: float = 50.0,
+        spin_us: float = DEFAULT_SPIN_US,
         poll_interval: float = 0.1,
         pure_python: bool = False,
     ) -> "RingBuffer":
@@ -217,7 +222,7 @@ class RingBuffer:
         cls,
         name: str,
         *,
-        spin_us: float = 50.0,
+        spin_us: float = DEFAULT_SPIN_US,
         poll_interval: float = 0.1,
         pure_python: bool = False,
     ) -> "RingBuffer":
@@ -498,8 +503,8 @@ class RingBuffer:
         """The physical floor: mean ns per round trip of a bare cache-line ping-pong between
         the two processes of this ring, in C, with no ring logic and no Python in the loop.
 
-        Both sides call it at once with the same `iters`, one with role 0, the other role 1,
-        and only once per ring (it counts up from zero). Needs the C helper.
+        Both sides call it at once with the same `iters` (> 1), one with role 0, the other
+        role 1, the same number of times. Needs the C helper.
         """
         if not self.native:
             raise RuntimeError("the cache-line floor needs the C helper")

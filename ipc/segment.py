@@ -65,7 +65,8 @@ def _kill_probe(pid: int) -> bool:
 
 
 class Segment:
-    """A mapped POSIX shared-memory object. Only the creator unlinks it."""
+    """A mapped POSIX shared-memory object. Only the creator unlinks it (see ring.py); the
+    mapping lives as long as this object, so no thread can touch unmapped memory."""
 
     def __init__(self, name: str, shm: posix_ipc.SharedMemory, creator: bool) -> None:
         self.name = name
@@ -91,13 +92,6 @@ class Segment:
     @classmethod
     def attach(cls, name: str) -> "Segment":
         return cls(name, posix_ipc.SharedMemory(name), creator=False)
-
-    def close(self) -> None:
-        """Unmaps, unless views into the memory are still alive (then the GC unmaps later)."""
-        try:
-            self.buf.close()
-        except BufferError:
-            pass
 
 
 def unlink_quietly(unlink, name: str) -> bool:

@@ -1,4 +1,4 @@
-"""The `shmvllm` command: `generate` and `chat` (and further subcommands registered in SUBCOMMANDS).
+"""The `shmvllm` command: `generate`, `chat`, `embed` (and further subcommands registered in SUBCOMMANDS).
 
 Results go to stdout; logs go to stderr (warnings only, unless -v).
 """
@@ -6,6 +6,7 @@ Results go to stdout; logs go to stderr (warnings only, unless -v).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from typing import Any, Callable, Optional, Sequence
@@ -64,11 +65,11 @@ def sampling_params_from_args(args: argparse.Namespace, **overrides: Any) -> Any
     return SamplingParams(**values)
 
 
-def make_llm(args: argparse.Namespace) -> Any:
+def make_llm(args: argparse.Namespace, **engine_args: Any) -> Any:
     from shmvllm.entrypoints.llm import LLM
 
     return LLM(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-               multiprocess=not args.inproc)
+               multiprocess=not args.inproc, **engine_args)
 
 
 def conversation(args: argparse.Namespace, prompt: str) -> list[dict[str, str]]:
@@ -177,7 +178,58 @@ def _read_line(prompt: str) -> Optional[str]:
         return None
 
 
-SUBCOMMANDS: list[SubcommandAdder] = [add_generate_parser, add_chat_parser]
+# --- embed --------------------------------------------------------------------------------------
+
+EMBED_DEFAULT_MODEL = "all-minilm-l6-v2"
+
+
+def add_embed_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "embed", help="embed texts and print one JSON line per text",
+        description="Embed each TEXT (or each line of --input) with an embedding model and print one JSON "
+        'object per text, in input order: {"index": i, "text": ..., "embedding": [...]}. Texts longer than '
+        "the model's max length are truncated, as sentence-transformers does.",
+    )
+    parser.add_argument("texts", nargs="*", metavar="TEXT", help="text to embed (several: one request each)")
+    parser.add_argument("--input", metavar="FILE", help="read the texts from FILE, one per line ('-': stdin)")
+    parser.add_argument("--dimensions", type=int, default=None,
+                        help="keep only the first N values (Matryoshka truncation), renormalized (default: all)")
+    parser.add_argument("--no-normalize", action="store_true", help="print the pooled vector without L2 normalization")
+    add_engine_args(parser)
+    parser.set_defaults(func=run_embed, model=EMBED_DEFAULT_MODEL)
+
+
+def read_texts(args: argparse.Namespace) -> list[str]:
+    texts = list(args.texts)
+    if args.input is not None:
+        if args.input == "-":
+            lines = sys.stdin.read().splitlines()
+        else:
+            with open(args.input, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        texts += lines
+    if not texts:
+        raise ValueError("nothing to embed: give TEXT arguments or --input FILE.")
+    return texts
+
+
+def run_embed(args: argparse.Namespace) -> int:
+    from shmvllm.pooling_params import PoolingParams
+
+    texts = read_texts(args)
+    params = PoolingParams(dimensions=args.dimensions, normalize=False if args.no_normalize else None)
+    with make_llm(args, task="embed") as llm:
+        outputs = llm.embed(texts, params, use_tqdm=args.verbose)
+    for i, (text, output) in enumerate(zip(texts, outputs)):
+        record: dict[str, Any] = {"index": i, "text": text, "embedding": output.outputs.embedding.tolist()}
+        if output.error:
+            record["error"] = output.error
+        sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
+    sys.stdout.flush()
+    return 1 if any(o.error for o in outputs) else 0
+
+
+SUBCOMMANDS: list[SubcommandAdder] = [add_generate_parser, add_chat_parser, add_embed_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

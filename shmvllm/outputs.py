@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Generic, Optional, TypeVar, Union
 
+import numpy as np
+
 
 @dataclass
 class Logprob:
@@ -57,14 +59,18 @@ class RequestOutput:
 
 @dataclass
 class PoolingOutput:
-    """A pooled vector of one input (`data`: a torch tensor or numpy array)."""
+    """The pooled vector of one input. `data`: a float32 numpy array viewing the engine's output
+    bytes (read-only, no copy) from the output processor; a torch tensor from `LLM.encode`."""
 
     data: Any
 
 
 @dataclass
 class EmbeddingOutput:
-    embedding: list[float]
+    """`embedding`: a read-only float32 numpy array (vLLM gives a list of floats: len, indexing,
+    iteration and `.tolist()` work alike, without a Python float per value)."""
+
+    embedding: Any
 
     @property
     def hidden_size(self) -> int:
@@ -76,7 +82,10 @@ _O = TypeVar("_O")
 
 @dataclass
 class PoolingRequestOutput(Generic[_O]):
-    """The output of one pooling request: `outputs` is a PoolingOutput (or a typed view of one)."""
+    """The output of one pooling request: `outputs` is a PoolingOutput (or a typed view of one).
+
+    `error` is set (and the vector empty) when the engine could not serve the request.
+    """
 
     request_id: str
     outputs: _O
@@ -89,15 +98,15 @@ class PoolingRequestOutput(Generic[_O]):
 
 @dataclass
 class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
-    """A PoolingRequestOutput whose vector is an embedding, as a list of floats."""
+    """A PoolingRequestOutput whose vector is an embedding."""
 
     @classmethod
     def from_base(cls, base: PoolingRequestOutput) -> "EmbeddingRequestOutput":
         data = base.outputs.data
-        values = data.tolist() if hasattr(data, "tolist") else list(data)
+        embedding = data.numpy() if hasattr(data, "numpy") else np.asarray(data, dtype=np.float32)
         return cls(
             request_id=base.request_id,
-            outputs=EmbeddingOutput(embedding=values),
+            outputs=EmbeddingOutput(embedding=embedding),
             prompt_token_ids=base.prompt_token_ids,
             finished=base.finished,
             prompt=base.prompt,

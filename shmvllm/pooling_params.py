@@ -6,6 +6,8 @@ from typing import Optional
 
 import msgspec
 
+from shmvllm.sampling_params import ParameterTypeError
+
 
 class PoolingParams(
     msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True
@@ -13,6 +15,9 @@ class PoolingParams(
     """normalize: L2-normalize the pooled vector (None: the model's default).
     dimensions: keep only the first `dimensions` values (Matryoshka truncation), renormalized
     when normalize is on.
+
+    Invalid values raise ValueError naming the field; a wrong type raises ParameterTypeError
+    (both a TypeError and a ValueError), as SamplingParams does.
     """
 
     normalize: Optional[bool] = None
@@ -20,10 +25,10 @@ class PoolingParams(
 
     def __post_init__(self) -> None:
         if self.normalize is not None and not isinstance(self.normalize, bool):
-            raise TypeError(f"normalize must be a bool or None, got {self.normalize!r}.")
+            raise ParameterTypeError(f"normalize must be a bool or None, got {self.normalize!r}.")
         if self.dimensions is not None:
             if not isinstance(self.dimensions, int) or isinstance(self.dimensions, bool):
-                raise TypeError(f"dimensions must be an int, got {self.dimensions!r}.")
+                raise ParameterTypeError(f"dimensions must be an int, got {self.dimensions!r}.")
             if self.dimensions < 1:
                 raise ValueError(f"dimensions must be at least 1, got {self.dimensions}.")
 

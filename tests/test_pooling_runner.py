@@ -203,3 +203,17 @@ def test_default_pooler_config_without_sentence_transformers_files(tmp_path, tin
     assert load_pooler_config(tmp_path, bert) == PoolerConfig(PoolingType.CLS, normalize=True)
     llama = LlamaConfig(architectures=["LlamaForCausalLM"])
     assert load_pooler_config(tmp_path, llama) == PoolerConfig(PoolingType.LAST, normalize=True)
+
+
+def test_llama_last_token_pooling_matches_transformers(tiny_llama_dir):
+    """A decoder embeds by causal attention within each packed sequence and its last token."""
+    config = EngineArgs(model=str(tiny_llama_dir), task="embed", max_model_len=128).create_engine_config()
+    runner = PoolingModelRunner(config.model_config)
+    assert runner.pooler_config == PoolerConfig(PoolingType.LAST, normalize=True)
+    runner.load_model()
+    prompts = [[1, 4093, 314, 253], [1, 9], [7], list(range(100, 140))]
+    got = _embed(runner, prompts)
+    hf = AutoModel.from_pretrained(tiny_llama_dir).eval()
+    with torch.no_grad():
+        expected = [F.normalize(hf(torch.tensor([p])).last_hidden_state[0, -1], dim=-1).numpy() for p in prompts]
+    np.testing.assert_allclose(got, np.stack(expected), atol=2e-5)

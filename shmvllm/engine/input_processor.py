@@ -16,6 +16,7 @@ import msgspec
 
 from shmvllm.engine.messages import EngineCoreRequest, now
 from shmvllm.engine.renderer import Renderer
+from shmvllm.pooling_params import PoolingParams
 from shmvllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -25,11 +26,25 @@ PromptType = Union[str, dict[str, Any]]
 
 
 class InputProcessor:
-    def __init__(self, renderer: Renderer, max_model_len: int, vocab_size: int, model_dir: Optional[Path] = None):
+    def __init__(
+        self,
+        renderer: Renderer,
+        max_model_len: int,
+        vocab_size: int,
+        model_dir: Optional[Path] = None,
+        hidden_size: Optional[int] = None,
+        generates: bool = True,
+    ):
+        """hidden_size: the pooled vector's size, for PoolingParams.verify. generates: False for an
+        embedding model, which has no EOS tokens to look up."""
         self.renderer = renderer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.eos_token_id, self.extra_eos_token_ids = _eos_token_ids(renderer.tokenizer, model_dir)
+        self.hidden_size = hidden_size
+        self.eos_token_id: Optional[int] = None
+        self.extra_eos_token_ids: list[int] = []
+        if generates:
+            self.eos_token_id, self.extra_eos_token_ids = _eos_token_ids(renderer.tokenizer, model_dir)
 
     def process_inputs(
         self,
@@ -83,6 +98,67 @@ class InputProcessor:
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}.")
+
+    # ---- pooling (embedding) requests ------------------------------------------------------
+
+    def process_pooling_inputs(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: PoolingParams,
+        arrival_time: Optional[float] = None,
+        priority: int = 0,
+    ) -> tuple[EngineCoreRequest, Optional[str], list[int]]:
+        """The pooling twin of `process_inputs`: text is tokenized truncated to max_model_len."""
+        self.verify_pooling_params(params)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an int, got {priority!r}.")
+        ((prompt_text, prompt_ids),) = self.tokenize_for_pooling([prompt])
+        self.validate_pooling_prompt(prompt_ids)
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=EngineCoreRequest.pack_token_ids(prompt_ids),
+            pooling_params=params,
+            arrival_time=now() if arrival_time is None else arrival_time,
+            priority=priority,
+        )
+        return request, prompt_text, prompt_ids
+
+    def verify_pooling_params(self, params: PoolingParams) -> None:
+        if not isinstance(params, PoolingParams):
+            raise TypeError(f"pooling_params must be a PoolingParams, got {type(params).__name__}.")
+        if self.hidden_size is not None:
+            params.verify(self.hidden_size)
+
+    def tokenize_for_pooling(self, prompts: list[PromptType]) -> list[tuple[Optional[str], list[int]]]:
+        """(text, ids) per prompt. Texts are tokenized in one batch call and truncated to
+        max_model_len, as sentence-transformers does; given token ids are taken as they are."""
+        results: list[Optional[tuple[Optional[str], list[int]]]] = [None] * len(prompts)
+        texts, slots = [], []
+        for i, prompt in enumerate(prompts):
+            text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
+            given_ids = isinstance(prompt, dict) and "prompt_token_ids" in prompt
+            if given_ids or not isinstance(text, str):  # ids as they are; anything else: its error
+                results[i] = self.tokenize_prompt(prompt)
+            else:
+                texts.append(text)
+                slots.append(i)
+        if texts:
+            encoded = self.renderer.tokenizer(texts, truncation=True, max_length=self.max_model_len)["input_ids"]
+            for i, text, ids in zip(slots, texts, encoded):
+                results[i] = (text, ids)
+        return results  # type: ignore[return-value]
+
+    def validate_pooling_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: it has no tokens.")
+        if len(prompt_ids) > self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids has {len(prompt_ids)} tokens, more than max_model_len={self.max_model_len}."
+            )
+        low, high = min(prompt_ids), max(prompt_ids)
+        if low < 0 or high >= self.vocab_size:
+            raise ValueError(f"prompt_token_ids out of the vocabulary [0, {self.vocab_size}): {low if low < 0 else high}.")
 
     def engine_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """A copy with the EOS token set and max_tokens capped by what is left of max_model_len."""

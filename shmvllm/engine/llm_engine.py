@@ -8,16 +8,18 @@ and returns the RequestOutputs they make.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import msgspec
 
 from shmvllm.config import EngineArgs, EngineConfig
 from shmvllm.engine.core_client import EngineCoreClient
 from shmvllm.engine.input_processor import InputProcessor, PromptType
+from shmvllm.engine.messages import EngineCoreRequest, now
 from shmvllm.engine.output_processor import OutputProcessor, ParentRequest
 from shmvllm.engine.renderer import Renderer, load_tokenizer
-from shmvllm.outputs import RequestOutput
+from shmvllm.outputs import PoolingRequestOutput, RequestOutput
+from shmvllm.pooling_params import PoolingParams
 from shmvllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -30,7 +32,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(model_config.tokenizer_dir or model_config.model_dir)
         self.renderer = Renderer(self.tokenizer)
         self.input_processor = InputProcessor(
-            self.renderer, model_config.max_model_len, model_config.vocab_size, model_config.model_dir
+            self.renderer, model_config.max_model_len, model_config.vocab_size, model_config.model_dir,
+            hidden_size=model_config.hidden_size, generates=not model_config.is_embedding,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess, transport=transport)
@@ -46,11 +49,18 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: Union[SamplingParams, PoolingParams],
         arrival_time: Optional[float] = None,
         priority: int = 0,
     ) -> None:
-        """Validates, then queues; a ValueError here means nothing of this request was queued."""
+        """Validates, then queues; a ValueError here means nothing of this request was queued.
+
+        SamplingParams make a generation request, PoolingParams a pooling (embedding) one; each
+        needs an engine of its task."""
+        self.check_task(params)
+        if isinstance(params, PoolingParams):
+            self._add_pooling_request(request_id, prompt, params, arrival_time, priority)
+            return
         request, prompt_text, prompt_ids = self.input_processor.process_inputs(
             request_id, prompt, params, arrival_time, priority
         )
@@ -66,7 +76,51 @@ class LLMEngine:
             self.output_processor.add_request(child, prompt_text, prompt_ids, parent=parent, index=index)
             self.engine_core.add_request(child)
 
-    def step(self) -> list[RequestOutput]:
+    def _add_pooling_request(
+        self, request_id: str, prompt: PromptType, params: PoolingParams, arrival_time: Optional[float], priority: int
+    ) -> None:
+        request, prompt_text, prompt_ids = self.input_processor.process_pooling_inputs(
+            request_id, prompt, params, arrival_time, priority
+        )
+        self._queue_pooling_request(request, prompt_text, prompt_ids)
+
+    def add_tokenized_pooling_request(
+        self, request_id: str, prompt_text: Optional[str], prompt_ids: list[int], params: PoolingParams, priority: int = 0
+    ) -> None:
+        """A pooling request whose prompt `tokenize_for_pooling` already tokenized, and whose params
+        the caller verified (LLM.embed tokenizes its prompts in batches)."""
+        self.check_task(params)
+        self.input_processor.validate_pooling_prompt(prompt_ids)
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=EngineCoreRequest.pack_token_ids(prompt_ids),
+            pooling_params=params,
+            arrival_time=now(),
+            priority=priority,
+        )
+        self._queue_pooling_request(request, prompt_text, prompt_ids)
+
+    def _queue_pooling_request(self, request: EngineCoreRequest, prompt_text: Optional[str], prompt_ids: list[int]) -> None:
+        if request.request_id in self.output_processor.parents:
+            raise ValueError(f"request_id {request.request_id!r} is already in use.")
+        self.output_processor.add_pooling_request(request.request_id, prompt_text, prompt_ids)
+        self.engine_core.add_request(request)
+
+    def check_task(self, params: Any) -> None:
+        """A clear ValueError for a request of the wrong kind for this model."""
+        task = self.config.model_config.task
+        if isinstance(params, PoolingParams) and task != "embed":
+            raise ValueError(
+                f"model {self.config.model_config.model!r} runs task {task!r}: it cannot embed; load an "
+                "embedding model (or pass task='embed') for embed() / encode()."
+            )
+        if isinstance(params, SamplingParams) and task == "embed":
+            raise ValueError(
+                f"model {self.config.model_config.model!r} runs task 'embed': it cannot generate; use "
+                "embed() / encode(), or load a generation model for generate() / chat()."
+            )
+
+    def step(self) -> list[Union[RequestOutput, PoolingRequestOutput]]:
         """One batch of engine outputs -> RequestOutputs; aborts in the engine what stop strings ended."""
         outputs = self.engine_core.get_output()
         processed = self.output_processor.process_outputs(outputs.outputs)

@@ -1,5 +1,8 @@
 """EngineCoreOutputs -> RequestOutputs: detokenization, stop strings, logprobs, n > 1 merging.
 
+Pooling (embedding) requests take a short path: their one output carries the pooled vector as
+raw float32 bytes, which becomes a numpy view of those bytes (no copy) in a PoolingRequestOutput.
+
 The output processor keeps one `RequestState` per request in the engine (a request with n > 1
 is n child requests in the engine, merged back by their `ParentRequest`). A request that hits a
 stop string finishes here, in the frontend; `reqs_to_abort` tells the caller to abort it in the
@@ -9,13 +12,22 @@ engine, which does not know about stop strings.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 import msgspec
+import numpy as np
 
 from shmvllm.engine.detokenizer import IncrementalDetokenizer, byte_fallback_token_ids, special_token_ids
 from shmvllm.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, Logprobs
-from shmvllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from shmvllm.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    PromptLogprobs,
+    RequestOutput,
+    SampleLogprobs,
+)
 from shmvllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -87,8 +99,20 @@ class RequestState:
 
 
 @dataclass
+class PoolingRequestState:
+    """What the frontend keeps of a pooling request until its vector comes."""
+
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+
+
+_NO_VECTOR = np.empty(0, dtype="<f4")
+_NO_VECTOR.flags.writeable = False
+
+
+@dataclass
 class OutputProcessorOutput:
-    request_outputs: list[RequestOutput] = field(default_factory=list)
+    request_outputs: list[Union[RequestOutput, PoolingRequestOutput]] = field(default_factory=list)
     reqs_to_abort: list[str] = field(default_factory=list)
 
 
@@ -99,6 +123,7 @@ class OutputProcessor:
         self.special_ids = special_token_ids(tokenizer) if self.byte_token_ids else frozenset()
         self.request_states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
+        self.pooling_states: dict[str, PoolingRequestState] = {}
         self._token_text: dict[int, str] = {}
 
     def add_request(
@@ -133,11 +158,16 @@ class OutputProcessor:
             cumulative_logprob=0.0 if params.logprobs is not None else None,
         )
 
+    def add_pooling_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int]) -> None:
+        if request_id in self.request_states or request_id in self.pooling_states:
+            raise ValueError(f"request_id {request_id!r} is already in use.")
+        self.pooling_states[request_id] = PoolingRequestState(prompt, prompt_token_ids)
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.request_states)
+        return bool(self.request_states) or bool(self.pooling_states)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.request_states)
+        return len(self.request_states) + len(self.pooling_states)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Forgets these requests (external ids or engine ids); returns the engine ids to abort."""
@@ -148,6 +178,8 @@ class OutputProcessor:
             for engine_id in ids:
                 if self.request_states.pop(engine_id, None) is not None:
                     engine_ids.append(engine_id)
+                elif self.pooling_states.pop(engine_id, None) is not None:
+                    engine_ids.append(engine_id)
         return engine_ids
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
@@ -155,7 +187,10 @@ class OutputProcessor:
         by_external_id: dict[str, RequestOutput] = {}
         for output in outputs:
             state = self.request_states.get(output.request_id)
-            if state is None:  # aborted or finished by a stop string already
+            if state is None:  # a pooling request, or one aborted or finished by a stop string already
+                pooled = self._pooling_output(output)
+                if pooled is not None:
+                    result.request_outputs.append(pooled)
                 continue
             stopped_here = self._update(state, output)
             if stopped_here:
@@ -164,8 +199,26 @@ class OutputProcessor:
             if state.finished:
                 self.request_states.pop(state.request_id)
             self._collect(state, completion, by_external_id)
-        result.request_outputs = list(by_external_id.values())
+        result.request_outputs.extend(by_external_id.values())
         return result
+
+    def _pooling_output(self, output: EngineCoreOutput) -> Optional[PoolingRequestOutput]:
+        """The finished PoolingRequestOutput of a pooling request's output (None: not one)."""
+        if not output.finished:
+            return None
+        state = self.pooling_states.pop(output.request_id, None)
+        if state is None:
+            return None
+        data = np.frombuffer(output.pooling_output, dtype="<f4") if output.pooling_output is not None else _NO_VECTOR
+        return PoolingRequestOutput(
+            request_id=output.request_id,
+            outputs=PoolingOutput(data=data),
+            prompt_token_ids=state.prompt_token_ids,
+            finished=True,
+            prompt=state.prompt,
+            num_cached_tokens=output.num_cached_tokens,
+            error=output.error,
+        )
 
     def _update(self, state: RequestState, output: EngineCoreOutput) -> bool:
         """Applies one step's output; returns True if a stop string finished it here."""

@@ -1,4 +1,4 @@
-"""LLM: vLLM's offline API (`generate`, `chat`) over an LLMEngine."""
+"""LLM: vLLM's offline API (`generate`, `chat`, `embed`, `encode`) over an LLMEngine."""
 
 from __future__ import annotations
 
@@ -13,14 +13,27 @@ from shmvllm.config import EngineArgs
 from shmvllm.engine.input_processor import PromptType
 from shmvllm.engine.llm_engine import LLMEngine
 from shmvllm.engine.renderer import Conversation
+from shmvllm.engine.transport import RING_CAPACITY
 from shmvllm.model.registry import DEFAULT_MODEL
-from shmvllm.outputs import RequestOutput
+from shmvllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from shmvllm.pooling_params import PoolingParams
 from shmvllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 Prompts = Union[PromptType, Sequence[PromptType]]
 ParamsArg = Union[SamplingParams, Sequence[SamplingParams], None]
+PoolingParamsArg = Union[PoolingParams, Sequence[PoolingParams], None]
+
+# embed/encode tokenize this many texts per tokenizer call, and send them while the engine
+# computes what came before.
+POOLING_TOKENIZE_CHUNK = 256
+# Requests in flight (sent, not yet finished) stay under both caps: the count keeps a few steps
+# queued in the engine; the bytes keep the input ring from ever filling, so that the frontend
+# never blocks on a send while the engine blocks on an output ring that only it can drain.
+POOLING_MAX_IN_FLIGHT_STEPS = 2  # x max_num_seqs
+POOLING_MAX_IN_FLIGHT_BYTES = RING_CAPACITY // 4
+_REQUEST_OVERHEAD_BYTES = 64  # an encoded EngineCoreRequest besides its token ids, about
 
 
 class LLM:
@@ -56,6 +69,7 @@ class LLM:
         sampling_params: one for all prompts, or one per prompt (default: SamplingParams()).
         Every prompt is validated before any is queued: a ValueError leaves the LLM as it was.
         """
+        self.llm_engine.check_task(SamplingParams())
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         return self._run(self._prepare(prompt_list), sampling_params, use_tqdm, priority)
 
@@ -69,6 +83,7 @@ class LLM:
         continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Generates the next message of each conversation, rendered by the chat template."""
+        self.llm_engine.check_task(SamplingParams())
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         renderer = self.llm_engine.renderer
         prompts: list[dict[str, Any]] = []
@@ -81,6 +96,93 @@ class LLM:
             )
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self._run(self._prepare(prompts), sampling_params, use_tqdm, None)
+
+    def embed(
+        self,
+        prompts: Prompts,
+        pooling_params: PoolingParamsArg = None,
+        use_tqdm: bool = True,
+        priority: Optional[list[int]] = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embeds each prompt; one EmbeddingRequestOutput per prompt, in input order.
+
+        prompts: a str, {"prompt": str}, {"prompt_token_ids": [...]}, or a list of those; text is
+        truncated to max_model_len tokens, as sentence-transformers does. pooling_params: one for
+        all prompts, or one per prompt (default: PoolingParams(), the model's own pooling).
+        `.outputs.embedding` is a float32 numpy array viewing the engine's output bytes.
+        """
+        return [EmbeddingRequestOutput.from_base(o) for o in self._pool(prompts, pooling_params, use_tqdm, priority)]
+
+    def encode(
+        self,
+        prompts: Prompts,
+        pooling_params: PoolingParamsArg = None,
+        use_tqdm: bool = True,
+        priority: Optional[list[int]] = None,
+    ) -> list[PoolingRequestOutput]:
+        """Like `embed`, but `.outputs.data` is the pooled vector as a float32 torch tensor."""
+        import torch
+
+        outputs = self._pool(prompts, pooling_params, use_tqdm, priority)
+        for output in outputs:
+            output.outputs.data = torch.from_numpy(output.outputs.data.copy())  # writable, owned
+        return outputs
+
+    def _pool(
+        self, prompts: Prompts, pooling_params: PoolingParamsArg, use_tqdm: bool, priority: Optional[list[int]]
+    ) -> list[PoolingRequestOutput]:
+        """Validates everything, then tokenizes chunk by chunk while the engine embeds what was
+        sent before; returns the outputs in prompt order."""
+        engine = self.llm_engine
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if not prompt_list:
+            raise ValueError("prompts is empty.")
+        params_list = _pooling_params_per_prompt(pooling_params, len(prompt_list))
+        engine.check_task(params_list[0])
+        for params in {id(p): p for p in params_list}.values():
+            engine.input_processor.verify_pooling_params(params)
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts.")
+        for prompt in prompt_list:
+            self._check_pooling_prompt(prompt)
+        request_ids = [str(next(self.request_counter)) for _ in prompt_list]
+        tracker = _PoolingTracker(engine, len(prompt_list), use_tqdm)
+        max_in_flight = POOLING_MAX_IN_FLIGHT_STEPS * engine.config.scheduler_config.max_num_seqs
+        sent = 0
+        try:
+            for start in range(0, len(prompt_list), POOLING_TOKENIZE_CHUNK):
+                chunk = prompt_list[start : start + POOLING_TOKENIZE_CHUNK]
+                for text, ids in engine.input_processor.tokenize_for_pooling(chunk):
+                    nbytes = 4 * len(ids) + _REQUEST_OVERHEAD_BYTES
+                    while tracker.in_flight and (
+                        tracker.in_flight >= max_in_flight or tracker.in_flight_bytes + nbytes > POOLING_MAX_IN_FLIGHT_BYTES
+                    ):
+                        tracker.collect()
+                    engine.add_tokenized_pooling_request(
+                        request_ids[sent], text, ids, params_list[sent], priority[sent] if priority else 0
+                    )
+                    tracker.sent(nbytes)
+                    sent += 1
+            while engine.has_unfinished_requests():
+                tracker.collect()
+        except BaseException:
+            engine.abort_request([rid for rid in request_ids[:sent] if rid not in tracker.finished])
+            raise
+        finally:
+            tracker.close()
+        missing = [rid for rid in request_ids if rid not in tracker.finished]
+        if missing:
+            raise RuntimeError(f"the engine finished without outputs for requests {missing[:10]}.")
+        return [tracker.finished[rid] for rid in request_ids]
+
+    def _check_pooling_prompt(self, prompt: PromptType) -> None:
+        """What `tokenize_for_pooling` would refuse, found before anything is queued."""
+        if isinstance(prompt, str) or (isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str)
+                                       and "prompt_token_ids" not in prompt):
+            return
+        processor = self.llm_engine.input_processor
+        _, ids = processor.tokenize_prompt(prompt)  # a ValueError for anything but given token ids
+        processor.validate_pooling_prompt(ids)
 
     def _prepare(self, prompts: list[PromptType]) -> list[dict[str, Any]]:
         """Tokenizes and validates every prompt, so that a bad one fails before any is queued."""
@@ -121,7 +223,7 @@ class LLM:
         prompt_tokens = output_tokens = 0
         while self.llm_engine.has_unfinished_requests():
             for output in self.llm_engine.step():
-                if not output.finished:
+                if not output.finished or not isinstance(output, RequestOutput):
                     continue
                 finished[output.request_id] = output
                 prompt_tokens += len(output.prompt_token_ids or ())
@@ -169,6 +271,68 @@ def _params_per_prompt(sampling_params: ParamsArg, num_prompts: int) -> list[Sam
     for p in params:
         if not isinstance(p, SamplingParams):
             raise TypeError(f"sampling_params must hold SamplingParams, got {type(p).__name__}.")
+    return params
+
+
+class _PoolingTracker:
+    """The finished pooling outputs of one embed/encode call, what is still in flight, and the
+    progress bar."""
+
+    def __init__(self, engine: LLMEngine, total: int, use_tqdm: bool) -> None:
+        self.engine = engine
+        self.finished: dict[str, PoolingRequestOutput] = {}
+        self.in_flight = 0
+        self.in_flight_bytes = 0
+        self.started = time.perf_counter()
+        self.prompt_tokens = 0
+        self.bar = _progress_bar(total) if use_tqdm and total > 1 else None
+
+    def sent(self, nbytes: int) -> None:
+        self.in_flight += 1
+        self.in_flight_bytes += nbytes
+
+    def collect(self) -> None:
+        """Takes one batch of engine outputs (blocks until it comes)."""
+        done = 0
+        for output in self.engine.step():
+            if not isinstance(output, PoolingRequestOutput):
+                continue
+            self.finished[output.request_id] = output
+            num_tokens = len(output.prompt_token_ids)
+            self.in_flight -= 1
+            self.in_flight_bytes -= 4 * num_tokens + _REQUEST_OVERHEAD_BYTES
+            self.prompt_tokens += num_tokens
+            done += 1
+            if output.error is not None:
+                logger.warning("request %s failed in the engine: %s", output.request_id, output.error)
+        if self.bar is not None and done:
+            elapsed = max(time.perf_counter() - self.started, 1e-9)
+            self.bar.set_postfix_str(f"est. speed input: {self.prompt_tokens / elapsed:.1f} toks/s")
+            self.bar.update(done)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elapsed = time.perf_counter() - self.started
+        logger.info(
+            "%d pooling requests: %d prompt tokens in %.2f s (%.1f requests/s)",
+            len(self.finished), self.prompt_tokens, elapsed, len(self.finished) / max(elapsed, 1e-9),
+        )
+
+
+def _pooling_params_per_prompt(pooling_params: PoolingParamsArg, num_prompts: int) -> list[PoolingParams]:
+    if pooling_params is None:
+        return [PoolingParams()] * num_prompts
+    if isinstance(pooling_params, PoolingParams):
+        return [pooling_params] * num_prompts
+    if isinstance(pooling_params, SamplingParams):
+        raise TypeError("pooling_params must be a PoolingParams, got SamplingParams; use generate() to generate.")
+    params = list(pooling_params)
+    if len(params) != num_prompts:
+        raise ValueError(f"pooling_params has {len(params)} entries for {num_prompts} prompts; give one or one per prompt.")
+    for p in params:
+        if not isinstance(p, PoolingParams):
+            raise TypeError(f"pooling_params must hold PoolingParams, got {type(p).__name__}.")
     return params
 
 

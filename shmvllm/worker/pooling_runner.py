@@ -2,7 +2,11 @@
 
 Unlike the generation runner it keeps no state between steps (no KV cache, no persistent
 batch): every request arrives whole in `scheduled_new_reqs`, its tokens are packed with the
-others' (no padding), run once through the encoder, pooled, and forgotten.
+others' (no padding), run once through the model, pooled, and forgotten.
+
+Models: BERT (the native packed encoder) and the Llama family (Llama, Mistral, Qwen2; causal
+attention over each sequence's own fresh keys and values, no KV cache, usually last-token
+pooling as e5-mistral-style embedders use).
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import torch
 
 from shmvllm.config import ModelConfig
 from shmvllm.core.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from shmvllm.model.bert import BertModel, load_bert_model
+from shmvllm.model.attention import AttentionMetadata, PrefillSeq
+from shmvllm.model.bert import load_bert_model
+from shmvllm.model.loader import MODEL_REGISTRY, get_model
 from shmvllm.model.pooler import PoolerConfig, finalize, load_pooler_config, pool
 from shmvllm.pooling_params import PoolingParams
 
@@ -23,24 +29,30 @@ _ENCODER_MODEL_TYPES = ("bert",)
 
 class PoolingModelRunner:
     def __init__(self, model_config: ModelConfig, device: Optional[torch.device] = None) -> None:
-        if model_config.hf_config.model_type not in _ENCODER_MODEL_TYPES:
+        hf_config = model_config.hf_config
+        architectures = getattr(hf_config, "architectures", None) or []
+        self.is_decoder = any(a in MODEL_REGISTRY for a in architectures)
+        if hf_config.model_type not in _ENCODER_MODEL_TYPES and not self.is_decoder:
             raise ValueError(
-                f"model_type {model_config.hf_config.model_type!r} is not supported for embedding; "
-                f"supported: {_ENCODER_MODEL_TYPES}."
+                f"model_type {hf_config.model_type!r} (architectures {architectures}) is not supported for "
+                f"embedding; supported: {_ENCODER_MODEL_TYPES} and the architectures {sorted(MODEL_REGISTRY)}."
             )
         self.model_config = model_config
         self.device = torch.device(device if device is not None else model_config.device)
         self.dtype = getattr(torch, model_config.dtype)
         self.pooler_config: PoolerConfig = load_pooler_config(model_config.model_dir, model_config.hf_config)
         self.max_model_len = min(model_config.max_model_len, model_config.hf_config.max_position_embeddings)
-        self.model: Optional[BertModel] = None
+        self.model: Optional[torch.nn.Module] = None
 
     @property
     def hidden_size(self) -> int:
         return self.model_config.hf_config.hidden_size
 
     def load_model(self) -> None:
-        self.model = load_bert_model(self.model_config.model_dir, self.model_config.hf_config, self.dtype, self.device)
+        if self.is_decoder:
+            self.model = get_model(self.model_config)
+        else:
+            self.model = load_bert_model(self.model_config.model_dir, self.model_config.hf_config, self.dtype, self.device)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Embeds every request of the step; each must be a whole prompt scheduled at once."""
@@ -96,11 +108,20 @@ class PoolingModelRunner:
         num_tokens = int(cu_seqlens[-1])
         input_ids = np.fromiter((t for p in prompts for t in p), dtype=np.int64, count=num_tokens)
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu_seqlens[:-1], lengths)
-        hidden = self.model(
-            torch.from_numpy(input_ids).to(self.device),
-            torch.from_numpy(positions).to(self.device),
-            cu_seqlens.tolist(),
+        hidden = self._forward(
+            torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device), cu_seqlens.tolist()
         )
         pooled = pool(hidden, torch.from_numpy(cu_seqlens).to(self.device), self.pooler_config.pooling_type)
         rows = finalize(pooled.float(), params, self.pooler_config.normalize)
         return [row.cpu().numpy() for row in rows]
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+        """Packed hidden states [num_tokens, H]; a decoder attends causally within each sequence."""
+        assert self.model is not None
+        if not self.is_decoder:
+            return self.model(input_ids, positions, cu_seqlens)
+        # No slot_mapping: the attention layers neither need nor touch a KV cache.
+        meta = AttentionMetadata(
+            slot_mapping=None, prefills=[PrefillSeq(s, e, None, None) for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+        )
+        return self.model(input_ids, positions, meta)

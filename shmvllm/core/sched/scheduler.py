@@ -163,9 +163,9 @@ class Scheduler:
             if num_new > budget and (not chunking or request.is_pooling):
                 break
             num_new = min(num_new, budget)
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits, num_hit_tokens)
-            if new_blocks is None:
-                break
+            if not request.is_pooling:  # a pooling request keeps no KV cache: it needs no blocks
+                if self.kv_cache_manager.allocate_slots(request, num_new, hits, num_hit_tokens) is None:
+                    break
             self.waiting.pop()
             bisect.insort(self.running, request, key=lambda r: r.sched_key)
             request.status = RequestStatus.RUNNING

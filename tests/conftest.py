@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from ipc.segment import pid_alive
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -24,19 +26,9 @@ def leaked_shm_entries() -> set[str]:
     leaked = set()
     for entry in SHM_DIR.iterdir() if SHM_DIR.exists() else ():
         match = _RING_NAME.match(entry.name)
-        if match and (int(match.group(1)) == os.getpid() or not _pid_alive(int(match.group(1)))):
+        if match and (int(match.group(1)) == os.getpid() or not pid_alive(int(match.group(1)))):
             leaked.add(entry.name)
     return leaked
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,17 +1,22 @@
 """Embedding throughput: shmvllm against sentence-transformers, in the same run.
 
-    flock /tmp/shmvllm-cpu.lock python benchmarks/embed.py --json embed.json --plot embed.png
+    flock /tmp/shmvllm-cpu.lock python benchmarks/embed.py --rounds 2 \
+        --json benchmarks/results/embed.json --plot benchmarks/results/embed.png
 
 10,000 deterministic generated sentences of 8-63 tokens (35 on average, [CLS] and [SEP]
 included) for all-MiniLM-L6-v2. Both engines are timed end to end from text (tokenization
 included) to float32 vectors, after a warm-up; with --rounds N they alternate N times and each
-reports its best round (other processes on a shared machine then hit both alike). sentence-transformers runs `encode` at its best
-batch size (32; it sorts by length and pads per batch). shmvllm packs the tokens of several
-sentences into one padding-free step per `--max-num-batched-tokens` (16384: larger steps mean
-fewer, larger attention calls; ~3% faster than 8192 here) and `--max-num-seqs`.
+reports its best round (other processes on a shared machine then hit both alike).
+sentence-transformers runs `encode` at its best batch size (32; it sorts by length and pads
+per batch).
 
-Until `LLM.embed` exists, the shmvllm row drives the PoolingModelRunner with the model's
-tokenizer directly and is labelled `shmvllm-runner`; `embed_with_llm` is the path to switch to.
+shmvllm (`--engine llm`, the default) is the whole engine as an application uses it:
+`LLM(model=..., task="embed").embed(texts)`, the engine in its own process behind the
+shared-memory rings, tokenization in the frontend overlapping the engine's compute. Each step
+packs the tokens of many sentences with no padding, up to `--max-num-batched-tokens` (16384:
+larger steps mean fewer, larger attention calls; ~3% faster than 8192 here) and
+`--max-num-seqs`. `--engine runner` instead drives the PoolingModelRunner in this process
+(row `shmvllm-runner`): the model alone, without the engine around it.
 """
 
 from __future__ import annotations
@@ -96,11 +101,12 @@ def embed_with_runner(
     return embed
 
 
-def embed_with_llm(model_dir: Path) -> Callable[[list[str]], np.ndarray]:
-    """The path once `LLM.embed` exists (the engine row is then labelled `shmvllm`)."""
+def embed_with_llm(model_dir: Path, max_num_batched_tokens: int, max_num_seqs: int) -> Callable[[list[str]], np.ndarray]:
+    """LLM.embed: the multiprocess engine over the shm rings (shut down at interpreter exit)."""
     from shmvllm.entrypoints.llm import LLM
 
-    llm = LLM(model=str(model_dir), task="embed")
+    llm = LLM(model=str(model_dir), task="embed", max_num_batched_tokens=max_num_batched_tokens,
+              max_num_seqs=max_num_seqs)
     return lambda texts: np.stack([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
 
 
@@ -136,7 +142,8 @@ def main() -> None:
     parser.add_argument("--st-batch-size", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--max-num-seqs", type=int, default=1024)
-    parser.add_argument("--engine", choices=["runner", "llm"], default="runner")
+    parser.add_argument("--engine", choices=["llm", "runner"], default="llm",
+                        help="llm: LLM.embed through the engine process; runner: the model runner in this process")
     parser.add_argument("--rounds", type=int, default=1, help="alternate the engines this often; report each one's best")
     parser.add_argument("--json", help="write the result rows to this JSON file")
     parser.add_argument("--plot", help="draw the rows into this PNG file")
@@ -155,7 +162,7 @@ def main() -> None:
           f"torch threads {torch.get_num_threads()}")
 
     if args.engine == "llm":
-        ours_name, ours = "shmvllm", embed_with_llm(model_dir)
+        ours_name, ours = "shmvllm", embed_with_llm(model_dir, args.max_num_batched_tokens, args.max_num_seqs)
     else:
         ours_name, ours = "shmvllm-runner", embed_with_runner(model_dir, args.max_num_batched_tokens, args.max_num_seqs)
     engines = [
@@ -180,6 +187,9 @@ def main() -> None:
     )
     print(f"ratio {ours_name} / sentence-transformers: {rows[1]['sentences_per_s'] / rows[0]['sentences_per_s']:.3f}x"
           f"  (min cosine between them {cosine.min():.6f})")
+    for path in (args.json, args.plot):
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
     if args.plot:

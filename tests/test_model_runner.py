@@ -286,6 +286,11 @@ def test_min_tokens_masks_stop_tokens(tiny_llama_dir):
     driver.add("masked", [30, 31, 32], params)
     done = driver.run()
     assert first not in done["masked"].outputs[:3]
+    # EOS too, under ignore_eos (which only keeps EOS from stopping), as vLLM and HF's min_new_tokens do.
+    params = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=3, ignore_eos=True, eos_token_id=first)
+    driver.add("eos", [30, 31, 32], params)
+    done = driver.run()
+    assert first not in done["eos"].outputs[:3]
 
 
 def test_finished_and_aborted_requests_are_dropped(tiny_llama_dir):

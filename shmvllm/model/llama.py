@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from shmvllm.model.attention import AttentionMetadata, PagedAttention
-from shmvllm.model.rotary import RotaryEmbedding
+from shmvllm.model.linear import Linear
+from shmvllm.model.rotary import RotaryEmbedding, apply_rotary_
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, config: Any) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -43,20 +44,20 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         qkv_bias = _has_qkv_bias(config)
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2"
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
-        self.rotary_emb = rotary_emb
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta))
+    def forward(
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """x: the normed hidden states; returns residual + attention output."""
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        apply_rotary_(qkv[:, : self.num_heads + self.num_kv_heads], *rope)  # q and k, in place
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        return self.o_proj(self.attn(q, k, v, meta), residual)
 
 
 class LlamaMLP(nn.Module):
@@ -66,25 +67,28 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"hidden_act must be 'silu' for the Llama family, got {config.hidden_act!r}.")
         bias = bool(getattr(config, "mlp_bias", False))
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Returns residual + MLP(x)."""
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(torch.nn.functional.silu(gate) * up)
+        return self.down_proj(torch.nn.functional.silu(gate).mul_(up), residual)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, config: Any) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary_emb)
+        self.self_attn = LlamaAttention(config)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.self_attn(rope, self.input_layernorm(hidden), hidden, meta)
+        return self.mlp(self.post_attention_layernorm(hidden), hidden)
 
 
 class LlamaModel(nn.Module):
@@ -93,13 +97,14 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(config, head_dim, max_position)  # shared by all layers
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary_emb) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, hidden.dtype)  # looked up once for all layers
         for layer in self.layers:
-            hidden = layer(positions, hidden, meta)
+            hidden = layer(rope, hidden, meta)
         return self.norm(hidden)
 
 
@@ -122,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, max_position)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -133,6 +138,12 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states of the sampled rows -> float32 logits [rows, vocab_size]."""
         return self.lm_head(hidden).float()
+
+    def process_weights_after_loading(self) -> None:
+        """Packs every linear layer's weight for the device's fastest GEMM (see linear.py)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]

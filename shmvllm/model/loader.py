@@ -59,6 +59,9 @@ def get_model(model_config: ModelConfig) -> nn.Module:
         model = builder(hf_config, max_position)
     model = _materialize(model, device, dtype)
     load_weights(model, Path(model_config.model_dir))
+    process = getattr(model, "process_weights_after_loading", None)
+    if process is not None:
+        process()
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(

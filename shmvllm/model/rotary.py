@@ -85,8 +85,10 @@ def _yarn_mscale(scale: float, mscale: float) -> float:
 class RotaryEmbedding(torch.nn.Module):
     """Neox-style rotation (first half / second half of each head) from a precomputed table.
 
-    The tables are built on the CPU even under a meta-device context (the loader builds models
-    on meta), then follow the module to its device.
+    The tables hold, per position, cos twice and sin with the first half negated, so that one
+    rotation is x * cos + swap_halves(x) * sin: x1 * cos - x2 * sin and x2 * cos + x1 * sin,
+    bit for bit (negation is exact). They are built on the CPU even under a meta-device
+    context (the loader builds models on meta), then follow the module to its device.
     """
 
     def __init__(self, hf_config: Any, head_dim: int, max_position: int) -> None:
@@ -94,16 +96,20 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq, attention_factor = rope_inv_freq(hf_config, head_dim)
         positions = torch.arange(max_position, dtype=torch.int64, device="cpu").to(torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
-        self.register_buffer("cos_cache", freqs.cos() * attention_factor, persistent=False)
-        self.register_buffer("sin_cache", freqs.sin() * attention_factor, persistent=False)
+        cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
+        self.register_buffer("cos_cache", torch.cat((cos, cos), dim=-1), persistent=False)
+        self.register_buffer("sin_cache", torch.cat((-sin, sin), dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hkv, D], positions: [T] -> rotated q, k."""
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> (cos, signed sin), each [T, 1, head_dim], for `apply_rotary_`."""
+        cos = self.cos_cache.index_select(0, positions).unsqueeze(1).to(dtype)
+        sin = self.sin_cache.index_select(0, positions).unsqueeze(1).to(dtype)
+        return cos, sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotates x [T, H, D] (may be a strided view) in place with tables from RotaryEmbedding."""
+    num_tokens, num_heads, head_dim = x.shape
+    swapped = x.unflatten(-1, (2, head_dim // 2)).flip(2).flatten(-2)
+    x.mul_(cos)
+    x.add_(swapped.mul_(sin))

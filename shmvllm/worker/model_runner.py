@@ -21,6 +21,7 @@ from shmvllm.engine.messages import Logprobs
 from shmvllm.model.attention import AttentionMetadata, PrefillSeq, build_attention_metadata
 from shmvllm.model.loader import get_model, torch_dtype
 from shmvllm.model.sampler import Sampler, SamplingMetadata, gather_logprobs, seeded_generator
+from shmvllm.sampling_params import SamplingParams
 from shmvllm.worker.input_batch import CachedRequestState, InputBatch
 
 logger = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ class ModelRunner:
             sampling_params=params,
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
-            stop_token_ids=sorted(params.all_stop_token_ids) if params.min_tokens > 0 else [],
+            stop_token_ids=_min_tokens_masked_ids(params) if params.min_tokens > 0 else [],
         )
 
     def _prepare_inputs(
@@ -283,3 +284,12 @@ class ModelRunner:
             max_num_logprobs=5,
         )
         self.sampler(logits, sampling)
+
+
+def _min_tokens_masked_ids(params: SamplingParams) -> list[int]:
+    """What min_tokens keeps from being sampled: the stop tokens and EOS, even under ignore_eos
+    (as in vLLM and transformers' min_new_tokens; ignore_eos only means EOS does not stop)."""
+    ids = set(params.all_stop_token_ids)
+    if params.eos_token_id is not None:
+        ids.add(params.eos_token_id)
+    return sorted(ids)

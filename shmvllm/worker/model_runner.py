@@ -59,13 +59,17 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocates [layers, 2, num_blocks, block_size, kv_heads, head_dim] and binds each layer's
-        key/value views; zeros, so untouched pages cost no memory on the CPU."""
+        key/value views. Left uninitialized, so that the OS maps pages only when a block is first
+        written (a 4 GiB cache is ready at once, not after seconds of zero-filling); attention
+        reads only written slots, plus slot 0 as masked padding, which is zeroed here because a
+        masked score times a NaN value would still be NaN."""
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}.")
         layers = self._attention_layers()
         attn = layers[0]
         shape = (len(layers), 2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache[:, :, 0, 0].zero_()
         for index, layer in enumerate(layers):
             layer.k_cache = self.kv_cache[index, 0]
             layer.v_cache = self.kv_cache[index, 1]

@@ -40,10 +40,16 @@ class Doorbell:
         self._sem.release()
 
     def wait(self, timeout: float) -> bool:
-        """Sleeps until rung or `timeout` seconds pass (GIL released); True if rung."""
+        """Sleeps until rung or `timeout` seconds pass (GIL released); True if rung.
+
+        A signal interrupts the sleep (EINTR, posix_ipc.SignalError): that is a spurious
+        wake-up, not an error. The Python handler runs as soon as we are back in bytecode and
+        raises from there if it wants to (KeyboardInterrupt); a handler that returns (SIGCHLD,
+        SIGUSR1, a profiler's timer) must not turn a blocked pop or push into an exception.
+        """
         try:
             self._sem.acquire(max(timeout, 0.0))
-        except posix_ipc.BusyError:
+        except (posix_ipc.BusyError, posix_ipc.SignalError):
             return False
         return True
 

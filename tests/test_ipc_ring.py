@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import pickle
+import signal
 import struct
 import threading
 import time
@@ -173,6 +174,31 @@ def test_consume_reads_in_place_and_frees_even_if_fn_raises(pair):
     rx.consume(leaked.append)
     with pytest.raises(ValueError):
         leaked[0].tobytes()  # the view was released when consume returned
+
+
+def test_signal_in_a_blocked_pop_is_a_spurious_wakeup():
+    """A handler that returns leaves the pop blocked (no posix_ipc.SignalError); a handler that
+    raises (Ctrl-C) gets through."""
+    tx = RingBuffer.create(1024, spin_us=0, poll_interval=30)
+    rx = RingBuffer.attach(tx.name, spin_us=0, poll_interval=30)  # asleep on its semaphore
+    main = threading.get_ident()
+    handled: list = []
+    previous = signal.signal(signal.SIGUSR1, lambda *_: handled.append(True))
+    try:
+        threading.Timer(0.1, signal.pthread_kill, args=(main, signal.SIGUSR1)).start()
+        threading.Timer(0.3, tx.push, args=(b"after the signal",)).start()
+        assert rx.pop(timeout=5) == b"after the signal"
+        assert handled
+        signal.signal(signal.SIGUSR1, signal.default_int_handler)
+        threading.Timer(0.1, signal.pthread_kill, args=(main, signal.SIGUSR1)).start()
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            rx.pop(timeout=5)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        rx.close()
+        tx.close()
 
 
 def test_close_wakes_peer_after_drain(pair):

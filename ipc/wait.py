@@ -10,7 +10,11 @@ counter, runs a seq_cst fence and reads the flag, posting the semaphore if it wa
 fence on both sides, at least one of them sees the other's store (see `_native.c`).
 
 A sleeping waiter also wakes every `poll_interval` seconds to ask `check_peer` whether the
-other side is still alive, so a dead peer is noticed within about that interval.
+other side is still alive, so a dead peer is noticed within about that interval. It asks before
+it re-checks the condition, never after: a peer that pushes its last message and then closes
+(or dies) between the two looks would otherwise be reported gone with that message unread. The
+peer's close follows its last publish, and our look at its state (an acquire load) precedes our
+look at the counter, so whoever sees the peer gone also sees everything it published.
 """
 
 from __future__ import annotations
@@ -90,14 +94,17 @@ class Waiter:
             return
         slept = False
         while True:
-            if self._arm(*args):
-                return
+            gone: Optional[BaseException] = None
             if slept:
                 try:
                     self._check_peer()
-                except BaseException:
-                    self._disarm()
-                    raise
+                except BaseException as exc:  # raised below unless the condition holds after all
+                    gone = exc
+            if self._arm(*args):
+                return
+            if gone is not None:
+                self._disarm()
+                raise gone
             step = self.poll_interval
             if deadline is not None:
                 remaining = deadline - time.monotonic()

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from ipc import PeerClosedError, RingBuffer, RingCorruptedError, native_available
 from ipc import layout as L
+from ipc.wait import Waiter
 
 BACKENDS = [pytest.param(False, id="native"), pytest.param(True, id="python")]
 
@@ -212,6 +213,35 @@ def test_close_wakes_peer_after_drain(pair):
     assert time.monotonic() - t0 < 1.0
     with pytest.raises(ValueError, match="closed"):
         tx.push(b"after close")
+
+
+class _SilentBell:
+    def wait(self, timeout: float) -> bool:
+        return False
+
+
+def test_waiter_looks_at_the_peer_before_the_condition():
+    """The peer publishes its last message and closes between the waiter's two looks: the wait
+    returns (the message is there), and raises only when nothing came."""
+    published = []
+
+    def peer_publishes_and_closes() -> None:
+        published.append(True)
+        raise PeerClosedError("the peer closed")
+
+    waiter = Waiter(
+        spin=lambda ns: 0, arm=lambda: bool(published), disarm=lambda: None, bell=_SilentBell(),
+        check_peer=peer_publishes_and_closes, spin_us=0, poll_interval=0.01,
+    )
+    waiter.wait(None)
+    assert published == [True]
+    published.clear()
+    empty = Waiter(
+        spin=lambda ns: 0, arm=lambda: False, disarm=lambda: None, bell=_SilentBell(),
+        check_peer=peer_publishes_and_closes, spin_us=0, poll_interval=0.01,
+    )
+    with pytest.raises(PeerClosedError):
+        empty.wait(None)
 
 
 def test_pickles_as_attach(pair):

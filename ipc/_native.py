@@ -1,9 +1,9 @@
 """Builds and loads the C helper (`_native.c`) with the system C compiler, once per machine.
 
-The shared library is cached under ``$IPC_NATIVE_CACHE`` or ``~/.cache/ipc-ring`` (a private
-0700 directory), keyed by a hash of the source, the compiler and the machine, so a changed
-source is rebuilt and concurrent first imports race harmlessly (each writes its own temporary
-file and renames it into place). When no compiler works, `load()` returns None and the ring
+The shared library is cached under ``$IPC_NATIVE_CACHE``, or ``~/.cache/ipc-ring``, or, when
+that cannot be used, ``$TMPDIR/ipc-ring-<uid>`` (each a private 0700 directory), keyed by a hash
+of the source, the compiler and the machine, so a changed source is rebuilt and concurrent
+first imports race harmlessly (each writes its own temporary file and renames it into place). When no compiler works, `load()` returns None and the ring
 falls back to its pure-Python path (see ring.py); ``IPC_PURE_PYTHON=1`` forces that fallback.
 """
 
@@ -14,6 +14,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -59,12 +60,26 @@ class NativeLib:
                 fn.restype, fn.argtypes = restype, argtypes
 
 
-def _cache_dir() -> Path:
+def _cache_dirs() -> list[Path]:
+    """Where the library may be cached, best first: $IPC_NATIVE_CACHE alone when set, else
+    ~/.cache/ipc-ring and then a per-user directory under the temporary directory (for a home
+    that is read-only or missing, as in some containers and CI sandboxes)."""
     override = os.environ.get("IPC_NATIVE_CACHE")
-    base = Path(override) if override else Path.home() / ".cache" / "ipc-ring"
+    if override:
+        return [Path(override)]
+    return [Path.home() / ".cache" / "ipc-ring", Path(tempfile.gettempdir()) / f"ipc-ring-{os.getuid()}"]
+
+
+def _private_dir(base: Path) -> Path:
+    """`base`, created 0700 if missing. We load code from it, so it must be a real directory of
+    ours that nobody else can write to; PermissionError otherwise."""
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if base.stat().st_uid != os.getuid():
-        raise PermissionError(f"native cache {base} is not owned by uid {os.getuid()}")
+    st = os.lstat(base)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise PermissionError(
+            f"native cache {base} is not a private directory of uid {os.getuid()} "
+            f"(owner {st.st_uid}, mode {stat.S_IMODE(st.st_mode):#o})"
+        )
     return base
 
 
@@ -87,25 +102,33 @@ def _build(cc: str, target: Path) -> None:
 
 
 def load() -> Optional[NativeLib]:
-    """The compiled helper, building it on first use; None (with a warning) if that fails."""
+    """The compiled helper, building it on first use; None (with a warning) if that fails.
+
+    A cache directory that cannot be used (not writable, not private, a full disk) moves on to
+    the next one; a compiler error does not, as no directory would help.
+    """
     if os.environ.get("IPC_PURE_PYTHON") == "1":
         return None
     cc = _compiler()
-    try:
-        if cc is None:
-            raise FileNotFoundError("no C compiler (cc, gcc, clang or $CC) on PATH")
+    problems = [] if cc else ["no C compiler (cc, gcc, clang or $CC) on PATH"]
+    if cc:
         key = hashlib.sha256(SOURCE.read_bytes() + cc.encode() + " ".join(_CFLAGS).encode())
-        tag = f"{key.hexdigest()[:16]}-{platform.machine()}-{sys.implementation.cache_tag}"
-        target = _cache_dir() / f"ipc_native-{tag}.so"
-        if not target.exists():
-            _build(cc, target)
-        return NativeLib(str(target))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        warnings.warn(
-            f"ipc: could not build the C helper ({exc} {detail.decode(errors='replace')[:500]}); "
-            "using the slower pure-Python ring with semaphore fences",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return None
+        filename = f"ipc_native-{key.hexdigest()[:16]}-{platform.machine()}-{sys.implementation.cache_tag}.so"
+        for base in _cache_dirs():
+            try:
+                target = _private_dir(base) / filename
+                if not target.exists():
+                    _build(cc, target)
+                return NativeLib(str(target))
+            except subprocess.CalledProcessError as exc:
+                problems.append(f"{cc} failed: {exc.stderr.decode(errors='replace')[:500]}")
+                break
+            except (OSError, subprocess.SubprocessError) as exc:
+                problems.append(f"{base}: {exc}")
+    warnings.warn(
+        f"ipc: could not build the C helper ({'; '.join(problems)}); "
+        "using the slower pure-Python ring with semaphore fences",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return None

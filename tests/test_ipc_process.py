@@ -229,3 +229,40 @@ def test_no_native_helper_is_only_a_warning(tmp_path):
     code = "from ipc import RingBuffer\nr = RingBuffer.create(256)\nr.push(b'ok'); print(r.native, r.pop()); r.close()"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False b'ok'", out.stderr
+
+
+def _native_in_child(env: dict) -> subprocess.Popen:
+    code = "from ipc import native_available\nprint(native_available(), flush=True)"
+    return subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def test_native_cache_falls_back_when_home_is_unusable(tmp_path):
+    """A home that cannot hold ~/.cache builds the helper under $TMPDIR instead of going pure Python."""
+    home = tmp_path / "home-is-a-file"
+    home.write_text("")
+    env = {k: v for k, v in os.environ.items() if k != "IPC_NATIVE_CACHE"}
+    env.update(HOME=str(home), TMPDIR=str(tmp_path))
+    out, err = _native_in_child(env).communicate(timeout=120)
+    assert out.strip() == "True", err
+    assert list((tmp_path / f"ipc-ring-{os.getuid()}").glob("ipc_native-*.so"))
+
+
+def test_native_cache_must_be_private(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    out, err = _native_in_child(dict(os.environ, IPC_NATIVE_CACHE=str(shared))).communicate(timeout=120)
+    assert out.strip() == "False" and "not a private directory" in err, err
+    assert not list(shared.iterdir())
+
+
+def test_concurrent_first_builds_race_harmlessly(tmp_path):
+    env = dict(os.environ, IPC_NATIVE_CACHE=str(tmp_path / "cache"))
+    children = [_native_in_child(env) for _ in range(3)]
+    for child in children:
+        out, err = child.communicate(timeout=120)
+        assert out.strip() == "True", err
+    built = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert len(built) == 1 and built[0].endswith(".so"), built  # no temporary file left behind

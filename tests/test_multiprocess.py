@@ -22,6 +22,7 @@ from conftest import leaked_shm_entries
 from ipc.segment import pid_alive
 from shmvllm import LLM, SamplingParams
 from shmvllm.config import EngineArgs
+from shmvllm.engine import transport
 from shmvllm.engine.core_client import EngineUtilityError, SyncMPClient
 from shmvllm.engine.exceptions import EngineDeadError, EngineStartupError
 from shmvllm.engine.messages import EngineCoreRequest
@@ -98,6 +99,48 @@ def test_utility_calls_return_results_and_exceptions(tiny_llama_dir):
     del client  # a garbage-collected client stops its engine
     gc.collect()
     wait_until_dead(pid, 5.0)
+
+
+def add_many(client: SyncMPClient, count: int, prompt_len: int = 100, max_tokens: int = 2) -> None:
+    """Adds `count` requests, pausing now and then so the engine steps meanwhile."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    prompt = EngineCoreRequest.pack_token_ids(list(range(5, 5 + prompt_len)))
+    for i in range(count):
+        if i % 20 == 0:
+            time.sleep(0.002)
+        client.add_request(EngineCoreRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=params))
+
+
+def test_full_rings_both_ways_do_not_deadlock(tiny_llama_dir, monkeypatch):
+    """The frontend adds while nobody reads the outputs: the engine blocks on its full output
+    ring and stops reading its input, so the frontend, blocked on the full input ring, must
+    drain the outputs meanwhile. A deadlock makes the watchdog kill the engine (EngineDeadError)."""
+    monkeypatch.setattr(transport, "RING_CAPACITY", 1 << 16)
+    client = make_client(tiny_llama_dir)
+    watchdog = threading.Timer(30, os.kill, args=(client.engine_pid, signal.SIGKILL))
+    watchdog.start()
+    try:
+        add_many(client, 6000)
+        finished = set()
+        while len(finished) < 6000:
+            finished.update(o.request_id for o in client.get_output().outputs if o.finished)
+    finally:
+        watchdog.cancel()
+        client.shutdown()
+    assert finished == {str(i) for i in range(6000)}
+
+
+def test_shutdown_with_a_full_output_ring_is_clean(tiny_llama_dir, monkeypatch):
+    """The engine is blocked on outputs nobody read: shutdown drains them, so the engine reads
+    SHUTDOWN and exits by itself (code 0) instead of being terminated after a timeout."""
+    monkeypatch.setattr(transport, "RING_CAPACITY", 1 << 14)
+    client = make_client(tiny_llama_dir)
+    add_many(client, 64, prompt_len=10, max_tokens=500)  # ~6 KiB in, ~600 B out per step
+    time.sleep(1.0)  # the engine fills the output ring and blocks
+    started = time.monotonic()
+    client.shutdown()
+    assert time.monotonic() - started < 3.0
+    assert client._manager.exitcode == 0
 
 
 class FailingExecutor(UniProcExecutor):

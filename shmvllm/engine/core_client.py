@@ -119,6 +119,7 @@ class EngineUtilityError(RuntimeError):
 
 
 _PEER_ERRORS = (PeerGoneError, PeerMissingError)
+_MAX_DRAIN = 4096  # messages taken off the output channel in one go while waiting for something else
 
 
 class _EngineResources:
@@ -130,7 +131,11 @@ class _EngineResources:
         self.closed = False
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """SHUTDOWN, wait (then terminate/kill), then remove the channel. Idempotent."""
+        """SHUTDOWN, wait (then terminate/kill), then remove the channel. Idempotent.
+
+        While it waits it discards what the engine still sends: an engine blocked on a full
+        output ring would otherwise never read the SHUTDOWN and be killed after `timeout`.
+        """
         if self.closed:
             return
         self.closed = True
@@ -138,12 +143,20 @@ class _EngineResources:
             if self.manager is not None:
                 if self.manager.is_alive():
                     try:
-                        self.endpoint.send(EngineCoreShutdown(), timeout=1.0)
+                        self.endpoint.send(EngineCoreShutdown(), timeout=1.0, while_full=self._discard_outputs)
                     except Exception:  # a full or broken channel: the manager terminates it
                         pass
-                self.manager.shutdown(timeout)
+                self.manager.shutdown(timeout, while_waiting=self._discard_outputs)
         finally:
             self.endpoint.close()
+
+    def _discard_outputs(self) -> None:
+        try:
+            for _ in range(_MAX_DRAIN):
+                if self.endpoint.try_recv(len) is None:
+                    return
+        except Exception:  # a broken channel: nothing more to drain
+            pass
 
 
 class SyncMPClient(EngineCoreClient):
@@ -204,11 +217,27 @@ class SyncMPClient(EngineCoreClient):
         return EngineDeadError(self._dead)
 
     def _send(self, msg: Any) -> None:
+        """Sends to the engine. While the input ring is full, the engine's outputs are moved
+        to `_pending`: the engine stops reading its input while it waits for room on the
+        output ring, so a frontend that only waited would wait for ever."""
         self._check_usable()
         try:
-            self._endpoint.send(msg)
+            self._endpoint.send(msg, while_full=self._drain_outputs)
         except _PEER_ERRORS as exc:
             raise self._died(str(exc)) from exc
+
+    def _drain_outputs(self) -> None:
+        for _ in range(_MAX_DRAIN):
+            outputs = self._endpoint.try_recv(decode_outputs)
+            if outputs is None:
+                return
+            self._pending.append(self._checked(outputs))
+
+    def _checked(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
+        utility = outputs.utility_output
+        if utility is not None and utility.call_id == ENGINE_FAILED_CALL_ID:
+            raise self._died(f"it failed:\n{utility.failure_message}")
+        return outputs
 
     def _recv(self) -> EngineCoreOutputs:
         """The engine's next message; EngineDeadError within ~POLL_S of its death."""
@@ -225,10 +254,7 @@ class SyncMPClient(EngineCoreClient):
                     raise self._died(f"it exited with code {self._manager.exitcode}") from None
             except _PEER_ERRORS as exc:
                 raise self._died(str(exc)) from exc
-            utility = outputs.utility_output
-            if utility is not None and utility.call_id == ENGINE_FAILED_CALL_ID:
-                raise self._died(f"it failed:\n{utility.failure_message}")
-            return outputs
+            return self._checked(outputs)
 
     # ---- the client API -------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ import logging
 import multiprocessing
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from shmvllm.config import EngineConfig
 from shmvllm.engine.core_proc import POLL_S, EngineCoreProc, decode_handshake
@@ -23,6 +23,7 @@ from shmvllm.engine.transport import Addresses, Endpoint
 logger = logging.getLogger(__name__)
 
 DEFAULT_READY_TIMEOUT_S = 600.0
+_DRAIN_EVERY_S = 0.02
 
 
 class CoreEngineProcManager:
@@ -97,12 +98,17 @@ class CoreEngineProcManager:
             "its own output above says why."
         )
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Waits `timeout` s for the process to exit (after SHUTDOWN), then terminates, then kills."""
+    def shutdown(self, timeout: float = 5.0, while_waiting: Optional[Callable[[], None]] = None) -> None:
+        """Waits `timeout` s for the process to exit (after SHUTDOWN), calling `while_waiting`
+        every few ms meanwhile, then terminates, then kills."""
         proc = self.proc
         if proc.pid is None:
             return
-        proc.join(timeout)
+        deadline = time.monotonic() + timeout
+        while proc.exitcode is None and (remaining := deadline - time.monotonic()) > 0:
+            if while_waiting is not None:
+                while_waiting()
+            proc.join(remaining if while_waiting is None else min(remaining, _DRAIN_EVERY_S))
         if proc.exitcode is None:
             logger.warning("engine process %d did not exit in %.1f s: terminating it", proc.pid, timeout)
             proc.terminate()

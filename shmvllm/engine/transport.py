@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Optional
 
@@ -27,6 +28,7 @@ import msgspec
 
 TRANSPORTS = ("shm", "zmq")
 RING_CAPACITY = 4 << 20
+FULL_RETRY_S = 0.005  # how long a send with `while_full` waits for room between two calls of it
 
 Decode = Callable[[Any], Any]
 
@@ -51,8 +53,12 @@ class Endpoint(ABC):
         self._buf = bytearray(4096)
 
     @abstractmethod
-    def send(self, msg: Any, timeout: Optional[float] = None) -> None:
-        """Encodes and sends; TimeoutError if it could not within `timeout` s (a full ring)."""
+    def send(self, msg: Any, timeout: Optional[float] = None, while_full: Optional[Callable[[], None]] = None) -> None:
+        """Encodes and sends; TimeoutError if it could not within `timeout` s (a full ring).
+
+        while_full: called over and over while the message waits for room (the frontend drains
+        the engine's outputs there: the engine may be waiting for room on the other ring).
+        """
 
     @abstractmethod
     def recv(self, decode: Decode, timeout: Optional[float]) -> Any:
@@ -73,9 +79,24 @@ class ShmEndpoint(Endpoint):
         self._send_ring, self._recv_ring = send_ring, recv_ring
         self._push, self._consume, self._try_consume = send_ring.push, recv_ring.consume, recv_ring.try_consume
 
-    def send(self, msg: Any, timeout: Optional[float] = None) -> None:
-        self._encoder.encode_into(msg, self._buf)
-        self._push(self._buf, timeout)
+    def send(self, msg: Any, timeout: Optional[float] = None, while_full: Optional[Callable[[], None]] = None) -> None:
+        buf = self._buf
+        self._encoder.encode_into(msg, buf)
+        if while_full is None or len(buf) > self._send_ring.max_payload:
+            # A fragmented message cannot be retried in pieces (a timed-out push aborts it).
+            self._push(buf, timeout)
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        wait = 0.0  # a full ring calls while_full at once, then every FULL_RETRY_S
+        while True:
+            try:
+                self._push(buf, wait if deadline is None else max(min(wait, deadline - time.monotonic()), 0.0))
+                return
+            except TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+            while_full()
+            wait = FULL_RETRY_S
 
     def recv(self, decode: Decode, timeout: Optional[float]) -> Any:
         return self._consume(decode, timeout)
@@ -96,7 +117,7 @@ class ZmqEndpoint(Endpoint):
         self._zmq = zmq
         self._ctx, self._push, self._pull, self._owned_dir = ctx, push, pull, owned_dir
 
-    def send(self, msg: Any, timeout: Optional[float] = None) -> None:
+    def send(self, msg: Any, timeout: Optional[float] = None, while_full: Optional[Callable[[], None]] = None) -> None:
         # The queue is unbounded, so the only reason to block is a peer that is not there.
         try:
             self._push.send(self._encoder.encode(msg), self._zmq.NOBLOCK)

@@ -25,7 +25,7 @@ class PagedModel:
         config = EngineArgs(model=str(model_dir), max_model_len=256).create_engine_config()
         self.model = get_model(config.model_config)
         layers = self.model.attention_layers()
-        shape = (num_blocks, BLOCK_SIZE, layers[0].num_kv_heads, layers[0].head_dim)
+        shape = (layers[0].num_kv_heads, num_blocks, BLOCK_SIZE, layers[0].head_dim)
         for layer in layers:
             layer.k_cache, layer.v_cache = torch.zeros(shape), torch.zeros(shape)
         self.next_block = 0

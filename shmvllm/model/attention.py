@@ -1,13 +1,19 @@
 """Attention over a paged KV cache, in pure torch (the same code on CPU and CUDA).
 
 Layout: each layer owns a key and a value cache of shape
-[num_blocks, block_size, num_kv_heads, head_dim]. A token at position p of a request lives in
-slot `block_table[p // block_size] * block_size + p % block_size` of the flattened cache.
+[num_kv_heads, num_blocks, block_size, head_dim] (head-major). A token at position p of a
+request lives in slot `block_table[p // block_size] * block_size + p % block_size` of each
+head's flattened [num_blocks * block_size, head_dim] cache.
 
 One step runs a flat batch of tokens from many requests: first every token's K/V is written
 to its slot (slot_mapping), then
-- decode requests (one new token each) attend together in one batched call, over their
-  context gathered from the cache (padded to the longest, masked);
+- decode requests (one new token each) attend together in two batched matmuls and a softmax,
+  over their context gathered from the cache whole blocks at a time (padded to the longest
+  request's blocks, masked by an additive -inf bias). The head-major layout makes the gathered
+  keys [kv_heads, num_decodes, blocks * block_size, head_dim] without a copy, and grouped
+  queries attend as [kv_heads * num_decodes, group, head_dim], so K/V are never repeated.
+  Every gathered slot must hold finite values (0 * NaN is NaN): the model runner zeroes
+  blocks when it first sees them, and padding reads block 0;
 - prefill requests (a chunk of prompt, maybe after a cached prefix) attend one by one: over
   their fresh K/V when nothing precedes the chunk, else over the context gathered from the
   cache with a causal mask shifted by the prefix length.
@@ -39,9 +45,10 @@ class PrefillSeq:
 class AttentionMetadata:
     slot_mapping: Optional[torch.Tensor]  # [num_tokens] int64; None: do not touch the cache (profiling)
     decode_token_idx: Optional[torch.Tensor] = None  # [num_decodes] rows of the flat batch
-    decode_slots: Optional[torch.Tensor] = None  # [num_decodes * max_len] cache slots (padded)
-    decode_mask: Optional[torch.Tensor] = None  # [num_decodes, 1, 1, max_len] bool
-    decode_max_len: int = 0
+    decode_blocks: Optional[torch.Tensor] = None  # [num_decodes * max_blocks] block ids (padded with 0)
+    decode_bias: Optional[torch.Tensor] = None  # [num_decodes, 1, max_blocks * block_size] 0 / -inf
+    decode_max_len: int = 0  # max_blocks * block_size
+    decode_bias_cache: dict = field(default_factory=dict)  # (kv_heads, group, dtype) -> expanded bias
     prefills: list[PrefillSeq] = field(default_factory=list)
     decodes_are_prefix: bool = False  # decode rows are exactly [0, num_decodes)
 
@@ -76,15 +83,14 @@ def _add_decodes(
     block_size: int,
     device: torch.device,
 ) -> None:
-    max_len = int(seq_lens.max())
-    positions = np.arange(max_len)
-    valid = positions[None, :] < seq_lens[:, None]
-    blocks = block_table[:, : (max_len + block_size - 1) // block_size].astype(np.int64)
-    slots = blocks[:, positions // block_size] * block_size + positions % block_size
-    slots = np.where(valid, slots, 0)  # padding reads slot 0, masked out
+    max_blocks = int(-(-seq_lens.max() // block_size))
+    max_len = max_blocks * block_size
+    num_blocks = -(-seq_lens // block_size)
+    blocks = np.where(np.arange(max_blocks)[None, :] < num_blocks[:, None], block_table[:, :max_blocks], 0)
+    bias = np.where(np.arange(max_len)[None, :] < seq_lens[:, None], np.float32(0.0), np.float32(-np.inf))
     meta.decode_token_idx = torch.from_numpy(rows.astype(np.int64)).to(device)
-    meta.decode_slots = torch.from_numpy(slots.reshape(-1)).to(device)
-    meta.decode_mask = torch.from_numpy(valid[:, None, None, :]).to(device)
+    meta.decode_blocks = torch.from_numpy(blocks.reshape(-1).astype(np.int64)).to(device)
+    meta.decode_bias = torch.from_numpy(bias[:, None, :]).to(device)
     meta.decode_max_len = max_len
     meta.decodes_are_prefix = bool(rows[-1] == len(rows) - 1)
 
@@ -119,39 +125,43 @@ class PagedAttention(torch.nn.Module):
         if meta.slot_mapping is not None:
             if self.k_cache is None or self.v_cache is None:
                 raise RuntimeError("PagedAttention has no KV cache bound; call initialize_kv_cache first.")
-            k_flat = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
-            v_flat = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
-            k_flat.index_copy_(0, meta.slot_mapping, k)
-            v_flat.index_copy_(0, meta.slot_mapping, v)
+            k_flat = self.k_cache.view(self.num_kv_heads, -1, self.head_dim)
+            v_flat = self.v_cache.view(self.num_kv_heads, -1, self.head_dim)
+            k_flat.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+            v_flat.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         out = torch.empty_like(q)
         if meta.decode_token_idx is not None:
-            self._decode(q, k_flat, v_flat, meta, out)
+            self._decode(q, meta, out)
         for seq in meta.prefills:
             out[seq.start : seq.end] = self._prefill(q, k, v, k_flat, v_flat, seq)
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
-    def _decode(
-        self,
-        q: torch.Tensor,
-        k_flat: Optional[torch.Tensor],
-        v_flat: Optional[torch.Tensor],
-        meta: AttentionMetadata,
-        out: torch.Tensor,
-    ) -> None:
-        if k_flat is None or v_flat is None:
+    def _decode(self, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
+        if meta.slot_mapping is None or self.k_cache is None or self.v_cache is None:
             raise RuntimeError("decode needs the KV cache (got metadata without slot_mapping).")
-        n = meta.decode_token_idx.shape[0]
-        shape = (n, meta.decode_max_len, self.num_kv_heads, self.head_dim)
-        keys = k_flat.index_select(0, meta.decode_slots).view(shape).transpose(1, 2)
-        values = v_flat.index_select(0, meta.decode_slots).view(shape).transpose(1, 2)
+        n, kv_heads, d = meta.decode_token_idx.shape[0], self.num_kv_heads, self.head_dim
+        group, length = self.num_heads // kv_heads, meta.decode_max_len
+        keys = self.k_cache.index_select(1, meta.decode_blocks).view(kv_heads * n, length, d)
+        values = self.v_cache.index_select(1, meta.decode_blocks).view(kv_heads * n, length, d)
         queries = q[:n] if meta.decodes_are_prefix else q.index_select(0, meta.decode_token_idx)
-        attn = F.scaled_dot_product_attention(
-            queries.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True
-        ).squeeze(2)
+        queries = queries.view(n, kv_heads, group, d).transpose(0, 1).reshape(kv_heads * n, group, d)
+        scores = torch.baddbmm(self._decode_bias(meta, group, q.dtype), queries, keys.transpose(1, 2), alpha=self.scale)
+        attn = torch.bmm(torch.softmax(scores, dim=-1), values)
+        attn = attn.view(kv_heads, n, group, d).transpose(0, 1).reshape(n, self.num_heads, d)
         if meta.decodes_are_prefix:
             out[:n] = attn
         else:
             out.index_copy_(0, meta.decode_token_idx, attn)
+
+    def _decode_bias(self, meta: AttentionMetadata, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """The length mask as [kv_heads * num_decodes, group, max_len], built once per step."""
+        key = (self.num_kv_heads, group, dtype)
+        bias = meta.decode_bias_cache.get(key)
+        if bias is None:
+            n, length = meta.decode_bias.shape[0], meta.decode_max_len
+            bias = meta.decode_bias.to(dtype).expand(self.num_kv_heads, n, group, length)
+            bias = meta.decode_bias_cache[key] = bias.reshape(self.num_kv_heads * n, group, length)
+        return bias
 
     def _prefill(
         self,
@@ -170,8 +180,8 @@ class PagedAttention(torch.nn.Module):
         else:
             if k_flat is None or v_flat is None:
                 raise RuntimeError("a prefill after a cached prefix needs the KV cache.")
-            keys = k_flat.index_select(0, seq.context_slots).transpose(0, 1).unsqueeze(0)
-            values = v_flat.index_select(0, seq.context_slots).transpose(0, 1).unsqueeze(0)
+            keys = k_flat.index_select(1, seq.context_slots).unsqueeze(0)
+            values = v_flat.index_select(1, seq.context_slots).unsqueeze(0)
             attn = F.scaled_dot_product_attention(
                 queries, keys, values, attn_mask=seq.mask, scale=self.scale, enable_gqa=True
             )

@@ -58,18 +58,19 @@ class ModelRunner:
         return per_layer * len(self._attention_layers()) * torch.tensor([], dtype=self.dtype).element_size()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocates [layers, 2, num_blocks, block_size, kv_heads, head_dim] and binds each layer's
+        """Allocates [layers, 2, kv_heads, num_blocks, block_size, head_dim] and binds each layer's
         key/value views. Left uninitialized, so that the OS maps pages only when a block is first
-        written (a 4 GiB cache is ready at once, not after seconds of zero-filling); attention
-        reads only written slots, plus slot 0 as masked padding, which is zeroed here because a
-        masked score times a NaN value would still be NaN."""
+        written (a 4 GiB cache is ready at once, not after seconds of zero-filling). Decode
+        attention reads whole blocks, and a masked score times a NaN value is still NaN, so
+        block 0 (the padding) is zeroed here and every other block when a request first gets it
+        (`_zero_new_blocks`)."""
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}.")
         layers = self._attention_layers()
         attn = layers[0]
-        shape = (len(layers), 2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+        shape = (len(layers), 2, attn.num_kv_heads, num_blocks, self.block_size, attn.head_dim)
         self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-        self.kv_cache[:, :, 0, 0].zero_()
+        self.kv_cache[:, :, :, 0].zero_()
         for index, layer in enumerate(layers):
             layer.k_cache = self.kv_cache[index, 0]
             layer.v_cache = self.kv_cache[index, 1]
@@ -79,6 +80,11 @@ class ModelRunner:
             num_blocks, self.block_size, num_blocks * self.block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
         )
+
+    def _zero_new_blocks(self, block_ids: list[int]) -> None:
+        if block_ids:
+            index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+            self.kv_cache.index_fill_(3, index, 0.0)
 
     def _attention_layers(self) -> list:
         if self.model is None:
@@ -119,6 +125,7 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
+        fresh_blocks: list[int] = []
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             if req_id in batch.req_id_to_index:
                 batch.remove_request(req_id)
@@ -127,17 +134,20 @@ class ModelRunner:
             if new.req_id in batch.req_id_to_index:
                 batch.remove_request(new.req_id)
             self.requests[new.req_id] = self._new_state(new)
+            fresh_blocks.extend(new.block_ids[-(-new.num_computed_tokens // self.block_size) :])
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             state = self.requests.get(req_id)
             if state is None:
                 raise ValueError(f"scheduled_cached_reqs names {req_id!r}, which the runner does not hold.")
             state.block_ids.extend(new_blocks)
+            fresh_blocks.extend(new_blocks)
             state.num_computed_tokens = num_computed
             row = batch.req_id_to_index.get(req_id)
             if row is not None:
                 batch.append_block_ids(row, new_blocks)
                 batch.num_computed_tokens[row] = num_computed
+        self._zero_new_blocks(fresh_blocks)
         for req_id in [r for r in batch.req_ids if r not in so.num_scheduled_tokens]:
             batch.remove_request(req_id)  # not scheduled this step: keep its state, leave the batch
         for req_id in so.num_scheduled_tokens:

@@ -149,6 +149,7 @@ class RingBuffer:
             self._ops = PythonOps(self._mv)
         self.native = lib is not None
         self._spin_us, self._poll_interval = spin_us, poll_interval
+        self._pid = os.getpid()
         self._closed = False
         self._partial: Optional[bytearray] = None
         self._partial_total = 0
@@ -281,11 +282,15 @@ class RingBuffer:
 
         The memory stays mapped until the object is garbage-collected, so another thread still
         inside a call on this ring never touches unmapped memory; it raises ValueError instead.
+        In a forked child, close() closes only the child's copy: the ring stays open for the
+        process that created or attached it.
         """
         if self._closed:
             return
         self._closed = True
         self._fast_push = False
+        if os.getpid() != self._pid:
+            return
         if self._data_bell is not None:
             self._ops.store(_SIDES[self.is_creator][2], 1)
             self._data_bell.ring()

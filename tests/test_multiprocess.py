@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import multiprocessing.util
 import os
 import shutil
 import signal
@@ -141,6 +142,26 @@ def test_shutdown_with_a_full_output_ring_is_clean(tiny_llama_dir, monkeypatch):
     client.shutdown()
     assert time.monotonic() - started < 3.0
     assert client._manager.exitcode == 0
+
+
+def test_a_forked_child_exiting_leaves_the_engine_alone(tiny_llama_dir):
+    """A child forked from the frontend runs multiprocessing's exit finalizers when it exits; they
+    must not stop (or close the rings of) the engine, which belongs to the parent."""
+    client = make_client(tiny_llama_dir)
+    try:
+        ring = client._endpoint._send_ring
+        pid = os.fork()
+        if pid == 0:
+            try:
+                ring.close()
+                multiprocessing.util._run_finalizers(0)
+            finally:
+                os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert client.reset_prefix_cache() is True
+        assert client._manager.is_alive()
+    finally:
+        client.shutdown()
 
 
 class FailingExecutor(UniProcExecutor):

@@ -129,6 +129,7 @@ class _EngineResources:
         self.endpoint = endpoint
         self.manager: Optional[CoreEngineProcManager] = None
         self.closed = False
+        self.pid = os.getpid()  # a child forked from this process inherits the finalizer, not the engine
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """SHUTDOWN, wait (then terminate/kill), then remove the channel. Idempotent.
@@ -136,7 +137,7 @@ class _EngineResources:
         While it waits it discards what the engine still sends: an engine blocked on a full
         output ring would otherwise never read the SHUTDOWN and be killed after `timeout`.
         """
-        if self.closed:
+        if self.closed or os.getpid() != self.pid:
             return
         self.closed = True
         try:

@@ -8,12 +8,14 @@ import signal
 import struct
 import threading
 import time
+from typing import Union
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ipc import PeerClosedError, RingBuffer, RingCorruptedError, native_available
+from ipc import Channel, PeerClosedError, RingBuffer, RingCorruptedError, native_available
 from ipc import layout as L
 from ipc.wait import Waiter
 
@@ -318,3 +320,31 @@ def test_property_popped_equals_pushed(pure_python, sizes, rnd):
     finally:
         rx.close()
         tx.close()
+
+
+class _Ping(msgspec.Struct, tag="ping"):
+    seq: int
+    payload: bytes = b""
+
+
+class _Pong(msgspec.Struct, tag="pong"):
+    seq: int
+
+
+def test_channel_sends_and_receives_typed_messages(pair):
+    tx, rx = pair
+    sender = Channel(tx, send_type=Union[_Ping, _Pong])
+    receiver = Channel(rx, recv_type=Union[_Ping, _Pong])
+    assert receiver.try_recv() is None
+    big = _Ping(2, bytes(range(256)) * 12)  # 3 KiB: fragments in a 1 KiB ring, decoded reassembled
+    thread = threading.Thread(target=lambda: [sender.send(m, timeout=20) for m in (_Ping(1), big, _Pong(3))])
+    thread.start()
+    assert [receiver.recv(timeout=20) for _ in range(3)] == [_Ping(1), big, _Pong(3)]
+    thread.join()
+    with pytest.raises(TypeError, match="str"):
+        sender.send("not a message")
+    tx.push(msgspec.msgpack.encode({"type": "nope"}))
+    with pytest.raises(msgspec.ValidationError):
+        receiver.recv(timeout=1)
+    sender.send(_Pong(4))
+    assert receiver.recv(timeout=1) == _Pong(4)  # the malformed message was consumed

@@ -299,6 +299,17 @@ def test_startup_failure_shows_the_engines_error(tmp_path, tiny_llama_dir):
         LLM(str(broken), **ENGINE_ARGS)
 
 
+def test_a_new_shm_channel_sweeps_rings_of_dead_runs(tmp_path):
+    """Both processes of a run killed with kill -9: the next run's start removes their rings."""
+    code = "import os, signal\nfrom ipc import RingBuffer\nr = RingBuffer.create(4096)\nprint(r.name, flush=True)\nos.kill(os.getpid(), signal.SIGKILL)\n"
+    dead = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout.strip()
+    left = Path("/dev/shm") / dead.lstrip("/")
+    assert left.exists()
+    endpoint, _ = transport.open_frontend("shm")
+    endpoint.close()
+    assert not left.exists()
+
+
 def test_unknown_transport_is_a_value_error(tiny_llama_dir):
     with pytest.raises(ValueError, match="transport"):
         LLM(str(tiny_llama_dir), transport="carrier-pigeon", **ENGINE_ARGS)

@@ -12,7 +12,8 @@ them measures the channel and nothing else:
 
 `open_frontend(kind)` creates the channel and returns the frontend's `Endpoint` and the
 `Addresses` the engine passes to `open_engine`. The creator removes everything on `close()`;
-`remove_orphaned` is for the engine when the frontend died without closing.
+`remove_orphaned` is for the engine when the frontend died without closing, and `open_frontend`
+sweeps the rings of runs where both processes died.
 """
 
 from __future__ import annotations
@@ -162,8 +163,9 @@ def _zmq_socket(ctx: Any, kind: int, path: str, bind: bool) -> Any:
 def open_frontend(kind: str) -> tuple[Endpoint, Addresses]:
     """Creates the channel; returns the frontend's endpoint and the engine's addresses."""
     if kind == "shm":
-        from ipc import RingBuffer
+        from ipc import RingBuffer, sweep_stale_segments
 
+        sweep_stale_segments()  # what runs killed with kill -9 (both processes) left behind
         to_engine = RingBuffer.create(RING_CAPACITY)
         try:
             to_frontend = RingBuffer.create(RING_CAPACITY)

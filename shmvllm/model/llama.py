@@ -30,9 +30,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        """transformers' arithmetic (normalize in fp32, cast, then scale) in one fused op for
+        fp32, where the cast is a no-op."""
+        if x.dtype == torch.float32:
+            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * torch.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 class LlamaAttention(nn.Module):

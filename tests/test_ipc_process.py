@@ -125,22 +125,23 @@ def test_ping_pong_never_loses_a_wakeup():
         back.close()
 
 
-def _kill_soon(proc: subprocess.Popen, killed_at: list) -> threading.Timer:
+def _block_until_peer_killed(ring: RingBuffer, child: subprocess.Popen, blocked_in: str) -> None:
+    """Kills `child` (the ring's peer) 0.3 s from now while we block in pop or push; the blocked
+    call must raise PeerDeadError naming it within 1 s of the kill."""
+    assert ring.peer_pid == child.pid
+    killed_at: list = []
+
     def kill() -> None:
         killed_at.append(time.monotonic())
-        proc.kill()
+        child.kill()
 
-    timer = threading.Timer(0.3, kill)
-    timer.start()
-    return timer
-
-
-def _block(ring: RingBuffer, blocked_in: str) -> None:
-    if blocked_in == "pop":
-        ring.pop()
-    else:
+    threading.Timer(0.3, kill).start()
+    with pytest.raises(PeerDeadError, match=str(child.pid)):
+        if blocked_in == "pop":
+            ring.pop()
         while True:  # fill the ring, then block on the full ring
             ring.push(b"x" * 100)
+    assert time.monotonic() - killed_at[0] < 1.0
 
 
 @pytest.mark.parametrize("blocked_in", ["pop", "push"])
@@ -149,12 +150,7 @@ def test_creator_notices_attacher_killed(blocked_in):
     child = _child("attach-idle", ring.name)
     try:
         assert child.stdout.readline().strip() == "ready"
-        assert ring.peer_pid == child.pid
-        killed_at: list = []
-        _kill_soon(child, killed_at)
-        with pytest.raises(PeerDeadError, match=str(child.pid)):
-            _block(ring, blocked_in)
-        assert time.monotonic() - killed_at[0] < 1.0
+        _block_until_peer_killed(ring, child, blocked_in)
     finally:
         child.kill()
         child.wait()
@@ -166,14 +162,8 @@ def test_attacher_notices_creator_killed(blocked_in):
     child = _child("create-idle", "4096")
     try:
         name = child.stdout.readline().strip()
-        ring = RingBuffer.attach(name)
-        assert ring.peer_pid == child.pid
-        killed_at: list = []
-        _kill_soon(child, killed_at)
-        with pytest.raises(PeerDeadError, match=str(child.pid)):
-            _block(ring, blocked_in)
-        assert time.monotonic() - killed_at[0] < 1.0
-        ring.close()
+        with RingBuffer.attach(name) as ring:
+            _block_until_peer_killed(ring, child, blocked_in)
     finally:
         child.kill()
         child.wait()

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import collections
 import itertools
-import logging
 import multiprocessing.util
 import os
-import sys
 from abc import ABC, abstractmethod
 from typing import Any, Optional
 
@@ -30,22 +28,13 @@ from shmvllm.engine.messages import (
 from shmvllm.engine.proc_manager import DEFAULT_READY_TIMEOUT_S, CoreEngineProcManager
 from shmvllm.engine.transport import TRANSPORTS, Endpoint, PeerMissingError, open_frontend
 
-logger = logging.getLogger(__name__)
-
 
 class EngineCoreClient(ABC):
     @staticmethod
     def make_client(config: EngineConfig, multiprocess: bool = True, transport: str = "shm") -> "EngineCoreClient":
-        """SyncMPClient when multiprocess (its `transport` picks the channel), else InprocClient.
-
-        Falls back to the engine in this process (and says so in the log) only where this module
-        lacks SyncMPClient.
-        """
+        """SyncMPClient when multiprocess (its `transport` picks the channel), else InprocClient."""
         if multiprocess:
-            mp_client = getattr(sys.modules[__name__], "SyncMPClient", None)
-            if mp_client is not None:
-                return mp_client(config, transport=transport)
-            logger.warning("multiprocess=True, but SyncMPClient is not available yet: running the engine in-process")
+            return SyncMPClient(config, transport=transport)
         return InprocClient(config)
 
     @abstractmethod

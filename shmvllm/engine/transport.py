@@ -51,7 +51,6 @@ class Endpoint(ABC):
 
     def __init__(self) -> None:
         self._encoder = msgspec.msgpack.Encoder()
-        self._buf = bytearray(4096)
 
     @abstractmethod
     def send(self, msg: Any, timeout: Optional[float] = None, while_full: Optional[Callable[[], None]] = None) -> None:
@@ -77,6 +76,7 @@ class Endpoint(ABC):
 class ShmEndpoint(Endpoint):
     def __init__(self, send_ring: Any, recv_ring: Any) -> None:
         super().__init__()
+        self._buf = bytearray(4096)  # encoded into, then copied into the ring: no allocation per message
         self._send_ring, self._recv_ring = send_ring, recv_ring
         self._push, self._consume, self._try_consume = send_ring.push, recv_ring.consume, recv_ring.try_consume
 

@@ -243,16 +243,31 @@ void ipc_store(uint8_t *b, int64_t off, uint64_t v) {
 }
 
 /* The physical floor: two processes bouncing a counter on one cache line, no ring, no Python.
- * Role 0 sends i and waits for i back, `iters` times; role 1 echoes. Returns elapsed ns. */
-int64_t ipc_floor_pingpong(uint8_t *b, int64_t off, int64_t iters, int64_t role) {
+ * Role 0 sends i and waits for i back, `iters` times; role 1 echoes. Returns elapsed ns, or -1
+ * when the other side has not answered for timeout_ns (it died, or never came). The clock is
+ * read once per 4096 spins, so it costs the measured loop nothing. */
+static inline int await_value(uint64_t *word, uint64_t value, int64_t timeout_ns) {
+    int64_t deadline = 0;
+    for (uint32_t spins = 1; __atomic_load_n(word, __ATOMIC_ACQUIRE) != value; spins++) {
+        cpu_relax();
+        if ((spins & 4095) == 0) {
+            int64_t now = now_ns();
+            if (deadline == 0) deadline = now + timeout_ns;
+            else if (now >= deadline) return 0;
+        }
+    }
+    return 1;
+}
+
+int64_t ipc_floor_pingpong(uint8_t *b, int64_t off, int64_t iters, int64_t role, int64_t timeout_ns) {
     uint64_t *ping = (uint64_t *)(b + off), *pong = (uint64_t *)(b + off + 64);
     int64_t t0 = now_ns();
     for (uint64_t i = 1; i <= (uint64_t)iters; i++) {
         if (role == 0) {
             __atomic_store_n(ping, i, __ATOMIC_RELEASE);
-            while (__atomic_load_n(pong, __ATOMIC_ACQUIRE) != i) cpu_relax();
+            if (!await_value(pong, i, timeout_ns)) return -1;
         } else {
-            while (__atomic_load_n(ping, __ATOMIC_ACQUIRE) != i) cpu_relax();
+            if (!await_value(ping, i, timeout_ns)) return -1;
             __atomic_store_n(pong, i, __ATOMIC_RELEASE);
         }
     }

@@ -52,7 +52,7 @@ class NativeLib:
             "ipc_spin_producer": (ctypes.c_int, [ptr, i64, i64]),
             "ipc_load": (u64, [ptr, i64]),
             "ipc_store": (None, [ptr, i64, u64]),
-            "ipc_floor_pingpong": (i64, [ptr, i64, i64, i64]),
+            "ipc_floor_pingpong": (i64, [ptr, i64, i64, i64, i64]),
         }
         for lib in (self.fast, self.nogil):
             for name, (restype, argtypes) in signatures.items():

@@ -504,16 +504,20 @@ class RingBuffer:
 
     # ---------------------------------------------------------------- measurement
 
-    def floor_pingpong(self, iters: int, role: int) -> float:
+    def floor_pingpong(self, iters: int, role: int, timeout: float = 10.0) -> float:
         """The physical floor: mean ns per round trip of a bare cache-line ping-pong between
         the two processes of this ring, in C, with no ring logic and no Python in the loop.
 
         Both sides call it at once with the same `iters` (> 1), one with role 0, the other
-        role 1, the same number of times. Needs the C helper.
+        role 1, the same number of times. Needs the C helper. TimeoutError when the other side
+        does not answer for `timeout` seconds (the C loop cannot be interrupted otherwise).
         """
         if not self.native:
             raise RuntimeError("the cache-line floor needs the C helper")
-        return self._ops.floor_pingpong(L.OFF_FLOOR, iters, role) / iters
+        elapsed = self._ops.floor_pingpong(L.OFF_FLOOR, iters, role, int(timeout * 1e9))
+        if elapsed < 0:
+            raise TimeoutError(f"floor_pingpong role {role}: no answer from the other side for {timeout} s")
+        return elapsed / iters
 
 
 def _attach_by_name(name: str, spin_us: float, poll_interval: float, pure_python: bool) -> RingBuffer:

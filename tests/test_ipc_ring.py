@@ -348,3 +348,17 @@ def test_channel_sends_and_receives_typed_messages(pair):
         receiver.recv(timeout=1)
     sender.send(_Pong(4))
     assert receiver.recv(timeout=1) == _Pong(4)  # the malformed message was consumed
+
+
+def test_floor_pingpong_measures_and_gives_up_on_a_missing_peer():
+    if not native_available():
+        pytest.fail("the C helper did not build")
+    with RingBuffer.create(4096) as ring, RingBuffer.attach(ring.name) as peer:
+        echo = threading.Thread(target=peer.floor_pingpong, args=(200, 1))
+        echo.start()
+        assert ring.floor_pingpong(200, 0) > 0
+        echo.join()
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="role 0"):
+            ring.floor_pingpong(10, 0, timeout=0.2)
+        assert time.monotonic() - t0 < 2.0

@@ -10,11 +10,13 @@ counter, runs a seq_cst fence and reads the flag, posting the semaphore if it wa
 fence on both sides, at least one of them sees the other's store (see `_native.c`).
 
 A sleeping waiter also wakes every `poll_interval` seconds to ask `check_peer` whether the
-other side is still alive, so a dead peer is noticed within about that interval. It asks before
-it re-checks the condition, never after: a peer that pushes its last message and then closes
-(or dies) between the two looks would otherwise be reported gone with that message unread. The
-peer's close follows its last publish, and our look at its state (an acquire load) precedes our
-look at the counter, so whoever sees the peer gone also sees everything it published.
+other side is still alive, so a dead peer is noticed within about that interval (only when the
+condition does not hold: /proc is not read on the wake-up path). A peer found gone is reported
+only if the condition still does not hold when looked at again: a peer that pushes its last
+message and then closes (or dies) between our look at the counter and our look at the peer
+would otherwise be reported gone with that message unread. The peer's close follows its last
+publish, and our look at its state (an acquire load) precedes that second look at the counter,
+so whoever sees the peer gone also sees everything it published.
 """
 
 from __future__ import annotations
@@ -94,17 +96,16 @@ class Waiter:
             return
         slept = False
         while True:
-            gone: Optional[BaseException] = None
+            if self._arm(*args):
+                return
             if slept:
                 try:
                     self._check_peer()
-                except BaseException as exc:  # raised below unless the condition holds after all
-                    gone = exc
-            if self._arm(*args):
-                return
-            if gone is not None:
-                self._disarm()
-                raise gone
+                except BaseException:
+                    if self._arm(*args):  # the peer's last publish landed between our two looks
+                        return
+                    self._disarm()
+                    raise
             step = self.poll_interval
             if deadline is not None:
                 remaining = deadline - time.monotonic()

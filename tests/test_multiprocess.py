@@ -86,10 +86,12 @@ def make_client(tiny_llama_dir, transport: str = "shm", **kwargs) -> SyncMPClien
     return SyncMPClient(config, transport, **kwargs)
 
 
-def test_utility_calls_return_results_and_exceptions(tiny_llama_dir):
+def test_utility_calls_return_results_and_exceptions(tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("SHMVLLM_CHANNEL_TIMING", "1")  # the spawned engine times its channel calls
     client = make_client(tiny_llama_dir)
     pid = client.engine_pid
     assert client.get_stats()["num_kv_blocks"] == client.num_kv_blocks == 512
+    assert client.call_utility("channel_seconds") > 0  # the answers above went out through timed sends
     with pytest.raises(EngineUtilityError, match="TypeError"):
         client.call_utility("abort_requests", 5)
     with pytest.raises(EngineUtilityError, match="AttributeError.*no_such_method"):

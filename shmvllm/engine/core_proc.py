@@ -41,8 +41,9 @@ import queue
 import signal
 import sys
 import threading
+import time
 import traceback
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import msgspec
 
@@ -90,6 +91,12 @@ class EngineCoreProc:
 
         self.parent_pid = parent_pid
         self.io_threads = io_threads
+        # Seconds the polling busy loop spends in channel calls (encode + send, receive +
+        # decode): what the transport costs the engine's step loop. Counted only with
+        # SHMVLLM_CHANNEL_TIMING=1 (benchmarks/e2e_overhead.py) and without io threads (whose
+        # channel calls are off the loop); read with the `channel_seconds` utility (None: not counted).
+        timing = os.environ.get("SHMVLLM_CHANNEL_TIMING") == "1" and not io_threads
+        self.channel_seconds: Optional[float] = 0.0 if timing else None
         self.endpoint: Endpoint = open_engine(addresses)
         try:
             self.engine_core = EngineCore(config, executor_class)
@@ -185,6 +192,8 @@ class EngineCoreProc:
         try:
             if call.method.startswith("_"):
                 raise AttributeError(f"EngineCore has no public method {call.method!r}")
+            if call.method == "channel_seconds":  # the process's own; the rest are EngineCore's
+                return UtilityOutput(call.call_id, result=self.channel_seconds)
             result = getattr(self.engine_core, call.method)(*call.args)
             return UtilityOutput(call.call_id, result=msgspec.to_builtins(result))
         except Exception as exc:
@@ -196,6 +205,8 @@ class EngineCoreProc:
     def _run_polling(self) -> None:
         core, endpoint = self.engine_core, self.endpoint
         send, try_recv = endpoint.send, endpoint.try_recv
+        if self.channel_seconds is not None:
+            send, try_recv = self._timed(send), self._timed(try_recv)
         handle = self._handle
         while True:
             if not core.has_unfinished_requests():
@@ -211,6 +222,16 @@ class EngineCoreProc:
                 if outputs.outputs:
                     send(outputs)
             self._check_parent()
+
+    def _timed(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return call(*args)
+            finally:
+                self.channel_seconds += time.perf_counter() - started
+
+        return timed
 
     def _wait_for_message(self) -> Any:
         while True:

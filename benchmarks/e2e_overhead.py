@@ -1,15 +1,29 @@
 """What the engine process costs: LLM.generate in-process vs multiprocess over shm vs over zmq.
 
-A tiny random Llama (2 layers, hidden 64, SmolLM2's tokenizer; built in a temp dir) makes an
-engine step cost about a millisecond, so the frontend/engine channel shows. Two workloads,
-greedy with ignore_eos: 1 prompt x 256 tokens and 64 prompts x 64 tokens. All LLMs live side by
-side and the repetitions are interleaved, so machine noise hits every mode alike; each row is
-the fastest of the repetitions (the least disturbed by other programs; --stat median for the
+A tiny random Llama (2 layers, hidden 64, SmolLM2's tokenizer; built in a temp dir) keeps the
+model's share of a step small, so the frontend/engine channel shows. Two workloads, greedy with
+ignore_eos: 1 prompt x 256 tokens and 64 prompts x 64 tokens. All LLMs live side by side and the
+repetitions are interleaved, so machine noise hits every mode alike; each wall time is the
+fastest of the repetitions (the least disturbed by other programs; --stat median for the
 median). torch runs one thread in every mode (--threads to change it): on a 2-core machine a
 second intra-op thread in the engine process would compete with the frontend, and at hidden
 size 64 it buys nothing.
 
-overhead_us_per_step = (wall - in-process wall) / engine steps of the workload.
+Each workload runs at two levels:
+- generate: `LLM.generate`, the issue's workload. The frontend detokenizes and builds
+  RequestOutputs; in-process that work adds to every step, in multiprocess it overlaps the
+  engine's next step, so multiprocess can beat in-process and the overhead come out negative:
+  it then says nothing about the transport.
+- client: the same requests (tokenized beforehand) straight through the EngineCoreClient, the
+  frontend only receiving and decoding each step's outputs. Little is left to overlap, so the
+  overhead is what splitting the engine off costs: the channel and the second process.
+
+overhead_us_per_step = (wall - in-process wall of the same level) / engine steps.
+channel_us_per_step = the engine busy loop's own time in channel calls (encode + send, receive +
+decode, and the wake-ups and preemptions they cause) per step, timed inside the engine process
+(SHMVLLM_CHANNEL_TIMING=1; the median over the repetitions): the transport's cost on the engine's
+critical path. A step-sized sum of tens of µs, it is much steadier than a difference of walls.
+Polling engine only (with io threads the channel calls run in other threads).
 
     python benchmarks/e2e_overhead.py [--repeats 10] [--io poll|threads|both] [--threads 1]
                                       [--stat min|median] [--json out.json] [--plot out.png]
@@ -21,6 +35,7 @@ from the busy loop, or vLLM's input/output threads; `both` runs every transport 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -35,6 +50,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 WORKLOADS = {"1x256": (1, 256), "64x64": (64, 64)}
+_REQUEST_IDS = itertools.count()
 
 
 def build_tiny_llama(target: Path) -> Path:
@@ -70,70 +86,119 @@ def make_llm(model_dir: Path, mode: str, transport: str, io: str) -> Any:
     )
 
 
-def run_workload(llm: Any, workload: str) -> tuple[float, int, int]:
-    """(wall seconds, output tokens, engine steps) of one generate call."""
+def _prompts(workload: str) -> tuple[list[str], Any]:
     from shmvllm import SamplingParams
 
     num_prompts, max_tokens = WORKLOADS[workload]
     prompts = [f"Request {i}: write a long story about the number {i * 7}." for i in range(num_prompts)]
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    steps_before = llm.llm_engine.engine_core.get_stats()["num_steps"]
+    return prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _generate(llm: Any, workload: str) -> tuple[float, int]:
+    prompts, params = _prompts(workload)
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - started
-    steps = llm.llm_engine.engine_core.get_stats()["num_steps"] - steps_before
-    return wall, sum(len(o.outputs[0].token_ids) for o in outputs), steps
+    return time.perf_counter() - started, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def _through_client(llm: Any, workload: str) -> tuple[float, int]:
+    """The workload's requests, tokenized beforehand, added to the engine client and run until
+    all finished; each step's outputs are received and decoded, nothing more."""
+    prompts, params = _prompts(workload)
+    processor, client = llm.llm_engine.input_processor, llm.llm_engine.engine_core
+    requests = [processor.process_inputs(f"client-{next(_REQUEST_IDS)}", p, params)[0] for p in prompts]
+    started = time.perf_counter()
+    for request in requests:
+        client.add_request(request)
+    unfinished, tokens = {r.request_id for r in requests}, 0
+    while unfinished:
+        for output in client.get_output().outputs:
+            tokens += len(output.new_token_ids)
+            if output.finished:
+                unfinished.discard(output.request_id)
+    return time.perf_counter() - started, tokens
+
+
+LEVELS = {"generate": _generate, "client": _through_client}
+
+
+def _channel_seconds(llm: Any, cfg: tuple[str, str, str]) -> float:
+    """The engine busy loop's time in channel calls so far (0 in-process; NaN with io threads)."""
+    if cfg[0] == "inproc":
+        return 0.0
+    seconds = llm.llm_engine.engine_core.call_utility("channel_seconds")
+    return float("nan") if seconds is None else seconds
+
+
+def run_workload(llm: Any, cfg: tuple[str, str, str], level: str, workload: str) -> tuple[float, int, int, float]:
+    """(wall seconds, output tokens, engine steps, channel seconds) of one run."""
+    client = llm.llm_engine.engine_core
+    steps_before, channel_before = client.get_stats()["num_steps"], _channel_seconds(llm, cfg)
+    wall, tokens = LEVELS[level](llm, workload)
+    steps = client.get_stats()["num_steps"] - steps_before
+    return wall, tokens, steps, _channel_seconds(llm, cfg) - channel_before
 
 
 def measure(model_dir: Path, configs: list[tuple[str, str, str]], repeats: int, stat: Any) -> list[dict[str, Any]]:
     llms = {cfg: make_llm(model_dir, *cfg) for cfg in configs}
-    walls: dict[tuple, list[float]] = {}
-    info: dict[tuple, tuple[int, int]] = {}
+    runs: dict[tuple, list[tuple[float, int, int, float]]] = {}
     try:
         for llm in llms.values():  # warm-up: first-call costs of torch and the tokenizer
-            run_workload(llm, "1x256")
+            for run_level in LEVELS.values():
+                run_level(llm, "1x256")
         for _ in range(repeats):
-            for workload in WORKLOADS:
-                for cfg, llm in llms.items():
-                    wall, tokens, steps = run_workload(llm, workload)
-                    walls.setdefault((cfg, workload), []).append(wall)
-                    info[(cfg, workload)] = (tokens, steps)
+            for level in LEVELS:
+                for workload in WORKLOADS:
+                    for cfg, llm in llms.items():
+                        runs.setdefault((level, workload, cfg), []).append(run_workload(llm, cfg, level, workload))
     finally:
         for llm in llms.values():
             llm.shutdown()
     rows = []
-    for workload in WORKLOADS:
-        base = stat(walls[(configs[0], workload)])
-        for cfg in configs:
-            mode, transport, io = cfg
-            wall = stat(walls[(cfg, workload)])
-            tokens, steps = info[(cfg, workload)]
-            rows.append({
-                "mode": mode, "transport": transport, "io": io, "workload": workload,
-                "wall_s": round(wall, 4), "tokens": tokens, "steps": steps,
-                "overhead_us_per_step": round((wall - base) / steps * 1e6, 1),
-            })
+    for level in LEVELS:
+        for workload in WORKLOADS:
+            base = stat([r[0] for r in runs[(level, workload, configs[0])]])
+            for cfg in configs:
+                mode, transport, io = cfg
+                results = runs[(level, workload, cfg)]
+                wall = stat([r[0] for r in results])
+                _, tokens, steps, _ = results[-1]
+                channel = statistics.median(r[3] / r[2] for r in results) * 1e6
+                rows.append({
+                    "level": level, "mode": mode, "transport": transport, "io": io, "workload": workload,
+                    "wall_s": round(wall, 4), "tokens": tokens, "steps": steps,
+                    "overhead_us_per_step": round((wall - base) / steps * 1e6, 1),
+                    "channel_us_per_step": None if channel != channel else round(channel, 1),
+                })
     return rows
 
 
+def _ratio(shm: float, zmq: float) -> str:
+    if zmq <= 0:
+        return f"shm {shm:.1f} us, zmq {zmq:.1f} us: no ratio (zmq is not slower than in-process)"
+    return f"shm {shm:.1f} us, zmq {zmq:.1f} us, shm/zmq = {shm / zmq:.2f}, shm <= zmq/3: {shm <= zmq / 3}"
+
+
 def print_report(rows: list[dict[str, Any]]) -> None:
-    print(f"{'mode':<13}{'transport':<10}{'io':<9}{'workload':<9}{'wall_s':>9}{'tokens':>8}{'steps':>7}{'overhead us/step':>18}")
+    print(f"{'level':<10}{'mode':<13}{'transport':<10}{'io':<9}{'workload':<9}{'wall_s':>9}{'tokens':>8}{'steps':>7}"
+          f"{'overhead us/step':>18}{'channel us/step':>17}")
     for r in rows:
-        print(f"{r['mode']:<13}{r['transport']:<10}{r['io']:<9}{r['workload']:<9}{r['wall_s']:>9.3f}{r['tokens']:>8}"
-              f"{r['steps']:>7}{r['overhead_us_per_step']:>18.1f}")
+        channel = "-" if r["channel_us_per_step"] is None else f"{r['channel_us_per_step']:.1f}"
+        print(f"{r['level']:<10}{r['mode']:<13}{r['transport']:<10}{r['io']:<9}{r['workload']:<9}{r['wall_s']:>9.3f}"
+              f"{r['tokens']:>8}{r['steps']:>7}{r['overhead_us_per_step']:>18.1f}{channel:>17}")
     print()
+    by = {(r["level"], r["workload"], r["transport"], r["io"]): r for r in rows}
     for workload in WORKLOADS:
-        by = {(r["transport"], r["io"]): r for r in rows if r["workload"] == workload}
-        inproc = by[("none", "-")]
         for io in ("poll", "threads"):
-            shm, zmq = by.get(("shm", io)), by.get(("zmq", io))
-            if shm is None or zmq is None:
-                continue
-            s_us, z_us = shm["overhead_us_per_step"], zmq["overhead_us_per_step"]
-            verdict = f"shm/zmq = {s_us / z_us:.2f}, shm <= zmq/3: {s_us <= z_us / 3}" if z_us > 0 else (
-                "no ratio: zmq is not slower than in-process here")
-            print(f"{workload} io={io}: overhead/step shm {s_us:.1f} us, zmq {z_us:.1f} us, {verdict}; wall shm/inproc = {shm['wall_s'] / inproc['wall_s']:.3f},"
-                  f" zmq/inproc = {zmq['wall_s'] / inproc['wall_s']:.3f}")
+            for level in LEVELS:
+                shm, zmq = by.get((level, workload, "shm", io)), by.get((level, workload, "zmq", io))
+                if shm is None or zmq is None:
+                    continue
+                inproc = by[(level, workload, "none", "-")]
+                print(f"{workload} io={io} {level}: overhead/step {_ratio(shm['overhead_us_per_step'], zmq['overhead_us_per_step'])};"
+                      f" wall shm/inproc = {shm['wall_s'] / inproc['wall_s']:.3f}, zmq/inproc = {zmq['wall_s'] / inproc['wall_s']:.3f}")
+                if shm["channel_us_per_step"] is not None:
+                    print(f"{workload} io={io} {level}: engine channel time/step: {_ratio(shm['channel_us_per_step'], zmq['channel_us_per_step'])}")
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
@@ -142,15 +207,26 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    mp_rows = [r for r in rows if r["mode"] == "multiprocess"]
-    fig, axes = plt.subplots(1, len(WORKLOADS), figsize=(5 * len(WORKLOADS), 4))
+    measures = [("generate", "overhead_us_per_step", "generate: overhead"), ("client", "overhead_us_per_step", "client: overhead"),
+                ("client", "channel_us_per_step", "engine: channel time")]
+    fig, axes = plt.subplots(1, len(WORKLOADS), figsize=(6 * len(WORKLOADS), 4.5))
     for ax, workload in zip(axes, WORKLOADS):
-        sel = [r for r in mp_rows if r["workload"] == workload]
-        labels = [f"{r['transport']}\n{r['io']}" for r in sel]
-        ax.bar(labels, [r["overhead_us_per_step"] for r in sel], color=["tab:green" if r["transport"] == "shm" else "tab:red" for r in sel])
+        sel = [r for r in rows if r["workload"] == workload and r["mode"] == "multiprocess"]
+        series = sorted({(r["transport"], r["io"]) for r in sel})
+        width = 0.8 / len(series)
+        for k, (transport, io) in enumerate(series):
+            values = []
+            for level, key, _ in measures:
+                row = next(r for r in sel if (r["level"], r["transport"], r["io"]) == (level, transport, io))
+                values.append(row[key] or 0.0)
+            xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(measures))]
+            ax.bar(xs, values, width, label=f"{transport} ({io})",
+                   color=("tab:green" if transport == "shm" else "tab:red"), alpha=1.0 if io == "poll" else 0.5)
+        ax.set_xticks(range(len(measures)), [label for _, _, label in measures])
         ax.axhline(0, color="black", linewidth=0.8)
-        ax.set_title(f"{workload}: overhead per engine step vs in-process")
-        ax.set_ylabel("us / step")
+        ax.set_title(f"{workload}: µs per engine step (vs in-process)")
+        ax.set_ylabel("µs / step")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -165,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", metavar="PATH.png")
     args = parser.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch loads; the engine inherits it
+    os.environ["SHMVLLM_CHANNEL_TIMING"] = "1"
     ios = ("poll", "threads") if args.io == "both" else (args.io,)
     configs = [("inproc", "none", "-")] + [("multiprocess", t, io) for t in ("shm", "zmq") for io in ios]
     with tempfile.TemporaryDirectory(prefix="e2e-overhead-") as tmp:

@@ -41,6 +41,24 @@ def no_shm_left_behind():
 
 
 @pytest.fixture(scope="session")
+def embedding_texts() -> list[str]:
+    """100 texts for embedding tests: empty and blank, short English, non-ASCII scripts, and
+    long ones (over 256 tokens, so the reference truncates them)."""
+    import random
+
+    rng = random.Random(0)
+    words = "the of cat river quantum engine memory ring shared token throughput latency paris".split()
+    foreign = ["Grüße aus Köln, schöne Straße", "naïve café déjà vu", "Привет, как дела?", "東京は日本の首都です",
+               "مرحبا بالعالم", "emoji 🙂🚀 and ümlauts", "Ελληνικά γράμματα", "한국어 문장입니다"]
+    texts = ["", " ", "Hello.", "A"]
+    texts += [rng.choice(foreign) + " " + " ".join(rng.choices(words, k=rng.randint(0, 20))) for _ in range(30)]
+    texts += [" ".join(rng.choices(words, k=rng.randint(300, 600))) for _ in range(8)]
+    while len(texts) < 100:
+        texts.append(" ".join(rng.choices(words, k=rng.randint(1, 60))).capitalize() + ".")
+    return texts
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     from shmvllm.model.registry import resolve_model_dir
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -20,20 +19,6 @@ from shmvllm.pooling_params import PoolingParams
 from shmvllm.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def sentences() -> list[str]:
-    """100 texts: empty and blank, short English, non-ASCII scripts, long ones (truncated at 256)."""
-    rng = random.Random(1)
-    words = "the of cat river quantum engine memory ring shared token throughput latency paris".split()
-    foreign = ["Grüße aus Köln, schöne Straße", "naïve café déjà vu", "Привет, как дела?", "東京は日本の首都です",
-               "مرحبا بالعالم", "emoji 🙂🚀 and ümlauts", "Ελληνικά γράμματα", "한국어 문장입니다"]
-    texts = ["", " ", "Hello.", "A"]
-    texts += [rng.choice(foreign) + " " + " ".join(rng.choices(words, k=rng.randint(0, 20))) for _ in range(30)]
-    texts += [" ".join(rng.choices(words, k=rng.randint(300, 600))) for _ in range(8)]
-    while len(texts) < 100:
-        texts.append(" ".join(rng.choices(words, k=rng.randint(1, 60))).capitalize() + ".")
-    return texts
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -54,8 +39,8 @@ def embed_llm():
     llm.shutdown()
 
 
-def test_embed_matches_sentence_transformers(embed_llm, reference):
-    texts = sentences()
+def test_embed_matches_sentence_transformers(embed_llm, reference, embedding_texts):
+    texts = embedding_texts
     outputs = embed_llm.embed(texts, use_tqdm=False)
     assert all(isinstance(o, EmbeddingRequestOutput) and o.finished and o.error is None for o in outputs)
     assert [o.prompt for o in outputs] == texts
@@ -132,11 +117,11 @@ def test_generate_on_an_embedding_model_is_a_clear_error(embed_llm):
         embed_llm.chat([{"role": "user", "content": "Hello"}])
 
 
-def test_requests_in_flight_stay_capped(tiny_bert_dir):
+def test_requests_in_flight_stay_capped(tiny_bert_dir, embedding_texts):
     """max_num_seqs=2: at most 4 requests in flight, so embed interleaves sending and receiving."""
     from sentence_transformers import SentenceTransformer
 
-    texts = sentences()[:40]
+    texts = embedding_texts[:40]
     with LLM(model=str(tiny_bert_dir), max_num_seqs=2) as llm:
         seen = []
         engine_step = llm.llm_engine.step

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import random
 
 import numpy as np
 import pytest
@@ -42,20 +41,6 @@ def _embed(runner, prompts, params=None) -> np.ndarray:
     return np.stack(vectors)
 
 
-def _sentences() -> list[str]:
-    """100 texts: short and medium English, non-ASCII scripts, long ones (> 256 tokens), empty."""
-    rng = random.Random(0)
-    words = "the of cat river quantum engine memory ring shared token throughput latency paris".split()
-    foreign = ["Grüße aus Köln, schöne Straße", "naïve café déjà vu", "Привет, как дела?", "東京は日本の首都です",
-               "مرحبا بالعالم", "emoji 🙂🚀 and ümlauts", "Ελληνικά γράμματα", "한국어 문장입니다"]
-    texts = ["", " ", "Hello.", "A"]
-    texts += [rng.choice(foreign) + " " + " ".join(rng.choices(words, k=rng.randint(0, 20))) for _ in range(30)]
-    texts += [" ".join(rng.choices(words, k=rng.randint(300, 600))) for _ in range(8)]
-    while len(texts) < 100:
-        texts.append(" ".join(rng.choices(words, k=rng.randint(1, 60))).capitalize() + ".")
-    return texts
-
-
 @pytest.fixture(scope="module")
 def minilm_runner(minilm_dir):
     return _runner(minilm_dir)
@@ -66,11 +51,11 @@ def tiny_runner(tiny_bert_dir):
     return _runner(tiny_bert_dir)
 
 
-def test_minilm_matches_sentence_transformers(minilm_dir, minilm_runner):
+def test_minilm_matches_sentence_transformers(minilm_dir, minilm_runner, embedding_texts):
     from sentence_transformers import SentenceTransformer
 
     reference = SentenceTransformer(str(minilm_dir), device="cpu")
-    texts = _sentences()
+    texts = embedding_texts
     expected = reference.encode(texts, batch_size=32, convert_to_numpy=True)
     encoded = reference.tokenizer(texts, truncation=True, max_length=reference.max_seq_length)["input_ids"]
     assert max(len(ids) for ids in encoded) == 256  # the long ones are truncated
@@ -81,9 +66,9 @@ def test_minilm_matches_sentence_transformers(minilm_dir, minilm_runner):
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
 
 
-def test_tiny_bert_matches_transformers_mean_pooling(tiny_bert_dir, tiny_runner):
+def test_tiny_bert_matches_transformers_mean_pooling(tiny_bert_dir, tiny_runner, embedding_texts):
     tokenizer = AutoTokenizer.from_pretrained(tiny_bert_dir)
-    texts = _sentences()[:40]
+    texts = embedding_texts[:40]
     batch = tokenizer(texts, truncation=True, max_length=256, padding=True, return_tensors="pt")
     with torch.no_grad():
         hidden = AutoModel.from_pretrained(tiny_bert_dir).eval()(**batch).last_hidden_state

@@ -13,7 +13,6 @@ from shmvllm.config import EngineArgs
 from shmvllm.engine.input_processor import PromptType
 from shmvllm.engine.llm_engine import LLMEngine
 from shmvllm.engine.renderer import Conversation
-from shmvllm.engine.transport import RING_CAPACITY
 from shmvllm.model.registry import DEFAULT_MODEL
 from shmvllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from shmvllm.pooling_params import PoolingParams
@@ -28,12 +27,10 @@ PoolingParamsArg = Union[PoolingParams, Sequence[PoolingParams], None]
 # embed/encode tokenize this many texts per tokenizer call, and send them while the engine
 # computes what came before.
 POOLING_TOKENIZE_CHUNK = 256
-# Requests in flight (sent, not yet finished) stay under both caps: the count keeps a few steps
-# queued in the engine; the bytes keep the input ring from ever filling, so that the frontend
-# never blocks on a send while the engine blocks on an output ring that only it can drain.
+# Requests in flight (sent, not yet finished) stay under this many engine steps' worth, so the
+# engine always has work queued while the frontend's memory and the progress bar stay bounded.
+# (A full ring cannot deadlock the two sides: SyncMPClient drains outputs while it waits to send.)
 POOLING_MAX_IN_FLIGHT_STEPS = 2  # x max_num_seqs
-POOLING_MAX_IN_FLIGHT_BYTES = RING_CAPACITY // 4
-_REQUEST_OVERHEAD_BYTES = 64  # an encoded EngineCoreRequest besides its token ids, about
 
 
 class LLM:
@@ -153,15 +150,12 @@ class LLM:
             for start in range(0, len(prompt_list), POOLING_TOKENIZE_CHUNK):
                 chunk = prompt_list[start : start + POOLING_TOKENIZE_CHUNK]
                 for text, ids in engine.input_processor.tokenize_for_pooling(chunk):
-                    nbytes = 4 * len(ids) + _REQUEST_OVERHEAD_BYTES
-                    while tracker.in_flight and (
-                        tracker.in_flight >= max_in_flight or tracker.in_flight_bytes + nbytes > POOLING_MAX_IN_FLIGHT_BYTES
-                    ):
+                    while tracker.in_flight >= max_in_flight:
                         tracker.collect()
                     engine.add_tokenized_pooling_request(
                         request_ids[sent], text, ids, params_list[sent], priority[sent] if priority else 0
                     )
-                    tracker.sent(nbytes)
+                    tracker.in_flight += 1
                     sent += 1
             while engine.has_unfinished_requests():
                 tracker.collect()
@@ -282,14 +276,9 @@ class _PoolingTracker:
         self.engine = engine
         self.finished: dict[str, PoolingRequestOutput] = {}
         self.in_flight = 0
-        self.in_flight_bytes = 0
         self.started = time.perf_counter()
         self.prompt_tokens = 0
         self.bar = _progress_bar(total) if use_tqdm and total > 1 else None
-
-    def sent(self, nbytes: int) -> None:
-        self.in_flight += 1
-        self.in_flight_bytes += nbytes
 
     def collect(self) -> None:
         """Takes one batch of engine outputs (blocks until it comes)."""
@@ -300,7 +289,6 @@ class _PoolingTracker:
             self.finished[output.request_id] = output
             num_tokens = len(output.prompt_token_ids)
             self.in_flight -= 1
-            self.in_flight_bytes -= 4 * num_tokens + _REQUEST_OVERHEAD_BYTES
             self.prompt_tokens += num_tokens
             done += 1
             if output.error is not None:

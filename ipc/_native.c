@@ -7,7 +7,9 @@
  *   - the consumer load-acquires `tail`, reads the record, then store-releases `head`;
  *   - a side that goes to sleep stores its "sleeping" flag, runs a seq_cst fence, and re-reads
  *     the peer's counter; a side that publishes stores its counter, runs a seq_cst fence, and
- *     reads the flag (Dekker), so at least one of them sees the other: no lost wake-up.
+ *     reads the flag (Dekker), so at least one of them sees the other: no lost wake-up;
+ *   - a side that naps (ipc_nap_*) only loads the peer's counter (acquire) between naps and
+ *     never sets its flag, so the peer's publish does not post: the nap is a slow spin.
  * __atomic_* builtins are the primitives C11 <stdatomic.h> is built on (gcc and clang); they
  * work on plain shared memory, which _Atomic-qualified objects would not let us name.
  */
@@ -233,6 +235,34 @@ int ipc_spin_producer(uint8_t *b, int64_t n, int64_t ns) {
             sched_yield();
         }
     }
+}
+
+/* Nap (called with the GIL released) until there is data / space, for at most window_ns:
+ * sleep first_ns, re-check, sleep twice as long, re-check, ... with naps capped at max_ns and
+ * never past the window. Unlike the spin this leaves the CPU to others between two looks; unlike
+ * the semaphore the other side never has to wake us (our "sleeping" flag stays clear, so its
+ * publish posts nothing). The re-check is the same acquire load as the spin's. A signal makes
+ * it return early (EINTR), so that Python runs its handler; the caller then naps on. */
+static int nap_until(uint8_t *b, int64_t n, int space, int64_t window_ns, int64_t first_ns, int64_t max_ns) {
+    int64_t end = now_ns() + window_ns, nap = first_ns > 0 ? first_ns : 1;
+    for (;;) {
+        if (space ? has_space(b, n) : has_data(b)) return 1;
+        int64_t left = end - now_ns();
+        if (left <= 0) return 0;
+        int64_t ns = nap < left ? nap : left;
+        struct timespec ts = {(time_t)(ns / 1000000000), (long)(ns % 1000000000)};
+        if (clock_nanosleep(CLOCK_MONOTONIC, 0, &ts, NULL) != 0)
+            return space ? has_space(b, n) : has_data(b);
+        if (nap < max_ns) nap = nap * 2 < max_ns ? nap * 2 : max_ns;
+    }
+}
+
+int ipc_nap_consumer(uint8_t *b, int64_t window_ns, int64_t first_ns, int64_t max_ns) {
+    return nap_until(b, 0, 0, window_ns, first_ns, max_ns);
+}
+
+int ipc_nap_producer(uint8_t *b, int64_t n, int64_t window_ns, int64_t first_ns, int64_t max_ns) {
+    return nap_until(b, n, 1, window_ns, first_ns, max_ns);
 }
 
 uint64_t ipc_load(uint8_t *b, int64_t off) { return LOAD_ACQ(b, off); }

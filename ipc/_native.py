@@ -27,7 +27,7 @@ _CFLAGS = ["-O2", "-shared", "-fPIC", "-std=gnu11"]
 
 
 class NativeLib:
-    """The C functions, twice: `fast` keeps the GIL (short calls), `nogil` drops it (spinning).
+    """The C functions, twice: `fast` keeps the GIL (short calls), `nogil` drops it (spinning, napping).
 
     The hot functions take (pointer, int, int) and are called without ctypes `argtypes`, which
     halves the call overhead: the base is passed as a `c_void_p`, bytes as their buffer pointer,
@@ -50,6 +50,8 @@ class NativeLib:
             "ipc_disarm": (None, None),
             "ipc_spin_consumer": (ctypes.c_int, [ptr, i64]),
             "ipc_spin_producer": (ctypes.c_int, [ptr, i64, i64]),
+            "ipc_nap_consumer": (ctypes.c_int, [ptr, i64, i64, i64]),
+            "ipc_nap_producer": (ctypes.c_int, [ptr, i64, i64, i64, i64]),
             "ipc_load": (u64, [ptr, i64]),
             "ipc_store": (None, [ptr, i64, u64]),
             "ipc_floor_pingpong": (i64, [ptr, i64, i64, i64, i64]),

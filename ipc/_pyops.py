@@ -193,6 +193,23 @@ class PythonOps:
     def spin_producer(self, n: int, ns: int) -> int:
         return self._spin(ns, lambda: self._has_space(n))
 
+    def nap_consumer(self, window_ns: int, first_ns: int, max_ns: int) -> int:
+        return self._nap(window_ns, first_ns, max_ns, self._has_data)
+
+    def nap_producer(self, n: int, window_ns: int, first_ns: int, max_ns: int) -> int:
+        return self._nap(window_ns, first_ns, max_ns, lambda: self._has_space(n))
+
+    @staticmethod
+    def _nap(window_ns: int, first_ns: int, max_ns: int, ready) -> int:
+        end, nap = time.monotonic_ns() + window_ns, max(first_ns, 1)
+        while not ready():
+            left = end - time.monotonic_ns()
+            if left <= 0:
+                return 0
+            time.sleep(min(nap, left) / 1e9)
+            nap = min(nap * 2, max(max_ns, nap))
+        return 1
+
     @staticmethod
     def _spin(ns: int, ready) -> int:
         deadline = time.perf_counter_ns() + ns

@@ -1,0 +1,220 @@
+"""The wait's nap phase (`nap_window_s`): a message that lands while the consumer naps costs the
+producer no semaphore post; after the window the consumer sleeps on the semaphore as before;
+timeouts, a closed or dead peer and bad settings are handled as in the other phases. Also the
+`prefault` option, which maps the segment up front."""
+
+from __future__ import annotations
+
+import math
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import ipc.ring as ring_module
+from ipc import PeerClosedError, PeerDeadError, RingBuffer, native_available
+from ipc.wait import Waiter
+
+ROOT = Path(__file__).resolve().parents[1]
+BACKENDS = [pytest.param(False, id="native"), pytest.param(True, id="python")]
+
+# A child that attaches to the ring named in argv[1], says so, and idles until killed.
+ATTACH_AND_IDLE = "import sys, time\nfrom ipc import RingBuffer\nr = RingBuffer.attach(sys.argv[1])\nprint('ready', flush=True)\ntime.sleep(600)\n"
+
+
+@pytest.fixture(params=BACKENDS)
+def pure_python(request) -> bool:
+    if not request.param and not native_available():
+        pytest.fail("the C helper did not build (cc is expected on this machine)")
+    return request.param
+
+
+def _count_posts(producer: RingBuffer) -> list[int]:
+    """Counts the producer's posts of the consumer's "data" semaphore (the wake-ups it pays)."""
+    posts = [0]
+    ring_data = producer._ring_data
+
+    def counted() -> None:
+        posts[0] += 1
+        ring_data()
+
+    producer._ring_data = counted
+    return posts
+
+
+def _napping_pair(pure_python: bool, nap_window_s: float, poll_interval: float = 30.0):
+    """A producer (creator) and a consumer that naps for `nap_window_s` after a zero spin. The
+    long poll interval keeps the sleeping phase from finding a message by its periodic look."""
+    tx = RingBuffer.create(4096, spin_us=0, pure_python=pure_python)
+    rx = RingBuffer.attach(
+        tx.name, spin_us=0, poll_interval=poll_interval, nap_window_s=nap_window_s, pure_python=pure_python
+    )
+    return tx, rx
+
+
+def test_message_pushed_while_napping_needs_no_post(pure_python):
+    tx, rx = _napping_pair(pure_python, nap_window_s=20.0)
+    posts = _count_posts(tx)
+    try:
+        threading.Timer(0.2, tx.push, args=(b"during the nap",)).start()
+        t0 = time.monotonic()
+        assert rx.pop(timeout=10) == b"during the nap"
+        assert 0.15 < time.monotonic() - t0 < 5.0
+        assert posts[0] == 0, "the producer posted although the consumer was napping, not sleeping"
+    finally:
+        rx.close()
+        tx.close()
+
+
+def test_message_pushed_after_the_window_wakes_the_sleeper(pure_python):
+    tx, rx = _napping_pair(pure_python, nap_window_s=0.05)
+    posts = _count_posts(tx)
+    try:
+        threading.Timer(0.5, tx.push, args=(b"after the nap",)).start()
+        t0 = time.monotonic()
+        assert rx.pop(timeout=20) == b"after the nap"
+        assert time.monotonic() - t0 < 5.0  # the post woke it, not its 30 s poll
+        assert posts[0] == 1
+    finally:
+        rx.close()
+        tx.close()
+
+
+def test_producer_naps_for_space_too(pure_python):
+    """The producer's wait for space naps as well: the consumer's release then posts nothing."""
+    tx = RingBuffer.create(1024, spin_us=0, poll_interval=30, nap_window_s=20.0, pure_python=pure_python)
+    rx = RingBuffer.attach(tx.name, spin_us=0, pure_python=pure_python)
+    space_posts = [0]
+    ring_space = rx._ring_space
+
+    def counted() -> None:
+        space_posts[0] += 1
+        ring_space()
+
+    rx._ring_space = counted
+    try:
+        sent = 0
+        with pytest.raises(TimeoutError):
+            while True:
+                tx.push(b"x" * 100, timeout=0)
+                sent += 1
+        threading.Timer(0.2, rx.pop).start()
+        tx.push(b"x" * 100, timeout=10)  # blocks until the timer's pop made room
+        assert space_posts[0] == 0
+        assert [len(rx.pop(timeout=1)) for _ in range(sent)] == [100] * sent
+    finally:
+        rx.close()
+        tx.close()
+
+
+def test_timeout_cuts_the_nap_window_short(pure_python):
+    tx, rx = _napping_pair(pure_python, nap_window_s=20.0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            rx.pop(timeout=0.2)
+        assert 0.19 < time.monotonic() - t0 < 2.0
+        assert rx.try_pop() is None and not rx.wait_readable(timeout=0.05)
+    finally:
+        rx.close()
+        tx.close()
+
+
+def test_peer_closed_while_napping_is_noticed(pure_python):
+    tx, rx = _napping_pair(pure_python, nap_window_s=20.0, poll_interval=0.1)
+    try:
+        threading.Timer(0.2, tx.close).start()
+        t0 = time.monotonic()
+        with pytest.raises(PeerClosedError):
+            rx.pop()
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        rx.close()
+        tx.close()
+
+
+def test_peer_killed_while_napping_is_noticed():
+    ring = RingBuffer.create(4096, spin_us=0, poll_interval=0.1, nap_window_s=20.0)
+    child = subprocess.Popen([sys.executable, "-c", ATTACH_AND_IDLE, ring.name], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        killed_at: list[float] = []
+
+        def kill() -> None:
+            killed_at.append(time.monotonic())
+            child.kill()
+
+        threading.Timer(0.2, kill).start()
+        with pytest.raises(PeerDeadError, match=str(child.pid)):
+            ring.pop()
+        assert time.monotonic() - killed_at[0] < 2.0
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
+        ring.close()
+
+
+def test_last_message_of_a_peer_that_closes_during_the_naps_is_delivered():
+    """The peer publishes and closes between the nap's look at the counter and its look at
+    the peer: the wait returns (the message is there) instead of raising."""
+    published: list[bool] = []
+
+    def peer_publishes_and_closes() -> None:
+        published.append(True)
+        raise PeerClosedError("the peer closed")
+
+    def never_rung(timeout: float) -> bool:
+        raise AssertionError("the nap phase must not reach the semaphore")
+
+    bell = type("Bell", (), {"wait": staticmethod(never_rung)})()
+    waiter = Waiter(
+        spin=lambda ns: 0, arm=lambda: bool(published), disarm=lambda: None, bell=bell,
+        check_peer=peer_publishes_and_closes, spin_us=0, poll_interval=0.01,
+        nap=lambda window_ns, first_ns, max_ns: 0, nap_window_s=5.0,
+    )
+    waiter.wait(None)
+    assert published == [True]
+
+
+@pytest.mark.parametrize("value", [-0.001, math.nan, math.inf])
+def test_bad_nap_window_names_the_field(value):
+    with pytest.raises(ValueError, match="nap_window_s"):
+        RingBuffer.create(4096, nap_window_s=value)
+    with RingBuffer.create(4096) as ring:
+        with pytest.raises(ValueError, match="nap_window_s"):
+            RingBuffer.attach(ring.name, nap_window_s=value)
+    with pytest.raises(ValueError, match="nap_window_s"):
+        Waiter(lambda ns: 0, lambda: 0, lambda: None, None, lambda: None, 0, 0.1, nap=lambda *a: 0, nap_window_s=value)
+
+
+def test_nap_window_needs_a_nap_function():
+    with pytest.raises(ValueError, match="nap_window_s"):
+        Waiter(lambda ns: 0, lambda: 0, lambda: None, None, lambda: None, 0, 0.1, nap_window_s=0.5)
+
+
+def test_pickled_ring_keeps_its_nap_window():
+    with RingBuffer.create(4096, nap_window_s=0.25) as ring:
+        clone = pickle.loads(pickle.dumps(ring))
+        try:
+            assert clone._data_waiter.nap_window_s == 0.25 and not clone.is_creator
+        finally:
+            clone.close()
+
+
+@pytest.mark.parametrize("madvise", [True, False], ids=["madvise", "touch"])
+def test_prefaulted_ring_works(monkeypatch, madvise):
+    if not madvise:  # the fallback for kernels without MADV_POPULATE_WRITE
+        monkeypatch.setattr(ring_module, "_MADV_POPULATE_WRITE", None)
+    with RingBuffer.create(1 << 16, prefault=True) as tx:
+        rx = RingBuffer.attach(tx.name, prefault=True)
+        try:
+            for i in range(2000):  # several laps around the ring
+                tx.push(bytes([i % 251]) * (i % 300))
+                assert rx.pop(timeout=1) == bytes([i % 251]) * (i % 300)
+        finally:
+            rx.close()

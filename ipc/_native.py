@@ -5,21 +5,30 @@ that cannot be used, ``$TMPDIR/ipc-ring-<uid>`` (each a private 0700 directory),
 of the source, the compiler and the machine, so a changed source is rebuilt and concurrent
 first imports race harmlessly (each writes its own temporary file and renames it into place). When no compiler works, `load()` returns None and the ring
 falls back to its pure-Python path (see ring.py); ``IPC_PURE_PYTHON=1`` forces that fallback.
+
+Where Python's headers are installed, the library is built as a CPython extension module as
+well (``-DIPC_PYTHON_MODULE``), whose METH_FASTCALL functions the ring calls on its hot path
+instead of ctypes (`NativeLib.ext`); without them (or if that build fails) it is built for
+ctypes alone.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.machinery
+import importlib.util
 import os
 import platform
 import shutil
 import stat
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import Optional
 
 SOURCE = Path(__file__).with_name("_native.c")
@@ -32,10 +41,13 @@ class NativeLib:
     The hot functions take (pointer, int, int) and are called without ctypes `argtypes`, which
     halves the call overhead: the base is passed as a `c_void_p`, bytes as their buffer pointer,
     Python ints as C ints (ctypes raises on ints that do not fit, it never truncates).
+    `ext`: the same library as an extension module (push, reserve, commit, peek, release with
+    the base address as an int), or None when it was built without Python's headers.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, with_module: bool) -> None:
         self.path = path
+        self.ext: Optional[ModuleType] = _load_module(path) if with_module else None
         self.fast = ctypes.PyDLL(path)
         self.nogil = ctypes.CDLL(path)
         i64, u64, ptr = ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
@@ -60,6 +72,23 @@ class NativeLib:
             for name, (restype, argtypes) in signatures.items():
                 fn = getattr(lib, name)
                 fn.restype, fn.argtypes = restype, argtypes
+
+
+def _load_module(path: str) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader("_ipc_fast", path)
+    spec = importlib.util.spec_from_loader("_ipc_fast", loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def _flag_sets() -> list[list[str]]:
+    """Compiler flags to try, best first: as an extension module too, then for ctypes alone."""
+    include = sysconfig.get_paths().get("include")
+    plain = list(_CFLAGS)
+    if include and os.path.exists(os.path.join(include, "Python.h")):
+        return [[*plain, "-DIPC_PYTHON_MODULE", f"-I{include}"], plain]
+    return [plain]
 
 
 def _cache_dirs() -> list[Path]:
@@ -92,11 +121,11 @@ def _compiler() -> Optional[str]:
     return None
 
 
-def _build(cc: str, target: Path) -> None:
+def _build(cc: str, flags: list[str], target: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
     os.close(fd)
     try:
-        subprocess.run([cc, *_CFLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, timeout=120)
+        subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], check=True, capture_output=True, timeout=120)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -107,30 +136,39 @@ def load() -> Optional[NativeLib]:
     """The compiled helper, building it on first use; None (with a warning) if that fails.
 
     A cache directory that cannot be used (not writable, not private, a full disk) moves on to
-    the next one; a compiler error does not, as no directory would help.
+    the next one; a compiler error does not, as no directory would help: it moves on to the
+    next set of flags (the extension module's build needs Python's headers to be usable).
     """
     if os.environ.get("IPC_PURE_PYTHON") == "1":
         return None
     cc = _compiler()
     problems = [] if cc else ["no C compiler (cc, gcc, clang or $CC) on PATH"]
-    if cc:
-        key = hashlib.sha256(SOURCE.read_bytes() + cc.encode() + " ".join(_CFLAGS).encode())
-        filename = f"ipc_native-{key.hexdigest()[:16]}-{platform.machine()}-{sys.implementation.cache_tag}.so"
-        for base in _cache_dirs():
-            try:
-                target = _private_dir(base) / filename
-                if not target.exists():
-                    _build(cc, target)
-                return NativeLib(str(target))
-            except subprocess.CalledProcessError as exc:
-                problems.append(f"{cc} failed: {exc.stderr.decode(errors='replace')[:500]}")
-                break
-            except (OSError, subprocess.SubprocessError) as exc:
-                problems.append(f"{base}: {exc}")
+    for flags in _flag_sets() if cc else []:
+        lib = _load_built(cc, flags, problems)
+        if lib is not None:
+            return lib
     warnings.warn(
         f"ipc: could not build the C helper ({'; '.join(problems)}); "
         "using the slower pure-Python ring with semaphore fences",
         RuntimeWarning,
         stacklevel=2,
     )
+    return None
+
+
+def _load_built(cc: str, flags: list[str], problems: list[str]) -> Optional[NativeLib]:
+    """The library built with `flags`, from the first usable cache directory; None on failure."""
+    key = hashlib.sha256(SOURCE.read_bytes() + cc.encode() + " ".join(flags).encode())
+    filename = f"ipc_native-{key.hexdigest()[:16]}-{platform.machine()}-{sys.implementation.cache_tag}.so"
+    for base in _cache_dirs():
+        try:
+            target = _private_dir(base) / filename
+            if not target.exists():
+                _build(cc, flags, target)
+            return NativeLib(str(target), with_module="-DIPC_PYTHON_MODULE" in flags)
+        except subprocess.CalledProcessError as exc:
+            problems.append(f"{cc} {' '.join(flags)} failed: {exc.stderr.decode(errors='replace')[:500]}")
+            return None
+        except (OSError, ImportError, subprocess.SubprocessError) as exc:
+            problems.append(f"{base}: {exc}")
     return None

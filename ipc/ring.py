@@ -101,6 +101,9 @@ class _NativeOps:
         fast, nogil = lib.fast, lib.nogil
         for name in ("push", "reserve", "commit", "peek", "release", "arm_consumer", "disarm", "load", "store"):
             setattr(self, name, functools.partial(getattr(fast, "ipc_" + name), base))
+        if lib.ext is not None:  # the hot path without ctypes (see _native.py)
+            for name in ("push", "reserve", "commit", "peek", "release"):
+                setattr(self, name, functools.partial(getattr(lib.ext, name), base.value))
         self.arm_producer = functools.partial(fast.ipc_arm_producer, base)
         self.spin_consumer = functools.partial(nogil.ipc_spin_consumer, base)
         self.spin_producer = functools.partial(nogil.ipc_spin_producer, base)

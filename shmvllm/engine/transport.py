@@ -5,7 +5,8 @@ them measures the channel and nothing else:
 
 - "shm": two `ipc.RingBuffer`s (frontend -> engine, engine -> frontend), created by the frontend,
   attached by the engine by name. Receiving decodes straight from the ring's memory; sending
-  encodes into one reused buffer. A side blocked on a dead peer gets `ipc.PeerGoneError`.
+  encodes to bytes, which the C helper copies into the ring in the same call that publishes
+  them. A side blocked on a dead peer gets `ipc.PeerGoneError`.
 - "zmq": two pyzmq PUSH/PULL pairs over ipc:// sockets in a private temporary directory (what
   vLLM uses), bound by the frontend, connected by the engine. ZeroMQ never reports a dead
   peer: both sides watch their peer process themselves (see core_client and core_proc).
@@ -30,6 +31,16 @@ import msgspec
 TRANSPORTS = ("shm", "zmq")
 RING_CAPACITY = 4 << 20
 FULL_RETRY_S = 0.005  # how long a send with `while_full` waits for room between two calls of it
+# The frontend waits for each step's outputs by napping through this window (after the 200 µs
+# spin) before it sleeps on the ring's semaphore (see ipc.wait). While it naps, the engine's
+# send is a copy and a counter store; once it sleeps, the send also wakes it: a futex wake of
+# another process, 23-31 µs on a 2-core VM, on the engine's critical path at every step. The
+# naps cost the frontend ~20 µs of CPU each on that VM (a timer wake-up), ~2% of a core at the
+# 1 ms cap, and deliver an output up to a nap late (the engine does not wait for the frontend).
+# 50 ms covers the steps where the post weighs: a tiny model's (1.4-10 ms in
+# benchmarks/e2e_overhead.py) and one-sequence decode of a 135M model (~35 ms); a 64-sequence
+# step of that model (~180 ms) naps 50 ms and then sleeps, paying one post per step (~0.02%).
+FRONTEND_NAP_WINDOW_S = 0.05
 
 Decode = Callable[[Any], Any]
 
@@ -76,13 +87,16 @@ class Endpoint(ABC):
 class ShmEndpoint(Endpoint):
     def __init__(self, send_ring: Any, recv_ring: Any) -> None:
         super().__init__()
-        self._buf = bytearray(4096)  # encoded into, then copied into the ring: no allocation per message
         self._send_ring, self._recv_ring = send_ring, recv_ring
-        self._push, self._consume, self._try_consume = send_ring.push, recv_ring.consume, recv_ring.try_consume
+        self._push, self._consume = send_ring.push, recv_ring.consume
+        # The engine polls this after every step: the ring's own method, without a Python frame
+        # of ours around it (each costs a few µs when a step has just evicted the caches).
+        self.try_recv = recv_ring.try_consume  # type: ignore[method-assign]
 
     def send(self, msg: Any, timeout: Optional[float] = None, while_full: Optional[Callable[[], None]] = None) -> None:
-        buf = self._buf
-        self._encoder.encode_into(msg, buf)
+        # bytes, not a reused bytearray: a bytes push is one C call (reserve, copy, publish)
+        # instead of two and a slice copy in between
+        buf = self._encoder.encode(msg)
         if while_full is None or len(buf) > self._send_ring.max_payload:
             # A fragmented message cannot be retried in pieces (a timed-out push aborts it).
             self._push(buf, timeout)
@@ -102,8 +116,8 @@ class ShmEndpoint(Endpoint):
     def recv(self, decode: Decode, timeout: Optional[float]) -> Any:
         return self._consume(decode, timeout)
 
-    def try_recv(self, decode: Decode) -> Any:
-        return self._try_consume(decode)
+    def try_recv(self, decode: Decode) -> Any:  # replaced per instance in __init__
+        return self._recv_ring.try_consume(decode)
 
     def close(self) -> None:
         self._send_ring.close()
@@ -166,9 +180,9 @@ def open_frontend(kind: str) -> tuple[Endpoint, Addresses]:
         from ipc import RingBuffer, sweep_stale_segments
 
         sweep_stale_segments()  # what runs killed with kill -9 (both processes) left behind
-        to_engine = RingBuffer.create(RING_CAPACITY)
+        to_engine = RingBuffer.create(RING_CAPACITY, prefault=True)
         try:
-            to_frontend = RingBuffer.create(RING_CAPACITY)
+            to_frontend = RingBuffer.create(RING_CAPACITY, prefault=True, nap_window_s=FRONTEND_NAP_WINDOW_S)
         except BaseException:
             to_engine.close()
             raise
@@ -196,9 +210,9 @@ def open_engine(addresses: Addresses) -> Endpoint:
     if addresses.kind == "shm":
         from ipc import RingBuffer
 
-        recv_ring = RingBuffer.attach(addresses.to_engine)
+        recv_ring = RingBuffer.attach(addresses.to_engine, prefault=True)
         try:
-            send_ring = RingBuffer.attach(addresses.to_frontend)
+            send_ring = RingBuffer.attach(addresses.to_frontend, prefault=True)
         except BaseException:
             recv_ring.close()
             raise

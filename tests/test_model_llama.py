@@ -16,6 +16,10 @@ from shmvllm.model.rotary import rope_inv_freq
 
 BLOCK_SIZE = 4
 ATOL = 1e-4
+# SmolLM2's logits reach ~20 and pass 30 layers: fp32 GEMMs and reductions summed in another
+# order than transformers' differ from its logits by up to ~2.5e-4 (1e-5 relative), with or
+# without the C kernels (measured: 2.2e-4 in plain torch, 2.5e-4 with the kernels).
+SMOLLM2_ATOL = 4e-4
 
 
 class PagedModel:
@@ -181,7 +185,7 @@ def test_smollm2_logits(smollm2_dir):
     prefill = paged.step([(tokens, 0, 40, row)])[0]
     decode = paged.step([(tokens + [42], 40, 1, row)])[0]
     ref = _hf_logits(smollm2_dir, tokens + [42])
-    torch.testing.assert_close(torch.cat([prefill, decode]), ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.cat([prefill, decode]), ref, atol=SMOLLM2_ATOL, rtol=0)
 
 
 def test_missing_weight_is_named(tmp_path):

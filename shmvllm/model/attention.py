@@ -1,4 +1,4 @@
-"""Attention over a paged KV cache, in pure torch (the same code on CPU and CUDA).
+"""Attention over a paged KV cache: a C kernel for fp32 on the CPU, pure torch elsewhere.
 
 Layout: each layer owns a key and a value cache of shape
 [num_kv_heads, num_blocks, block_size, head_dim] (head-major). A token at position p of a
@@ -19,16 +19,23 @@ to its slot (slot_mapping), then
   cache with a causal mask shifted by the prefix length.
 Everything that does not depend on the layer (gather indices, masks) is built once per step
 by `build_attention_metadata`.
+
+On the CPU with fp32 caches, the cache write and the decode attention run in the C kernels of
+`shmvllm.model.kernels` instead (when they built): each decode request reads its K/V straight
+from its blocks, with no gathered copy; prefills stay in torch (SDPA). The torch path is the
+reference the kernels are tested against, and what CUDA and other dtypes use.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from shmvllm.model.kernels import kernels_for
 
 
 @dataclass
@@ -51,6 +58,19 @@ class AttentionMetadata:
     decode_bias_cache: dict = field(default_factory=dict)  # (kv_heads, group, dtype) -> expanded bias
     prefills: list[PrefillSeq] = field(default_factory=list)
     decodes_are_prefix: bool = False  # decode rows are exactly [0, num_decodes)
+    decode_batch: Optional["DecodeBatch"] = None  # the decode rows as the C kernel reads them
+
+
+@dataclass
+class DecodeBatch:
+    """The decode requests for the C kernel: numpy arrays it reads through their addresses."""
+
+    rows: np.ndarray  # [num_decodes] int64 rows of the flat batch
+    block_table: np.ndarray  # [num_decodes, width] int32, C-contiguous
+    seq_lens: np.ndarray  # [num_decodes] int32
+
+    def __post_init__(self) -> None:
+        self.pointers = tuple(a.__array_interface__["data"][0] for a in (self.rows, self.block_table, self.seq_lens))
 
 
 def build_attention_metadata(
@@ -93,6 +113,11 @@ def _add_decodes(
     meta.decode_bias = torch.from_numpy(bias[:, None, :]).to(device)
     meta.decode_max_len = max_len
     meta.decodes_are_prefix = bool(rows[-1] == len(rows) - 1)
+    meta.decode_batch = DecodeBatch(
+        np.ascontiguousarray(rows, dtype=np.int64),
+        np.ascontiguousarray(block_table, dtype=np.int32),
+        np.ascontiguousarray(seq_lens, dtype=np.int32),
+    )
 
 
 def _prefill_seq(
@@ -121,20 +146,50 @@ class PagedAttention(torch.nn.Module):
         self.v_cache: Optional[torch.Tensor] = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        kernels = self._kernels(q, k, v)
         k_flat = v_flat = None
         if meta.slot_mapping is not None:
             if self.k_cache is None or self.v_cache is None:
                 raise RuntimeError("PagedAttention has no KV cache bound; call initialize_kv_cache first.")
             k_flat = self.k_cache.view(self.num_kv_heads, -1, self.head_dim)
             v_flat = self.v_cache.view(self.num_kv_heads, -1, self.head_dim)
-            k_flat.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-            v_flat.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+            if kernels is not None:
+                kernels.shm_write_kv_cache(
+                    k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), meta.slot_mapping.data_ptr(), k.shape[0],
+                    k_flat.data_ptr(), v_flat.data_ptr(), k_flat.shape[1], self.num_kv_heads, self.head_dim,
+                )
+            else:
+                k_flat.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+                v_flat.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         out = torch.empty_like(q)
         if meta.decode_token_idx is not None:
-            self._decode(q, meta, out)
+            if kernels is not None and meta.decode_batch is not None:
+                self._decode_native(kernels, q, meta.decode_batch, out)
+            else:
+                self._decode(q, meta, out)
         for seq in meta.prefills:
             out[seq.start : seq.end] = self._prefill(q, k, v, k_flat, v_flat, seq)
         return out.view(q.shape[0], self.num_heads * self.head_dim)
+
+    def _kernels(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+        """The C kernels when they apply: CPU, fp32 everywhere, rows of [heads, head_dim]."""
+        cache, d = self.k_cache, self.head_dim
+        if cache is None or not cache.is_contiguous() or any(t.stride(2) != 1 or t.stride(1) != d for t in (q, k, v)):
+            return None
+        return kernels_for(q, cache)
+
+    def _decode_native(self, kernels: Any, q: torch.Tensor, batch: DecodeBatch, out: torch.Tensor) -> None:
+        k_cache, v_cache = self.k_cache, self.v_cache
+        assert k_cache is not None and v_cache is not None and v_cache.is_contiguous()
+        rows, table, seq_lens = batch.pointers
+        status = kernels.shm_paged_decode_attention(
+            out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0), rows, len(batch.rows),
+            k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1] * k_cache.shape[2], table,
+            batch.block_table.shape[1], seq_lens, k_cache.shape[2], self.num_heads, self.num_kv_heads,
+            self.head_dim, self.scale,
+        )
+        if status != 0:
+            raise MemoryError("the decode attention kernel could not allocate its scratch memory")
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
         if meta.slot_mapping is None or self.k_cache is None or self.v_cache is None:

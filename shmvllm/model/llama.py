@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from shmvllm.model.attention import AttentionMetadata, PagedAttention
+from shmvllm.model.kernels import kernels_for
 from shmvllm.model.linear import Linear
-from shmvllm.model.rotary import RotaryEmbedding, apply_rotary_
+from shmvllm.model.rotary import RotaryEmbedding, RotaryStep
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +31,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """transformers' arithmetic (normalize in fp32, cast, then scale) in one fused op for
-        fp32, where the cast is a no-op."""
+        """transformers' arithmetic (normalize in fp32, cast, then scale): one C kernel or one
+        fused torch op for fp32, where the cast is a no-op."""
+        kernels = kernels_for(x, self.weight) if x.is_contiguous() else None
+        if kernels is not None:
+            out = torch.empty_like(x)
+            hidden = x.shape[-1]
+            kernels.shm_rms_norm(out.data_ptr(), x.data_ptr(), self.weight.data_ptr(), x.numel() // hidden, hidden, self.eps)
+            return out
         if x.dtype == torch.float32:
             return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * torch.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
@@ -52,12 +59,12 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(
-        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor, meta: AttentionMetadata
+        self, rope: RotaryStep, x: torch.Tensor, residual: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """x: the normed hidden states; returns residual + attention output."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        apply_rotary_(qkv[:, : self.num_heads + self.num_kv_heads], *rope)  # q and k, in place
+        rope.apply_(qkv[:, : self.num_heads + self.num_kv_heads])  # q and k, in place
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         return self.o_proj(self.attn(q, k, v, meta), residual)
 
@@ -74,8 +81,15 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Returns residual + MLP(x)."""
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(torch.nn.functional.silu(gate).mul_(up), residual)
+        gate_up = self.gate_up_proj(x)
+        kernels = kernels_for(gate_up)
+        if kernels is not None:
+            act = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
+            kernels.shm_silu_and_mul(act.data_ptr(), gate_up.data_ptr(), gate_up.shape[0], self.intermediate_size)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = torch.nn.functional.silu(gate).mul_(up)
+        return self.down_proj(act, residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -87,7 +101,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, meta: AttentionMetadata
+        self, rope: RotaryStep, hidden: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         hidden = self.self_attn(rope, self.input_layernorm(hidden), hidden, meta)
         return self.mlp(self.post_attention_layernorm(hidden), hidden)

@@ -8,9 +8,11 @@ factor), so that our rotations equal theirs bit for bit in fp32.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
+
+from shmvllm.model.kernels import kernels_for
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -100,15 +102,40 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos_cache", torch.cat((cos, cos), dim=-1), persistent=False)
         self.register_buffer("sin_cache", torch.cat((-sin, sin), dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] -> (cos, signed sin), each [T, 1, head_dim], for `apply_rotary_`."""
-        cos = self.cos_cache.index_select(0, positions).unsqueeze(1).to(dtype)
-        sin = self.sin_cache.index_select(0, positions).unsqueeze(1).to(dtype)
-        return cos, sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> "RotaryStep":
+        """positions: [T] -> the rotation of this step, to apply to every layer's q and k."""
+        return RotaryStep(self, positions, dtype)
+
+
+class RotaryStep:
+    """One step's rotation, shared by all layers: the C kernel reads the tables at the step's
+    positions itself; the torch path looks up (cos, signed sin) once, at the first layer."""
+
+    def __init__(self, embedding: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        self.embedding, self.positions, self.dtype = embedding, positions.contiguous(), dtype
+        self._tables: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def apply_(self, x: torch.Tensor) -> None:
+        """Rotates x [T, H, D] (may be a strided view of rows) in place."""
+        emb = self.embedding
+        num_tokens, num_heads, head_dim = x.shape
+        strided_rows = x.stride(2) == 1 and x.stride(1) == head_dim and self.positions.dtype == torch.int64
+        kernels = kernels_for(x, emb.cos_cache) if strided_rows else None
+        if kernels is not None:
+            kernels.shm_rotary(
+                x.data_ptr(), x.stride(0), num_tokens, num_heads, head_dim, self.positions.data_ptr(),
+                emb.cos_cache.data_ptr(), emb.sin_cache.data_ptr(),
+            )
+            return
+        if self._tables is None:
+            cos = emb.cos_cache.index_select(0, self.positions).unsqueeze(1).to(self.dtype)
+            sin = emb.sin_cache.index_select(0, self.positions).unsqueeze(1).to(self.dtype)
+            self._tables = cos, sin
+        apply_rotary_(x, *self._tables)
 
 
 def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotates x [T, H, D] (may be a strided view) in place with tables from RotaryEmbedding."""
+    """Rotates x [T, H, D] (may be a strided view) in place with (cos, signed sin) [T, 1, D]."""
     num_tokens, num_heads, head_dim = x.shape
     swapped = x.unflatten(-1, (2, head_dim // 2)).flip(2).flatten(-2)
     x.mul_(cos)

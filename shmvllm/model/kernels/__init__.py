@@ -1,0 +1,128 @@
+"""fp32 CPU kernels in C (cpu_kernels.c), compiled with the system C compiler on first use.
+
+The library is built for this machine (-march=native) and cached under
+``~/.cache/shmvllm/kernels`` (or ``$TMPDIR/shmvllm-kernels-<uid>`` when the home directory
+cannot be used), keyed by a hash of the source, the flags and the CPU, so a changed source or
+another CPU builds anew; concurrent first uses race harmlessly (each compiles to a temporary
+file and renames it into place). Without a working compiler `cpu_kernels()` returns None (with
+a warning) and the model keeps to its pure-torch code; so does ``SHMVLLM_NATIVE_KERNELS=0``.
+The torch code is the reference the kernels are tested against, and what CUDA and other
+dtypes use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import stat
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch  # loaded first: the kernels bind to the libgomp.so.1 that torch loaded
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# -ffast-math lets gcc vectorize expf through glibc's libmvec; the kernels never see inf or NaN.
+# It is given to the compile step only: linked with -ffast-math, gcc adds crtfastmath.o, which
+# would switch the whole process to flush-to-zero arithmetic at load time.
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11", "-c"]
+_LDFLAGS = ["-shared", "-fopenmp"]
+_LIBS = ["-lmvec", "-lm"]
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_SIGNATURES = {
+    "shm_write_kv_cache": (None, [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64]),
+    "shm_paged_decode_attention": (
+        ctypes.c_int,
+        [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _f32],
+    ),
+    "shm_rms_norm": (None, [_ptr, _ptr, _ptr, _i64, _i64, _f32]),
+    "shm_silu_and_mul": (None, [_ptr, _ptr, _i64, _i64]),
+    "shm_rotary": (None, [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr]),
+}
+
+
+def _cpu_identity() -> bytes:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor().encode()
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    return "\n".join(wanted).encode()
+
+
+def _cache_dirs() -> list[Path]:
+    return [Path.home() / ".cache" / "shmvllm" / "kernels", Path(tempfile.gettempdir()) / f"shmvllm-kernels-{os.getuid()}"]
+
+
+def _private_dir(path: Path) -> Path:
+    """`path`, created 0700; code is loaded from it, so nobody else may write there."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise PermissionError(f"kernel cache {path} is not a private directory (mode {stat.S_IMODE(st.st_mode):#o})")
+    return path
+
+
+def _compile(cc: str, target: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
+    os.close(fd)
+    obj = tmp + ".o"
+    try:
+        subprocess.run([cc, *_CFLAGS, "-o", obj, str(SOURCE)], check=True, capture_output=True, timeout=120)
+        subprocess.run([cc, *_LDFLAGS, "-o", tmp, obj, *_LIBS], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, target)
+    finally:
+        for leftover in (tmp, obj):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))  # CDLL: calls release the GIL
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+def kernels_for(*tensors: torch.Tensor) -> Optional[ctypes.CDLL]:
+    """The kernels when they apply to these tensors: fp32, on the CPU; else None."""
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            return None
+    return cpu_kernels()
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_kernels() -> Optional[ctypes.CDLL]:
+    """The compiled kernels, built on first use; None when disabled or when building fails."""
+    if os.environ.get("SHMVLLM_NATIVE_KERNELS", "1") == "0" or platform.machine() not in ("x86_64", "aarch64"):
+        return None
+    cc = next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None)
+    if cc is None:
+        warnings.warn("shmvllm: no C compiler found; the model runs in plain torch (slower)", RuntimeWarning, stacklevel=2)
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes() + cc.encode() + " ".join(_CFLAGS + _LDFLAGS + _LIBS).encode() + _cpu_identity())
+    filename = f"cpu_kernels-{key.hexdigest()[:16]}-{platform.machine()}.so"
+    problems = []
+    for base in _cache_dirs():
+        try:
+            target = _private_dir(base) / filename
+            if not target.exists():
+                _compile(cc, target)
+            return _load(target)
+        except subprocess.CalledProcessError as exc:
+            problems.append(f"{cc} failed: {exc.stderr.decode(errors='replace')[:500]}")
+            break
+        except (OSError, subprocess.SubprocessError) as exc:
+            problems.append(f"{base}: {exc}")
+    warnings.warn(f"shmvllm: could not build the CPU kernels ({'; '.join(problems)}); using plain torch", RuntimeWarning, stacklevel=2)
+    return None

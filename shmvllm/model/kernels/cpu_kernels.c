@@ -1,0 +1,187 @@
+/* fp32 CPU kernels for the decoder's small ops, one call each where torch needs several.
+ *
+ * Why: at the batch sizes of decoding, torch spends more time dispatching and entering OpenMP
+ * regions for rms_norm (pow, mean, add, rsqrt, mul, mul), rotary and silu-and-mul than
+ * computing them; these do it in one pass over the data, on one thread when the work is small.
+ *
+ * Decode attention: in torch, decode attention has to gather every request's context blocks into
+ * a padded tensor first (index_select), which copies the whole KV context once per layer and
+ * step and costs more than the attention that then reads it. Here each (request, kv head) task
+ * reads its keys and values straight from their blocks, once.
+ *
+ * Layout (see attention.py): k_cache / v_cache are [kv_heads, num_blocks * block_size, head_dim];
+ * q / k / v are rows of the step's flat batch, [num_heads | kv_heads, head_dim] each, a row
+ * `*_row_stride` floats after the previous one (views into the fused qkv projection).
+ *
+ * Parallelism: OpenMP. Built against libgomp.so.1, the soname torch itself loads, so the
+ * dynamic loader binds this library to torch's OpenMP runtime: one thread pool, and
+ * torch.set_num_threads applies here too.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Threads pay off above about this many floats of work. */
+#define PARALLEL_MIN_FLOATS (1 << 17)
+
+/* Writes the step's new keys and values into their cache slots. */
+void shm_write_kv_cache(const float *k, int64_t k_row_stride, const float *v, int64_t v_row_stride,
+                        const int64_t *slot_mapping, int64_t num_tokens, float *k_cache, float *v_cache,
+                        int64_t num_slots, int64_t kv_heads, int64_t head_dim) {
+    const size_t row_bytes = (size_t)head_dim * sizeof(float);
+    const int64_t head_stride = num_slots * head_dim;
+#pragma omp parallel for collapse(2) if (2 * num_tokens * kv_heads * head_dim >= PARALLEL_MIN_FLOATS)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const int64_t dst = h * head_stride + slot_mapping[t] * head_dim;
+            memcpy(k_cache + dst, k + t * k_row_stride + h * head_dim, row_bytes);
+            memcpy(v_cache + dst, v + t * v_row_stride + h * head_dim, row_bytes);
+        }
+    }
+}
+
+/* Hints the next block's rows into the cache while this block is computed on: blocks are
+ * scattered pages, which the hardware prefetcher does not follow. */
+static inline void prefetch_block(const float *rows, int64_t count, int64_t head_dim) {
+    for (int64_t off = 0; off < count * head_dim; off += 16) __builtin_prefetch(rows + off, 0, 3);
+}
+
+/* One request's `group` query heads that share one kv head: scores, softmax, weighted sum.
+ * work: group * (seq_len + head_dim) floats. */
+static void attend_one(const float *q, float *out, const float *k_head, const float *v_head,
+                       const int32_t *blocks, int64_t seq_len, int64_t block_size, int64_t group,
+                       int64_t head_dim, float scale, float *work) {
+    float *scores = work;                /* [group, seq_len] */
+    float *acc = work + group * seq_len; /* [group, head_dim] */
+    const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const int64_t start = b * block_size;
+        const float *keys = k_head + (int64_t)blocks[b] * block_size * head_dim;
+        const int64_t count = seq_len - start < block_size ? seq_len - start : block_size;
+        if (b + 1 < num_blocks) prefetch_block(k_head + (int64_t)blocks[b + 1] * block_size * head_dim, block_size, head_dim);
+        for (int64_t j = 0; j < count; j++) {
+            const float *key = keys + j * head_dim;
+            for (int64_t g = 0; g < group; g++) {
+                const float *qg = q + g * head_dim;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < head_dim; d++) dot += qg[d] * key[d];
+                scores[g * seq_len + start + j] = dot * scale;
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *s = scores + g * seq_len;
+        float max = s[0], sum = 0.0f;
+        for (int64_t pos = 1; pos < seq_len; pos++) max = s[pos] > max ? s[pos] : max;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t pos = 0; pos < seq_len; pos++) {
+            s[pos] = expf(s[pos] - max);
+            sum += s[pos];
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t pos = 0; pos < seq_len; pos++) s[pos] *= inv;
+    }
+    memset(acc, 0, (size_t)(group * head_dim) * sizeof(float));
+    prefetch_block(v_head + (int64_t)blocks[0] * block_size * head_dim, block_size, head_dim);
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const int64_t start = b * block_size;
+        const float *values = v_head + (int64_t)blocks[b] * block_size * head_dim;
+        const int64_t count = seq_len - start < block_size ? seq_len - start : block_size;
+        if (b + 1 < num_blocks) prefetch_block(v_head + (int64_t)blocks[b + 1] * block_size * head_dim, block_size, head_dim);
+        for (int64_t j = 0; j < count; j++) {
+            const float *value = values + j * head_dim;
+            for (int64_t g = 0; g < group; g++) {
+                const float p = scores[g * seq_len + start + j];
+                float *a = acc + g * head_dim;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; d++) a[d] += p * value[d];
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++) memcpy(out + g * head_dim, acc + g * head_dim, (size_t)head_dim * sizeof(float));
+}
+
+/* Decode attention for `num_decodes` requests, each one query token at row decode_rows[i] of
+ * q (in) and out (out, rows of [num_heads * head_dim], `out_row_stride` apart), over its first
+ * seq_lens[i] cache positions, found through block_table row i. Returns 0, or -1 when the
+ * scratch memory could not be allocated (nothing is written then). */
+int shm_paged_decode_attention(float *out, int64_t out_row_stride, const float *q, int64_t q_row_stride,
+                               const int64_t *decode_rows, int64_t num_decodes, const float *k_cache,
+                               const float *v_cache, int64_t num_slots, const int32_t *block_table,
+                               int64_t block_table_stride, const int32_t *seq_lens, int64_t block_size,
+                               int64_t num_heads, int64_t kv_heads, int64_t head_dim, float scale) {
+    const int64_t group = num_heads / kv_heads;
+    int64_t max_len = 0, total_len = 0;
+    for (int64_t i = 0; i < num_decodes; i++) {
+        max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
+        total_len += seq_lens[i];
+    }
+    const int64_t work_floats = group * (max_len + head_dim);
+    const int threads = omp_get_max_threads();
+    float *work = malloc((size_t)(threads * work_floats) * sizeof(float));
+    if (work == NULL) return -1;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) if (2 * total_len * kv_heads * head_dim >= PARALLEL_MIN_FLOATS)
+    for (int64_t i = 0; i < num_decodes; i++) {
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const int64_t row = decode_rows[i];
+            attend_one(q + row * q_row_stride + h * group * head_dim, out + row * out_row_stride + h * group * head_dim,
+                       k_cache + h * num_slots * head_dim, v_cache + h * num_slots * head_dim,
+                       block_table + i * block_table_stride, seq_lens[i], block_size, group, head_dim, scale,
+                       work + omp_get_thread_num() * work_floats);
+        }
+    }
+    free(work);
+    return 0;
+}
+
+
+/* out[t] = weight * (x[t] / sqrt(mean(x[t]^2) + eps)): transformers' RMSNorm, in fp32. */
+void shm_rms_norm(float *out, const float *x, const float *weight, int64_t rows, int64_t hidden, float eps) {
+#pragma omp parallel for if (rows * hidden >= PARALLEL_MIN_FLOATS)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *row = x + t * hidden;
+        float *dst = out + t * hidden;
+        float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t i = 0; i < hidden; i++) squares += row[i] * row[i];
+        const float scale = 1.0f / sqrtf(squares / (float)hidden + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; i++) dst[i] = weight[i] * (row[i] * scale);
+    }
+}
+
+/* out[t] = silu(gate) * up, where x[t] = [gate | up], each `width` wide. */
+void shm_silu_and_mul(float *out, const float *x, int64_t rows, int64_t width) {
+#pragma omp parallel for if (rows * width >= PARALLEL_MIN_FLOATS)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *gate = x + t * 2 * width, *up = gate + width;
+        float *dst = out + t * width;
+#pragma omp simd
+        for (int64_t i = 0; i < width; i++) dst[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+}
+
+/* Neox rotary embedding in place on `heads` heads of each row of x (rows `row_stride` apart):
+ * x * cos + swap_halves(x) * sin, with the tables of RotaryEmbedding ([max_position, head_dim],
+ * sin with its first half negated) looked up at positions[t]. */
+void shm_rotary(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim,
+                const int64_t *positions, const float *cos_table, const float *sin_table) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for if (rows * heads * head_dim >= PARALLEL_MIN_FLOATS)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *c = cos_table + positions[t] * head_dim, *s = sin_table + positions[t] * head_dim;
+        for (int64_t h = 0; h < heads; h++) {
+            float *lo = x + t * row_stride + h * head_dim, *hi = lo + half;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = lo[i], x2 = hi[i];
+                lo[i] = x1 * c[i] + x2 * s[i];
+                hi[i] = x2 * c[half + i] + x1 * s[half + i];
+            }
+        }
+    }
+}

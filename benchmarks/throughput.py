@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 NUM_PROMPTS = 64
 MAX_TOKENS = 128
@@ -56,7 +56,7 @@ def chat_prompt_token_ids(tokenizer: Any) -> list[list[int]]:
     return prompts
 
 
-def run_shmvllm(prompts: list[list[int]]) -> list[dict[str, Any]]:
+def run_shmvllm(prompts: list[list[int]], repeats: int) -> list[dict[str, Any]]:
     from shmvllm import LLM, SamplingParams
 
     started = time.perf_counter()
@@ -64,19 +64,16 @@ def run_shmvllm(prompts: list[list[int]]) -> list[dict[str, Any]]:
     load_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-    rows = []
-    started = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    wall = time.perf_counter() - started
+    wall, outputs = _best_of(repeats, lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    rows.append(_row("shmvllm", "throughput", wall, tokens, load_s, [o.outputs[0].token_ids for o in outputs]))
-    rows.append(_single(lambda n: llm.generate([{"prompt_token_ids": prompts[0]}], _exact(SamplingParams, n), use_tqdm=False),
+    rows = [_row("shmvllm", "throughput", wall, tokens, load_s, [o.outputs[0].token_ids for o in outputs])]
+    rows.append(_single(repeats, lambda n: llm.generate([{"prompt_token_ids": prompts[0]}], _exact(SamplingParams, n), use_tqdm=False),
                         "shmvllm", load_s))
     llm.shutdown()
     return rows
 
 
-def run_vllm(prompts: list[list[int]], model_dir: str) -> list[dict[str, Any]]:
+def run_vllm(prompts: list[list[int]], model_dir: str, repeats: int) -> list[dict[str, Any]]:
     from vllm import LLM, SamplingParams  # type: ignore[import-not-found]
 
     started = time.perf_counter()
@@ -84,17 +81,15 @@ def run_vllm(prompts: list[list[int]], model_dir: str) -> list[dict[str, Any]]:
     load_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-    started = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    wall = time.perf_counter() - started
+    wall, outputs = _best_of(repeats, lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     rows = [_row("vllm", "throughput", wall, tokens, load_s, [list(o.outputs[0].token_ids) for o in outputs])]
-    rows.append(_single(lambda n: llm.generate([{"prompt_token_ids": prompts[0]}], _exact(SamplingParams, n), use_tqdm=False),
+    rows.append(_single(repeats, lambda n: llm.generate([{"prompt_token_ids": prompts[0]}], _exact(SamplingParams, n), use_tqdm=False),
                         "vllm", load_s))
     return rows
 
 
-def run_hf(prompts: list[list[int]], model_dir: str) -> list[dict[str, Any]]:
+def run_hf(prompts: list[list[int]], model_dir: str, repeats: int) -> list[dict[str, Any]]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -114,11 +109,9 @@ def run_hf(prompts: list[list[int]], model_dir: str) -> list[dict[str, Any]]:
         return out[:, width:].tolist()
 
     generate(prompts[:2], 4)
-    started = time.perf_counter()
-    outputs = generate(prompts, MAX_TOKENS)
-    wall = time.perf_counter() - started
+    wall, outputs = _best_of(repeats, lambda: generate(prompts, MAX_TOKENS))
     rows = [_row("hf", "throughput", wall, sum(len(o) for o in outputs), load_s, outputs)]
-    rows.append(_single(lambda n: generate(prompts[:1], n), "hf", load_s))
+    rows.append(_single(repeats, lambda n: generate(prompts[:1], n), "hf", load_s))
     return rows
 
 
@@ -126,14 +119,24 @@ def _exact(params_cls: Any, n: int) -> Any:
     return params_cls(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
 
 
-def _single(generate_n: Any, engine: str, load_s: float) -> dict[str, Any]:
+def _best_of(repeats: int, run: Any) -> tuple[float, Any]:
+    """The fastest of `repeats` runs (seconds) and that run's result. Every engine gets the same
+    number of runs: on a shared 2-core VM one run can be 10-20% slower than the next."""
+    best: Optional[tuple[float, Any]] = None
+    for _ in range(repeats):
+        started = time.perf_counter()
+        result = run()
+        wall = time.perf_counter() - started
+        if best is None or wall < best[0]:
+            best = (wall, result)
+    assert best is not None
+    return best
+
+
+def _single(repeats: int, generate_n: Any, engine: str, load_s: float) -> dict[str, Any]:
     """Time to first token = a 1-token request; decode rate from the 128-token one."""
-    started = time.perf_counter()
-    generate_n(1)
-    ttft = time.perf_counter() - started
-    started = time.perf_counter()
-    generate_n(MAX_TOKENS)
-    wall = time.perf_counter() - started
+    ttft, _ = _best_of(repeats, lambda: generate_n(1))
+    wall, _ = _best_of(repeats, lambda: generate_n(MAX_TOKENS))
     row = _row(engine, "single", wall, MAX_TOKENS, load_s, None)
     row["ttft_s"] = ttft
     row["decode_tok_per_s"] = (MAX_TOKENS - 1) / max(wall - ttft, 1e-9)
@@ -176,22 +179,22 @@ def gemm_roofline(model_dir: str) -> dict[str, float]:
     return {"gemm_gflops": gflops, "flops_per_token": flops_per_token, "roofline_tok_per_s": gflops * 1e9 / flops_per_token}
 
 
-def _child(engine: str, model_dir: str) -> None:
+def _child(engine: str, model_dir: str, repeats: int) -> None:
     """Runs one engine in this (fresh) process; prints its rows as JSON on the last line."""
     from transformers import AutoTokenizer
 
     prompts = chat_prompt_token_ids(AutoTokenizer.from_pretrained(model_dir))
-    runner = {"shmvllm": lambda: run_shmvllm(prompts), "hf": lambda: run_hf(prompts, model_dir),
-              "vllm": lambda: run_vllm(prompts, model_dir), "gemm": lambda: [gemm_roofline(model_dir)]}[engine]
+    runner = {"shmvllm": lambda: run_shmvllm(prompts, repeats), "hf": lambda: run_hf(prompts, model_dir, repeats),
+              "vllm": lambda: run_vllm(prompts, model_dir, repeats), "gemm": lambda: [gemm_roofline(model_dir)]}[engine]
     print("\n" + _RESULT_MARK + json.dumps(runner()), flush=True)
 
 
-def _run_child(engine: str, python: str, model_dir: str) -> list[dict[str, Any]]:
+def _run_child(engine: str, python: str, model_dir: str, repeats: int = 1) -> list[dict[str, Any]]:
     env = dict(os.environ)
     if engine == "vllm":
         env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="0-1")
     print(f"[throughput] running {engine} ...", file=sys.stderr, flush=True)
-    command = [python, __file__, "--child", engine, "--model-dir", model_dir]
+    command = [python, __file__, "--child", engine, "--model-dir", model_dir, "--repeats", str(repeats)]
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{engine} failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
@@ -207,11 +210,13 @@ def main() -> None:
     parser.add_argument("--engines", default="shmvllm,hf", help="comma-separated engines to run (default: shmvllm,hf)")
     parser.add_argument("--json", help="write the rows to this JSON file")
     parser.add_argument("--plot", help="draw a PNG bar chart to this path")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run each workload this many times per engine and keep the fastest (default: 1)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _child(args.child, args.model_dir)
+        _child(args.child, args.model_dir, args.repeats)
         return
     from shmvllm.model.registry import resolve_model_dir
 
@@ -221,12 +226,13 @@ def main() -> None:
         engines.append("vllm")
     rows: list[dict[str, Any]] = []
     for engine in engines:
-        rows += _run_child(engine, args.vllm_python if engine == "vllm" else sys.executable, model_dir)
+        rows += _run_child(engine, args.vllm_python if engine == "vllm" else sys.executable, model_dir, args.repeats)
     roofline = _run_child("gemm", sys.executable, model_dir)[0]
     report(rows, roofline)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"rows": [_without_ids(r) for r in rows], "roofline": roofline}, indent=2))
+        result = {"rows": [_without_ids(r) for r in rows], "roofline": roofline, "repeats": args.repeats}
+        Path(args.json).write_text(json.dumps(result, indent=2))
     if args.plot:
         plot(rows, roofline, args.plot)
 
@@ -253,6 +259,30 @@ def report(rows: list[dict[str, Any]], roofline: dict[str, float]) -> None:
         if single_ours and single_theirs:
             print(f"single-request decode shmvllm/{peer}: "
                   f"{single_ours['decode_tok_per_s'] / single_theirs['decode_tok_per_s']:.2f}x")
+    for line in acceptance(by):
+        print(line)
+
+
+def acceptance(by: dict[tuple[str, str], dict[str, Any]]) -> list[str]:
+    """The issue's targets, each with its figure and whether it holds in this run."""
+    lines = []
+
+    def check(what: str, value: float, target: float, unit: str, at_most: bool = False) -> None:
+        holds = value <= target if at_most else value >= target
+        lines.append(f"check {what}: {value:.2f}{unit} ({'<=' if at_most else '>='} {target}{unit}) "
+                     f"{'holds' if holds else 'FAILS'}")
+
+    ours = by.get(("shmvllm", "throughput"))
+    for peer, target in (("vllm", 1.0), ("hf", 1.6)):
+        theirs = by.get((peer, "throughput"))
+        if ours and theirs:
+            check(f"throughput vs {peer}", ours["tok_per_s"] / theirs["tok_per_s"], target, "x")
+    single_ours, single_hf = by.get(("shmvllm", "single")), by.get(("hf", "single"))
+    if single_ours and single_hf:
+        check("single-request decode vs hf", single_ours["decode_tok_per_s"] / single_hf["decode_tok_per_s"], 2.0, "x")
+    if ours:
+        check("LLM() ready", ours["load_s"], 15, " s", at_most=True)
+    return lines
 
 
 def plot(rows: list[dict[str, Any]], roofline: dict[str, float], path: str) -> None:

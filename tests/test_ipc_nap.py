@@ -17,7 +17,7 @@ import pytest
 
 import ipc.ring as ring_module
 from ipc import PeerClosedError, PeerDeadError, RingBuffer, native_available
-from ipc.wait import Waiter
+from ipc.wait import NAP_FIRST_US, NAP_MAX_US, RECENT_WAITS, Waiter
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = [pytest.param(False, id="native"), pytest.param(True, id="python")]
@@ -179,6 +179,72 @@ def test_last_message_of_a_peer_that_closes_during_the_naps_is_delivered():
     )
     waiter.wait(None)
     assert published == [True]
+
+
+class _Condition:
+    """A condition that starts to hold `after` seconds from `reset()`; fake bell and nap on it.
+    The nap records its arguments and sleeps one nap (never past the condition) per call."""
+
+    def __init__(self, after: float) -> None:
+        self.after, self.ready_at, self.naps, self.bell_waits = after, 0.0, [], 0
+
+    def reset(self) -> None:
+        self.ready_at, self.naps, self.bell_waits = time.monotonic() + self.after, [], 0
+
+    def holds(self, *args: int) -> int:
+        return int(time.monotonic() >= self.ready_at)
+
+    def nap(self, window_ns: int, first_ns: int, max_ns: int) -> int:
+        self.naps.append((window_ns, first_ns, max_ns))
+        time.sleep(max(min(first_ns, window_ns) / 1e9, 0.0))
+        return self.holds()
+
+    def wait(self, timeout: float) -> bool:  # the bell
+        self.bell_waits += 1
+        time.sleep(max(min(timeout, self.ready_at - time.monotonic()), 0.0))
+        return bool(self.holds())
+
+    def waiter(self, nap_window_s: float) -> Waiter:
+        return Waiter(
+            spin=self.holds, arm=self.holds, disarm=lambda: None, bell=self, check_peer=lambda: None,
+            spin_us=0, poll_interval=10.0, nap=self.nap, nap_window_s=nap_window_s,
+        )
+
+
+def test_steady_waits_are_napped_through_in_one_nap():
+    """After RECENT_WAITS waits of ~60 ms, the next starts with one nap to ~0.9 x 60 ms."""
+    cond = _Condition(after=0.06)
+    waiter = cond.waiter(nap_window_s=1.0)
+    for _ in range(RECENT_WAITS):
+        cond.reset()
+        waiter.wait(time.monotonic() + 10)
+        assert cond.naps[0][1] == NAP_FIRST_US * 1000 and cond.bell_waits == 0  # no history: short first nap
+    cond.reset()
+    waiter.wait(time.monotonic() + 10)
+    window_ns, first_ns, max_ns = cond.naps[0]
+    assert window_ns == first_ns == max_ns and 0.045e9 < first_ns < 0.06e9, cond.naps
+    assert [n[1] for n in cond.naps[1:]] == [NAP_MAX_US * 1000] * (len(cond.naps) - 1)
+    assert cond.bell_waits == 0
+
+
+def test_waits_that_outlast_the_window_sleep_at_once():
+    """Recent waits all longer than the nap window: no nap, straight to the semaphore."""
+    cond = _Condition(after=0.06)
+    waiter = cond.waiter(nap_window_s=0.02)
+    for _ in range(RECENT_WAITS):
+        cond.reset()
+        waiter.wait(None)
+        assert cond.naps and cond.bell_waits == 1
+    cond.reset()
+    waiter.wait(None)
+    assert cond.naps == [] and cond.bell_waits == 1
+    cond.after = 0.0  # a short wait (answered by the spin) brings the naps back next time
+    cond.reset()
+    waiter.wait(None)
+    cond.after = 0.01
+    cond.reset()
+    waiter.wait(None)
+    assert cond.naps and cond.bell_waits == 0
 
 
 @pytest.mark.parametrize("value", [-0.001, math.nan, math.inf])

@@ -31,16 +31,18 @@ import msgspec
 TRANSPORTS = ("shm", "zmq")
 RING_CAPACITY = 4 << 20
 FULL_RETRY_S = 0.005  # how long a send with `while_full` waits for room between two calls of it
-# The frontend waits for each step's outputs by napping through this window (after the 200 µs
-# spin) before it sleeps on the ring's semaphore (see ipc.wait). While it naps, the engine's
+# The frontend waits for each step's outputs by napping (after the 200 µs spin) through this
+# window before it sleeps on the ring's semaphore (see ipc.wait). While it naps, the engine's
 # send is a copy and a counter store; once it sleeps, the send also wakes it: a futex wake of
 # another process, 23-31 µs on a 2-core VM, on the engine's critical path at every step. The
-# naps cost the frontend ~20 µs of CPU each on that VM (a timer wake-up), ~2% of a core at the
-# 1 ms cap, and deliver an output up to a nap late (the engine does not wait for the frontend).
-# 50 ms covers the steps where the post weighs: a tiny model's (1.4-10 ms in
-# benchmarks/e2e_overhead.py) and one-sequence decode of a 135M model (~35 ms); a 64-sequence
-# step of that model (~180 ms) naps 50 ms and then sleeps, paying one post per step (~0.02%).
-FRONTEND_NAP_WINDOW_S = 0.05
+# naps are not free either: per wait ~100 µs of the frontend's CPU for a 10 ms step and ~250 µs
+# for a 34 ms one (against ~75 µs to be woken from the semaphore), which on two cores comes out
+# of the engine's when its torch threads use both. So they pay where the wake-up is a sizeable
+# part of a step: 20 ms covers the tiny model's steps in benchmarks/e2e_overhead.py (1.4 and
+# ~10 ms); a real model's steps (single-sequence decode of SmolLM2-135M ~34 ms, a 64-sequence
+# step ~180 ms, where the wake-up is < 0.1%) outlast it, and the waiter, seeing its recent waits
+# do, sleeps at once as without naps.
+FRONTEND_NAP_WINDOW_S = 0.02
 
 Decode = Callable[[Any], Any]
 

@@ -154,3 +154,21 @@ def test_rotary_kernel(kernels, monkeypatch, rows, heads, head_dim) -> None:
     _without_kernels(monkeypatch, rotary, lambda: embedding(positions, torch.float32).apply_(reference[:, :heads]))
     torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-5)
     assert torch.equal(native[:, heads:], qkv[:, heads:])  # the v part is left alone
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("bias, with_residual", [(False, False), (True, False), (True, True), (False, True)])
+def test_linear_few_rows_kernel(kernels, rows, bias, with_residual) -> None:
+    from shmvllm.model.linear import Linear
+
+    torch.manual_seed(rows)
+    layer = Linear(576, 960, bias=bias)
+    layer.pack()
+    x = torch.randn(rows, 576)
+    residual = torch.randn(rows, 960) if with_residual else None
+    with torch.no_grad():
+        out = layer(x, residual)
+        reference = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        if residual is not None:
+            reference = reference + residual
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=2e-5)

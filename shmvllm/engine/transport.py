@@ -31,8 +31,8 @@ import msgspec
 TRANSPORTS = ("shm", "zmq")
 RING_CAPACITY = 4 << 20
 FULL_RETRY_S = 0.005  # how long a send with `while_full` waits for room between two calls of it
-# The frontend waits for each step's outputs by napping (after the 200 µs spin) through this
-# window before it sleeps on the ring's semaphore (see ipc.wait). While it naps, the engine's
+# The frontend waits for each step's outputs by napping through this window before it sleeps
+# on the ring's semaphore (see ipc.wait). While it naps, the engine's
 # send is a copy and a counter store; once it sleeps, the send also wakes it: a futex wake of
 # another process, 23-31 µs on a 2-core VM, on the engine's critical path at every step. The
 # naps are not free either: per wait ~100 µs of the frontend's CPU for a 10 ms step and ~250 µs
@@ -43,6 +43,10 @@ FULL_RETRY_S = 0.005  # how long a send with `while_full` waits for room between
 # step ~180 ms, where the wake-up is < 0.1%) outlast it, and the waiter, seeing its recent waits
 # do, sleeps at once as without naps.
 FRONTEND_NAP_WINDOW_S = 0.02
+# No spin before the naps: the engine answers after a step, or after waking up when idle (tens
+# of µs at least), so a spin would mostly burn CPU that on two cores the engine may need (the
+# ipc default, 200 µs, is 14% of a core at 1.4 ms steps); the first nap looks after ~100 µs.
+FRONTEND_SPIN_US = 0.0
 
 Decode = Callable[[Any], Any]
 
@@ -184,7 +188,9 @@ def open_frontend(kind: str) -> tuple[Endpoint, Addresses]:
         sweep_stale_segments()  # what runs killed with kill -9 (both processes) left behind
         to_engine = RingBuffer.create(RING_CAPACITY, prefault=True)
         try:
-            to_frontend = RingBuffer.create(RING_CAPACITY, prefault=True, nap_window_s=FRONTEND_NAP_WINDOW_S)
+            to_frontend = RingBuffer.create(
+                RING_CAPACITY, prefault=True, spin_us=FRONTEND_SPIN_US, nap_window_s=FRONTEND_NAP_WINDOW_S
+            )
         except BaseException:
             to_engine.close()
             raise

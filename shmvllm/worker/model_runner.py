@@ -19,6 +19,7 @@ from shmvllm.config import EngineConfig
 from shmvllm.core.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from shmvllm.engine.messages import Logprobs
 from shmvllm.model.attention import AttentionMetadata, PrefillSeq, build_attention_metadata
+from shmvllm.worker.huge_pages import advise_huge_pages
 from shmvllm.model.loader import get_model, torch_dtype
 from shmvllm.model.sampler import Sampler, SamplingMetadata, gather_logprobs, seeded_generator
 from shmvllm.sampling_params import SamplingParams
@@ -70,6 +71,7 @@ class ModelRunner:
         attn = layers[0]
         shape = (len(layers), 2, attn.num_kv_heads, num_blocks, self.block_size, attn.head_dim)
         self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        advise_huge_pages(self.kv_cache)  # before the first write maps any page
         self.kv_cache[:, :, :, 0].zero_()
         for index, layer in enumerate(layers):
             layer.k_cache = self.kv_cache[index, 0]

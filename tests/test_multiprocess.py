@@ -120,7 +120,9 @@ def test_full_rings_both_ways_do_not_deadlock(tiny_llama_dir, monkeypatch):
     drain the outputs meanwhile. A deadlock makes the watchdog kill the engine (EngineDeadError)."""
     monkeypatch.setattr(transport, "RING_CAPACITY", 1 << 16)
     client = make_client(tiny_llama_dir)
-    watchdog = threading.Timer(30, os.kill, args=(client.engine_pid, signal.SIGKILL))
+    # ~6 s alone, ~35 s beside one CPU-bound process on 2 cores (before and after the nap
+    # phase): a deadlock never ends, so the watchdog's bound needs no tightness
+    watchdog = threading.Timer(120, os.kill, args=(client.engine_pid, signal.SIGKILL))
     watchdog.start()
     try:
         add_many(client, 6000)

@@ -3,6 +3,7 @@ backed by huge pages once touched where the kernel's THP mode allows it."""
 
 from __future__ import annotations
 
+import mmap
 import re
 from pathlib import Path
 
@@ -30,12 +31,16 @@ def _anon_huge_bytes(start: int, end: int) -> int:
 
 @pytest.mark.skipif(not THP_MODE.exists() or "[never]" in THP_MODE.read_text(), reason="the kernel has THP off")
 def test_a_big_tensor_gets_huge_pages_when_touched() -> None:
-    # 64 MiB: above glibc's largest mmap threshold (32 MiB), so fresh pages, as a real KV cache's
-    cache = torch.empty(32 * HUGE_PAGE // 4)
+    # Fresh pages, as a real (GiB-sized, so mmapped) KV cache gets; a smaller torch.empty may
+    # reuse heap memory that earlier tests already touched.
+    memory = mmap.mmap(-1, 32 * HUGE_PAGE)
+    cache = torch.frombuffer(memory, dtype=torch.float32)
     advised = advise_huge_pages(cache)
     assert advised >= 30 * HUGE_PAGE
     cache.fill_(1.0)
     assert _anon_huge_bytes(cache.data_ptr(), cache.data_ptr() + cache.numel() * 4) >= HUGE_PAGE
+    del cache
+    memory.close()
 
 
 def test_advice_is_skipped_where_it_cannot_apply(monkeypatch) -> None:

@@ -33,7 +33,7 @@ def _anon_huge_bytes(start: int, end: int) -> int:
 def test_a_big_tensor_gets_huge_pages_when_touched() -> None:
     # Fresh pages, as a real (GiB-sized, so mmapped) KV cache gets; a smaller torch.empty may
     # reuse heap memory that earlier tests already touched.
-    memory = mmap.mmap(-1, 32 * HUGE_PAGE)
+    memory = mmap.mmap(-1, 32 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     cache = torch.frombuffer(memory, dtype=torch.float32)
     advised = advise_huge_pages(cache)
     assert advised >= 30 * HUGE_PAGE

@@ -48,6 +48,12 @@ static inline void prefetch_block(const float *rows, int64_t count, int64_t head
     for (int64_t off = 0; off < count * head_dim; off += 16) __builtin_prefetch(rows + off, 0, 3);
 }
 
+/* The first row of a request's b-th block in one head's [slots, head_dim] cache. */
+static inline const float *block_rows(const float *head, const int32_t *blocks, int64_t b, int64_t block_size,
+                                      int64_t head_dim) {
+    return head + (int64_t)blocks[b] * block_size * head_dim;
+}
+
 /* One request's `group` query heads that share one kv head: scores, softmax, weighted sum.
  * work: group * (seq_len + head_dim) floats. */
 static void attend_one(const float *q, float *out, const float *k_head, const float *v_head,
@@ -56,12 +62,10 @@ static void attend_one(const float *q, float *out, const float *k_head, const fl
     float *scores = work;                /* [group, seq_len] */
     float *acc = work + group * seq_len; /* [group, head_dim] */
     const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
-    for (int64_t b = 0; b < num_blocks; b++) {
-        const int64_t start = b * block_size;
-        const float *keys = k_head + (int64_t)blocks[b] * block_size * head_dim;
-        const int64_t count = seq_len - start < block_size ? seq_len - start : block_size;
-        if (b + 1 < num_blocks) prefetch_block(k_head + (int64_t)blocks[b + 1] * block_size * head_dim, block_size, head_dim);
-        for (int64_t j = 0; j < count; j++) {
+    for (int64_t b = 0, start = 0; b < num_blocks; b++, start += block_size) {
+        const float *keys = block_rows(k_head, blocks, b, block_size, head_dim);
+        if (b + 1 < num_blocks) prefetch_block(block_rows(k_head, blocks, b + 1, block_size, head_dim), block_size, head_dim);
+        for (int64_t j = 0; j < block_size && start + j < seq_len; j++) {
             const float *key = keys + j * head_dim;
             for (int64_t g = 0; g < group; g++) {
                 const float *qg = q + g * head_dim;
@@ -86,13 +90,11 @@ static void attend_one(const float *q, float *out, const float *k_head, const fl
         for (int64_t pos = 0; pos < seq_len; pos++) s[pos] *= inv;
     }
     memset(acc, 0, (size_t)(group * head_dim) * sizeof(float));
-    prefetch_block(v_head + (int64_t)blocks[0] * block_size * head_dim, block_size, head_dim);
-    for (int64_t b = 0; b < num_blocks; b++) {
-        const int64_t start = b * block_size;
-        const float *values = v_head + (int64_t)blocks[b] * block_size * head_dim;
-        const int64_t count = seq_len - start < block_size ? seq_len - start : block_size;
-        if (b + 1 < num_blocks) prefetch_block(v_head + (int64_t)blocks[b + 1] * block_size * head_dim, block_size, head_dim);
-        for (int64_t j = 0; j < count; j++) {
+    prefetch_block(block_rows(v_head, blocks, 0, block_size, head_dim), block_size, head_dim);
+    for (int64_t b = 0, start = 0; b < num_blocks; b++, start += block_size) {
+        const float *values = block_rows(v_head, blocks, b, block_size, head_dim);
+        if (b + 1 < num_blocks) prefetch_block(block_rows(v_head, blocks, b + 1, block_size, head_dim), block_size, head_dim);
+        for (int64_t j = 0; j < block_size && start + j < seq_len; j++) {
             const float *value = values + j * head_dim;
             for (int64_t g = 0; g < group; g++) {
                 const float p = scores[g * seq_len + start + j];

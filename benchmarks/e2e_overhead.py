@@ -3,11 +3,11 @@
 A tiny random Llama (2 layers, hidden 64, SmolLM2's tokenizer; built in a temp dir) keeps the
 model's share of a step small, so the frontend/engine channel shows. Two workloads, greedy with
 ignore_eos: 1 prompt x 256 tokens and 64 prompts x 64 tokens. All LLMs live side by side and the
-repetitions are interleaved, so machine noise hits every mode alike; each wall time is the
-fastest of the repetitions (the least disturbed by other programs; --stat median for the
-median). torch runs one thread in every mode (--threads to change it): on a 2-core machine a
-second intra-op thread in the engine process would compete with the frontend, and at hidden
-size 64 it buys nothing.
+repetitions are interleaved (the modes' order rotates from one repetition to the next), so
+machine noise hits every mode alike. Each wall time is the median of the repetitions (--stat
+min: the fastest, the least disturbed by other programs). torch runs one thread in every mode
+(--threads to change it): on a 2-core machine a second intra-op thread in the engine process
+would compete with the frontend, and at hidden size 64 it buys nothing.
 
 Each workload runs at two levels:
 - generate: `LLM.generate`, the issue's workload. The frontend detokenizes and builds
@@ -18,15 +18,24 @@ Each workload runs at two levels:
   frontend only receiving and decoding each step's outputs. Little is left to overlap, so the
   overhead is what splitting the engine off costs: the channel and the second process.
 
-overhead_us_per_step = (wall - in-process wall of the same level) / engine steps.
+overhead_us_per_step = (wall - in-process wall of the same level) / engine steps, taken within
+each repetition (the in-process run of the same repetition, a few seconds apart) and then the
+median over the repetitions (--stat min: fastest wall minus fastest in-process wall);
+overhead_iqr_us is the spread of those per-repetition figures (interquartile range); a check
+whose margin is inside the medians' ~95% intervals (1.57 IQR / sqrt(repeats)) says so.
 channel_us_per_step = the engine busy loop's own time in channel calls (encode + send, receive +
 decode, and the wake-ups and preemptions they cause) per step, timed inside the engine process
 (SHMVLLM_CHANNEL_TIMING=1; the median over the repetitions): the transport's cost on the engine's
 critical path. A step-sized sum of tens of µs, it is much steadier than a difference of walls.
 Polling engine only (with io threads the channel calls run in other threads).
 
-    python benchmarks/e2e_overhead.py [--repeats 10] [--io poll|threads|both] [--threads 1]
-                                      [--stat min|median] [--json out.json] [--plot out.png]
+    python benchmarks/e2e_overhead.py [--repeats 30] [--io poll|threads|both] [--threads 1]
+                                      [--stat median|min] [--json out.json] [--plot out.png]
+
+After the table it prints one CHECK line per acceptance item of the issue, "holds" or "FAILS"
+with the figures: shm's overhead per step <= 1/3 of zmq's (engine channel time, client level,
+and generate level where zmq's overhead is positive), and multiprocess-over-shm wall <= 1.05x
+in-process on 64x64.
 
 --io picks how the engine process moves messages (see shmvllm/engine/core_proc.py): polling
 from the busy loop, or vLLM's input/output threads; `both` runs every transport both ways.
@@ -35,8 +44,10 @@ from the busy loop, or vLLM's input/output threads; `both` runs every transport 
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
+import math
 import os
 import statistics
 import sys
@@ -139,66 +150,107 @@ def run_workload(llm: Any, cfg: tuple[str, str, str], level: str, workload: str)
     return wall, tokens, steps, _channel_seconds(llm, cfg) - channel_before
 
 
-def measure(model_dir: Path, configs: list[tuple[str, str, str]], repeats: int, stat: Any) -> list[dict[str, Any]]:
+def measure(model_dir: Path, configs: list[tuple[str, str, str]], repeats: int, stat_name: str) -> list[dict[str, Any]]:
     llms = {cfg: make_llm(model_dir, *cfg) for cfg in configs}
     runs: dict[tuple, list[tuple[float, int, int, float]]] = {}
     try:
         for llm in llms.values():  # warm-up: first-call costs of torch and the tokenizer
             for run_level in LEVELS.values():
-                run_level(llm, "1x256")
-        for _ in range(repeats):
+                for workload in WORKLOADS:
+                    run_level(llm, workload)
+        # Every frontend (and the in-process engine) shares this process's heap: keep the
+        # collector from walking all of it again and again, which only in-process would pay.
+        gc.collect()
+        gc.freeze()
+        for rep in range(repeats):
+            order = configs[rep % len(configs):] + configs[: rep % len(configs)]
             for level in LEVELS:
                 for workload in WORKLOADS:
-                    for cfg, llm in llms.items():
-                        runs.setdefault((level, workload, cfg), []).append(run_workload(llm, cfg, level, workload))
+                    for cfg in order:
+                        runs.setdefault((level, workload, cfg), []).append(run_workload(llms[cfg], cfg, level, workload))
     finally:
         for llm in llms.values():
             llm.shutdown()
-    rows = []
-    for level in LEVELS:
-        for workload in WORKLOADS:
-            base = stat([r[0] for r in runs[(level, workload, configs[0])]])
-            for cfg in configs:
-                mode, transport, io = cfg
-                results = runs[(level, workload, cfg)]
-                wall = stat([r[0] for r in results])
-                _, tokens, steps, _ = results[-1]
-                channel = statistics.median(r[3] / r[2] for r in results) * 1e6
-                rows.append({
-                    "level": level, "mode": mode, "transport": transport, "io": io, "workload": workload,
-                    "wall_s": round(wall, 4), "tokens": tokens, "steps": steps,
-                    "overhead_us_per_step": round((wall - base) / steps * 1e6, 1),
-                    "channel_us_per_step": None if channel != channel else round(channel, 1),
-                })
-    return rows
+    return [
+        _row(level, workload, cfg, runs[(level, workload, cfg)], runs[(level, workload, configs[0])], stat_name)
+        for level in LEVELS for workload in WORKLOADS for cfg in configs
+    ]
 
 
-def _ratio(shm: float, zmq: float) -> str:
-    if zmq <= 0:
-        return f"shm {shm:.1f} us, zmq {zmq:.1f} us: no ratio (zmq is not slower than in-process)"
-    return f"shm {shm:.1f} us, zmq {zmq:.1f} us, shm/zmq = {shm / zmq:.2f}, shm <= zmq/3: {shm <= zmq / 3}"
+def _row(level: str, workload: str, cfg: tuple[str, str, str], results: list, base: list, stat_name: str) -> dict[str, Any]:
+    """One table row from the repetitions of one config and of in-process (`base`), in step."""
+    mode, transport, io = cfg
+    walls = [r[0] for r in results]
+    steps = results[-1][2]
+    paired = [(r[0] - b[0]) / r[2] * 1e6 for r, b in zip(results, base)]
+    if stat_name == "min":
+        wall, overhead = min(walls), (min(walls) - min(b[0] for b in base)) / steps * 1e6
+    else:
+        wall, overhead = statistics.median(walls), statistics.median(paired)
+    channels = [r[3] / r[2] * 1e6 for r in results]
+    channel = statistics.median(channels)
+    return {
+        "level": level, "mode": mode, "transport": transport, "io": io, "workload": workload,
+        "wall_s": round(wall, 4), "tokens": results[-1][1], "steps": steps, "repeats": len(results),
+        "overhead_us_per_step": round(overhead, 1), "overhead_iqr_us": round(_iqr(paired), 1),
+        "channel_us_per_step": None if channel != channel else round(channel, 1),
+        "channel_iqr_us": None if channel != channel else round(_iqr(channels), 1),
+        "walls_s": [round(w, 4) for w in walls],  # per repetition, in order
+    }
+
+
+def _iqr(values: list[float]) -> float:
+    if len(values) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return q3 - q1
 
 
 def print_report(rows: list[dict[str, Any]]) -> None:
     print(f"{'level':<10}{'mode':<13}{'transport':<10}{'io':<9}{'workload':<9}{'wall_s':>9}{'tokens':>8}{'steps':>7}"
-          f"{'overhead us/step':>18}{'channel us/step':>17}")
+          f"{'overhead us/step':>18}{'(IQR)':>8}{'channel us/step':>17}")
     for r in rows:
         channel = "-" if r["channel_us_per_step"] is None else f"{r['channel_us_per_step']:.1f}"
         print(f"{r['level']:<10}{r['mode']:<13}{r['transport']:<10}{r['io']:<9}{r['workload']:<9}{r['wall_s']:>9.3f}"
-              f"{r['tokens']:>8}{r['steps']:>7}{r['overhead_us_per_step']:>18.1f}{channel:>17}")
+              f"{r['tokens']:>8}{r['steps']:>7}{r['overhead_us_per_step']:>18.1f}{r['overhead_iqr_us']:>8.1f}{channel:>17}")
     print()
+    for line in checks(rows):
+        print(line)
+
+
+def _third(what: str, shm: dict[str, Any], zmq: dict[str, Any], key: str) -> str:
+    """The check "shm <= zmq / 3" on one measure (`key`, with its `*_iqr_us` spread); not
+    applicable when zmq costs nothing; flagged when the margin is inside the noise: the two
+    medians' ~95% intervals (1.57 IQR / sqrt(n), as a notched box plot's notch) added in quadrature."""
+    iqr_key = key.replace("us_per_step", "iqr_us")
+    a, b = shm[key], zmq[key]
+    noise = 1.57 * math.hypot(shm[iqr_key], zmq[iqr_key] / 3) / math.sqrt(shm["repeats"])
+    figures = f"shm {a:.1f} us, zmq {b:.1f} us (IQR {shm[iqr_key]:.1f} / {zmq[iqr_key]:.1f})"
+    if b <= 0:
+        return f"CHECK shm <= zmq/3, {what}: not applicable, zmq's overhead is not positive: {figures}"
+    verdict = "holds" if a <= b / 3 else "FAILS"
+    within = ", margin within the noise" if abs(b / 3 - a) < noise else ""
+    return f"CHECK shm <= zmq/3, {what}: {verdict}{within}: {figures}, shm/zmq = {a / b:.2f}"
+
+
+def checks(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per acceptance item and measure (engines polling their channel, the default)."""
     by = {(r["level"], r["workload"], r["transport"], r["io"]): r for r in rows}
+    lines = []
     for workload in WORKLOADS:
-        for io in ("poll", "threads"):
-            for level in LEVELS:
-                shm, zmq = by.get((level, workload, "shm", io)), by.get((level, workload, "zmq", io))
-                if shm is None or zmq is None:
-                    continue
-                inproc = by[(level, workload, "none", "-")]
-                print(f"{workload} io={io} {level}: overhead/step {_ratio(shm['overhead_us_per_step'], zmq['overhead_us_per_step'])};"
-                      f" wall shm/inproc = {shm['wall_s'] / inproc['wall_s']:.3f}, zmq/inproc = {zmq['wall_s'] / inproc['wall_s']:.3f}")
-                if shm["channel_us_per_step"] is not None:
-                    print(f"{workload} io={io} {level}: engine channel time/step: {_ratio(shm['channel_us_per_step'], zmq['channel_us_per_step'])}")
+        for level in LEVELS:
+            shm, zmq = by.get((level, workload, "shm", "poll")), by.get((level, workload, "zmq", "poll"))
+            if shm is None or zmq is None:
+                continue
+            lines.append(_third(f"{workload} {level}, engine channel time/step", shm, zmq, "channel_us_per_step"))
+            lines.append(_third(f"{workload} {level}, overhead/step vs in-process", shm, zmq, "overhead_us_per_step"))
+    for level in LEVELS:
+        shm, inproc = by.get((level, "64x64", "shm", "poll")), by[(level, "64x64", "none", "-")]
+        if shm is not None:
+            ratio = shm["wall_s"] / inproc["wall_s"]
+            lines.append(f"CHECK shm wall <= 1.05x in-process, 64x64 {level}: {'holds' if ratio <= 1.05 else 'FAILS'} "
+                         f"(shm {shm['wall_s']:.3f} s, in-process {inproc['wall_s']:.3f} s, {ratio:.3f}x)")
+    return lines
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
@@ -233,9 +285,9 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1, help="torch threads in every process")
-    parser.add_argument("--stat", choices=("min", "median"), default="min")
+    parser.add_argument("--stat", choices=("median", "min"), default="median")
     parser.add_argument("--io", choices=("poll", "threads", "both"), default="poll")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--plot", metavar="PATH.png")
@@ -246,8 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     configs = [("inproc", "none", "-")] + [("multiprocess", t, io) for t in ("shm", "zmq") for io in ios]
     with tempfile.TemporaryDirectory(prefix="e2e-overhead-") as tmp:
         model_dir = build_tiny_llama(Path(tmp) / "tiny-llama")
-        rows = measure(model_dir, configs, args.repeats, min if args.stat == "min" else statistics.median)
+        load_before = os.getloadavg()[0]
+        rows = measure(model_dir, configs, args.repeats, args.stat)
     print_report(rows)
+    print(f"(load average before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f}; {args.repeats} repetitions, {args.stat})")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.plot:

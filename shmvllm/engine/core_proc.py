@@ -11,19 +11,20 @@ Two ways to move messages, picked by `io_threads`:
 - threads (vLLM's structure): an input thread (channel -> decode -> input queue) and an output
   thread (output queue -> encode -> channel) around the busy loop.
 
-Polling won: `python benchmarks/e2e_overhead.py --io both --repeats 12` (tiny 2-layer Llama,
-one torch thread, 2-core machine shared with other work; fastest of 12; overhead per engine step
-against in-process, negative where the frontend's work overlaps the engine's):
+Polling won: `python benchmarks/e2e_overhead.py --io both --repeats 30` (tiny 2-layer Llama,
+one torch thread, 2-core machine shared with other work; median of 30 interleaved repetitions;
+LLM.generate walls, and the polling engine's own time in channel calls per step):
 
-    workload  transport  poll: wall / overhead   threads: wall / overhead
-    1x256     shm        0.332 s /    -4 us      0.368 s /  +137 us
-    1x256     zmq        0.345 s /   +45 us      0.357 s /   +93 us
-    64x64     shm        0.863 s / -1039 us      0.907 s /  -361 us
-    64x64     zmq        0.854 s / -1175 us      0.926 s /   -68 us
+    workload  transport  poll: wall (channel/step)   threads: wall
+    1x256     shm        0.246 s (  5 us)            0.282 s
+    1x256     zmq        0.269 s ( 49 us)            0.294 s
+    64x64     shm        0.675 s ( 30 us)            0.703 s
+    64x64     zmq        0.680 s (112 us)            0.699 s
 
 With threads every message crosses two queues and two more threads that contend for the GIL
-(and, on two cores, for the CPU) with the busy loop; an earlier run had the threaded shm engine
-at 2.3 s on 64x64. Differences under ~100 us/step are within this machine's noise.
+(and, on two cores, for the CPU) with the busy loop: 3-15% slower walls here, and an earlier
+run had the threaded shm engine at 2.3 s on 64x64. Differences under ~2% (64x64) are within
+this machine's noise.
 
 Failures: an exception in the busy loop (in `step`, say) is logged and sent to the frontend as a
 UtilityOutput with call_id `ENGINE_FAILED_CALL_ID`, then the process exits with code 1; the

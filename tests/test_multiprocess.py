@@ -243,13 +243,13 @@ import sys
 from shmvllm import LLM, SamplingParams
 
 if __name__ == "__main__":
-    llm = LLM({model!r}, transport={transport!r}, max_model_len=1024, num_kv_blocks=512)
+    llm = LLM({model!r}, transport={transport!r}, max_model_len=1024, num_kv_blocks=4096)
     client = llm.llm_engine.engine_core
     print("ENGINE", client.engine_pid, client.addresses.to_engine, flush=True)
     params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
     print("GENERATING", flush=True)
-    try:
-        llm.generate(["Hello"] * 8, params, use_tqdm=False)
+    try:  # seconds of work (48 x 1000 tokens), so that it is still running when the test acts
+        llm.generate(["Hello"] * 48, params, use_tqdm=False)
     except KeyboardInterrupt:
         stats = client.get_stats()
         print("INTERRUPTED", stats["num_running_reqs"], stats["num_waiting_reqs"], flush=True)
@@ -317,3 +317,17 @@ def test_a_new_shm_channel_sweeps_rings_of_dead_runs(tmp_path):
 def test_unknown_transport_is_a_value_error(tiny_llama_dir):
     with pytest.raises(ValueError, match="transport"):
         LLM(str(tiny_llama_dir), transport="carrier-pigeon", **ENGINE_ARGS)
+
+
+@pytest.mark.parametrize(
+    "omp, cores, napping",
+    [("1", 2, True), (None, 2, False), ("2", 2, False), ("1", 1, False), ("4", 8, True), ("x", 2, False)],
+)
+def test_frontend_naps_only_when_the_engine_leaves_it_a_core(monkeypatch, omp, cores, napping):
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert transport.frontend_nap_window() == (transport.FRONTEND_NAP_WINDOW_S if napping else 0.0)
+

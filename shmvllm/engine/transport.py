@@ -32,23 +32,34 @@ TRANSPORTS = ("shm", "zmq")
 RING_CAPACITY = 4 << 20
 FULL_RETRY_S = 0.005  # how long a send with `while_full` waits for room between two calls of it
 # The frontend waits for each step's outputs by napping through this window before it sleeps
-# on the ring's semaphore (see ipc.wait). While it naps, the engine's
-# send is a copy and a counter store; once it sleeps, the send also wakes it: a futex wake of
-# another process, 23-31 µs on a 2-core VM, on the engine's critical path at every step. The
-# naps are not free either: per wait ~100 µs of the frontend's CPU for a 10 ms step and ~250 µs
-# for a 34 ms one (against ~75 µs to be woken from the semaphore), which on two cores comes out
-# of the engine's when its torch threads use both. So they pay where the wake-up is a sizeable
-# part of a step: 20 ms covers the tiny model's steps in benchmarks/e2e_overhead.py (1.4 and
-# ~10 ms); a real model's steps (single-sequence decode of SmolLM2-135M ~34 ms, a 64-sequence
-# step ~180 ms, where the wake-up is < 0.1%) outlast it, and the waiter, seeing its recent waits
-# do, sleeps at once as without naps.
+# on the ring's semaphore (see ipc.wait). While it naps, the engine's send is a copy and a
+# counter store; once it sleeps, the send also wakes it: a futex wake of another process,
+# 23-31 µs on a 2-core VM, on the engine's critical path at every step. The naps are paid in
+# the frontend's CPU instead (~100 µs a wait for a 10 ms step, against ~75 µs to be woken), so
+# they are only worth it where the frontend has a core of its own: when the engine's torch
+# threads take every core, each nap's wake-up preempts one of them and holds up the other at the
+# next barrier (SmolLM2-135M single-sequence decode on 2 cores: 3.5% slower with naps). Hence
+# `frontend_nap_window()`. 20 ms covers the tiny model's steps in benchmarks/e2e_overhead.py
+# (1 and ~10 ms); a step that outlasts it (a 64-sequence step of a 135M model, ~170 ms, where the
+# wake-up is < 0.1%) makes the waiter, seeing its recent waits do, sleep at once.
 FRONTEND_NAP_WINDOW_S = 0.02
-# No spin before the naps: the engine answers after a step, or after waking up when idle (tens
-# of µs at least), so a spin would mostly burn CPU that on two cores the engine may need (the
-# ipc default, 200 µs, is 14% of a core at 1.4 ms steps); the first nap looks after ~100 µs.
+# No spin before napping or sleeping: the engine answers after a step, or after waking up when
+# idle (tens of µs at least), so a spin would mostly burn CPU that on two cores the engine may
+# need (the ipc default, 200 µs, is 14% of a core at 1.4 ms steps).
 FRONTEND_SPIN_US = 0.0
 
 Decode = Callable[[Any], Any]
+
+
+def frontend_nap_window() -> float:
+    """FRONTEND_NAP_WINDOW_S when the engine's torch threads (OMP_NUM_THREADS, which the engine
+    process inherits, else torch's default of one per core) leave this process a core; else 0."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        engine_threads = int(os.environ.get("OMP_NUM_THREADS", "")) or cores
+    except ValueError:
+        engine_threads = cores
+    return FRONTEND_NAP_WINDOW_S if engine_threads < cores else 0.0
 
 
 class PeerMissingError(ConnectionError):
@@ -189,7 +200,7 @@ def open_frontend(kind: str) -> tuple[Endpoint, Addresses]:
         to_engine = RingBuffer.create(RING_CAPACITY, prefault=True)
         try:
             to_frontend = RingBuffer.create(
-                RING_CAPACITY, prefault=True, spin_us=FRONTEND_SPIN_US, nap_window_s=FRONTEND_NAP_WINDOW_S
+                RING_CAPACITY, prefault=True, spin_us=FRONTEND_SPIN_US, nap_window_s=frontend_nap_window()
             )
         except BaseException:
             to_engine.close()

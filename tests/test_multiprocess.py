@@ -239,17 +239,21 @@ def run_script(tmp_path: Path, body: str) -> subprocess.Popen:
 
 
 FRONTEND = """
+import signal
 import sys
 from shmvllm import LLM, SamplingParams
 
 if __name__ == "__main__":
-    llm = LLM({model!r}, transport={transport!r}, max_model_len=1024, num_kv_blocks=4096)
+    # Ctrl-C as in a terminal, even when the test runs where SIGINT is ignored (a shell's
+    # background job): Python leaves an inherited SIG_IGN in place.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    llm = LLM({model!r}, transport={transport!r}, max_model_len=1024, num_kv_blocks=512)
     client = llm.llm_engine.engine_core
     print("ENGINE", client.engine_pid, client.addresses.to_engine, flush=True)
     params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
     print("GENERATING", flush=True)
-    try:  # seconds of work (48 x 1000 tokens), so that it is still running when the test acts
-        llm.generate(["Hello"] * 48, params, use_tqdm=False)
+    try:
+        llm.generate(["Hello"] * 8, params, use_tqdm=False)
     except KeyboardInterrupt:
         stats = client.get_stats()
         print("INTERRUPTED", stats["num_running_reqs"], stats["num_waiting_reqs"], flush=True)

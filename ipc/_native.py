@@ -101,7 +101,7 @@ def _cache_dirs() -> list[Path]:
     return [Path.home() / ".cache" / "ipc-ring", Path(tempfile.gettempdir()) / f"ipc-ring-{os.getuid()}"]
 
 
-def _private_dir(base: Path) -> Path:
+def private_dir(base: Path) -> Path:
     """`base`, created 0700 if missing. We load code from it, so it must be a real directory of
     ours that nobody else can write to; PermissionError otherwise."""
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -114,7 +114,8 @@ def _private_dir(base: Path) -> Path:
     return base
 
 
-def _compiler() -> Optional[str]:
+def find_compiler() -> Optional[str]:
+    """The system C compiler: $CC, else cc, gcc or clang on PATH; None if there is none."""
     for candidate in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if candidate and shutil.which(candidate):
             return candidate
@@ -141,7 +142,7 @@ def load() -> Optional[NativeLib]:
     """
     if os.environ.get("IPC_PURE_PYTHON") == "1":
         return None
-    cc = _compiler()
+    cc = find_compiler()
     problems = [] if cc else ["no C compiler (cc, gcc, clang or $CC) on PATH"]
     for flags in _flag_sets() if cc else []:
         lib = _load_built(cc, flags, problems)
@@ -162,7 +163,7 @@ def _load_built(cc: str, flags: list[str], problems: list[str]) -> Optional[Nati
     filename = f"ipc_native-{key.hexdigest()[:16]}-{platform.machine()}-{sys.implementation.cache_tag}.so"
     for base in _cache_dirs():
         try:
-            target = _private_dir(base) / filename
+            target = private_dir(base) / filename
             if not target.exists():
                 _build(cc, flags, target)
             return NativeLib(str(target), with_module="-DIPC_PYTHON_MODULE" in flags)

@@ -28,6 +28,7 @@ reference the kernels are tested against, and what CUDA and other dtypes use.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -51,26 +52,42 @@ class PrefillSeq:
 @dataclass
 class AttentionMetadata:
     slot_mapping: Optional[torch.Tensor]  # [num_tokens] int64; None: do not touch the cache (profiling)
-    decode_token_idx: Optional[torch.Tensor] = None  # [num_decodes] rows of the flat batch
-    decode_blocks: Optional[torch.Tensor] = None  # [num_decodes * max_blocks] block ids (padded with 0)
-    decode_bias: Optional[torch.Tensor] = None  # [num_decodes, 1, max_blocks * block_size] 0 / -inf
-    decode_max_len: int = 0  # max_blocks * block_size
-    decode_bias_cache: dict = field(default_factory=dict)  # (kv_heads, group, dtype) -> expanded bias
+    decodes: Optional["DecodeBatch"] = None  # the requests with one new token, if any
     prefills: list[PrefillSeq] = field(default_factory=list)
-    decodes_are_prefix: bool = False  # decode rows are exactly [0, num_decodes)
-    decode_batch: Optional["DecodeBatch"] = None  # the decode rows as the C kernel reads them
 
 
 @dataclass
 class DecodeBatch:
-    """The decode requests for the C kernel: numpy arrays it reads through their addresses."""
+    """The decode requests of a step. The C kernel reads the numpy arrays through their
+    addresses; the torch path's gather inputs are derived from them on first use, once a step."""
 
     rows: np.ndarray  # [num_decodes] int64 rows of the flat batch
     block_table: np.ndarray  # [num_decodes, width] int32, C-contiguous
     seq_lens: np.ndarray  # [num_decodes] int32
+    block_size: int
+    device: torch.device
 
     def __post_init__(self) -> None:
         self.pointers = tuple(a.__array_interface__["data"][0] for a in (self.rows, self.block_table, self.seq_lens))
+        self.are_prefix = bool(self.rows[-1] == len(self.rows) - 1)  # rows are exactly [0, num_decodes)
+        self.bias_cache: dict = {}  # (kv_heads, group, dtype) -> expanded length mask
+
+    @functools.cached_property
+    def token_idx(self) -> torch.Tensor:
+        return torch.from_numpy(self.rows).to(self.device)
+
+    @functools.cached_property
+    def gather(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(block ids [num_decodes * max_blocks], padded with block 0; additive length mask
+        [num_decodes, 1, max_len] of 0 / -inf; max_len = max_blocks * block_size)."""
+        block_size = self.block_size
+        max_blocks = int(-(-self.seq_lens.max() // block_size))
+        max_len = max_blocks * block_size
+        num_blocks = -(-self.seq_lens // block_size)
+        valid = np.arange(max_blocks)[None, :] < num_blocks[:, None]
+        blocks = np.where(valid, self.block_table[:, :max_blocks], 0).reshape(-1).astype(np.int64)
+        bias = np.where(np.arange(max_len)[None, :] < self.seq_lens[:, None], np.float32(0.0), np.float32(-np.inf))
+        return torch.from_numpy(blocks).to(self.device), torch.from_numpy(bias[:, None, :]).to(self.device), max_len
 
 
 def build_attention_metadata(
@@ -88,36 +105,17 @@ def build_attention_metadata(
     is_decode = query_lens == 1
     meta = AttentionMetadata(slot_mapping=torch.from_numpy(slot_mapping.astype(np.int64)).to(device))
     if is_decode.any():
-        _add_decodes(meta, starts[is_decode], seq_lens[is_decode], block_table[is_decode], block_size, device)
+        meta.decodes = DecodeBatch(
+            np.ascontiguousarray(starts[is_decode], dtype=np.int64),
+            np.ascontiguousarray(block_table[is_decode], dtype=np.int32),
+            np.ascontiguousarray(seq_lens[is_decode], dtype=np.int32),
+            block_size,
+            device,
+        )
     for i in np.flatnonzero(~is_decode):
         start, end = int(starts[i]), int(starts[i] + query_lens[i])
         meta.prefills.append(_prefill_seq(start, end, int(num_computed[i]), block_table[i], block_size, device))
     return meta
-
-
-def _add_decodes(
-    meta: AttentionMetadata,
-    rows: np.ndarray,
-    seq_lens: np.ndarray,
-    block_table: np.ndarray,
-    block_size: int,
-    device: torch.device,
-) -> None:
-    max_blocks = int(-(-seq_lens.max() // block_size))
-    max_len = max_blocks * block_size
-    num_blocks = -(-seq_lens // block_size)
-    blocks = np.where(np.arange(max_blocks)[None, :] < num_blocks[:, None], block_table[:, :max_blocks], 0)
-    bias = np.where(np.arange(max_len)[None, :] < seq_lens[:, None], np.float32(0.0), np.float32(-np.inf))
-    meta.decode_token_idx = torch.from_numpy(rows.astype(np.int64)).to(device)
-    meta.decode_blocks = torch.from_numpy(blocks.reshape(-1).astype(np.int64)).to(device)
-    meta.decode_bias = torch.from_numpy(bias[:, None, :]).to(device)
-    meta.decode_max_len = max_len
-    meta.decodes_are_prefix = bool(rows[-1] == len(rows) - 1)
-    meta.decode_batch = DecodeBatch(
-        np.ascontiguousarray(rows, dtype=np.int64),
-        np.ascontiguousarray(block_table, dtype=np.int32),
-        np.ascontiguousarray(seq_lens, dtype=np.int32),
-    )
 
 
 def _prefill_seq(
@@ -162,11 +160,13 @@ class PagedAttention(torch.nn.Module):
                 k_flat.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
                 v_flat.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         out = torch.empty_like(q)
-        if meta.decode_token_idx is not None:
-            if kernels is not None and meta.decode_batch is not None:
-                self._decode_native(kernels, q, meta.decode_batch, out)
+        if meta.decodes is not None:
+            if meta.slot_mapping is None or self.k_cache is None or self.v_cache is None:
+                raise RuntimeError("decode needs the KV cache (got metadata without slot_mapping).")
+            if kernels is not None:
+                self._decode_native(kernels, q, meta.decodes, out)
             else:
-                self._decode(q, meta, out)
+                self._decode(q, meta.decodes, out)
         for seq in meta.prefills:
             out[seq.start : seq.end] = self._prefill(q, k, v, k_flat, v_flat, seq)
         return out.view(q.shape[0], self.num_heads * self.head_dim)
@@ -191,31 +191,32 @@ class PagedAttention(torch.nn.Module):
         if status != 0:
             raise MemoryError("the decode attention kernel could not allocate its scratch memory")
 
-    def _decode(self, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
-        if meta.slot_mapping is None or self.k_cache is None or self.v_cache is None:
-            raise RuntimeError("decode needs the KV cache (got metadata without slot_mapping).")
-        n, kv_heads, d = meta.decode_token_idx.shape[0], self.num_kv_heads, self.head_dim
-        group, length = self.num_heads // kv_heads, meta.decode_max_len
-        keys = self.k_cache.index_select(1, meta.decode_blocks).view(kv_heads * n, length, d)
-        values = self.v_cache.index_select(1, meta.decode_blocks).view(kv_heads * n, length, d)
-        queries = q[:n] if meta.decodes_are_prefix else q.index_select(0, meta.decode_token_idx)
+    def _decode(self, q: torch.Tensor, batch: DecodeBatch, out: torch.Tensor) -> None:
+        assert self.k_cache is not None and self.v_cache is not None
+        blocks, _, length = batch.gather
+        n, kv_heads, d = len(batch.rows), self.num_kv_heads, self.head_dim
+        group = self.num_heads // kv_heads
+        keys = self.k_cache.index_select(1, blocks).view(kv_heads * n, length, d)
+        values = self.v_cache.index_select(1, blocks).view(kv_heads * n, length, d)
+        queries = q[:n] if batch.are_prefix else q.index_select(0, batch.token_idx)
         queries = queries.view(n, kv_heads, group, d).transpose(0, 1).reshape(kv_heads * n, group, d)
-        scores = torch.baddbmm(self._decode_bias(meta, group, q.dtype), queries, keys.transpose(1, 2), alpha=self.scale)
+        scores = torch.baddbmm(self._decode_bias(batch, group, q.dtype), queries, keys.transpose(1, 2), alpha=self.scale)
         attn = torch.bmm(torch.softmax(scores, dim=-1), values)
         attn = attn.view(kv_heads, n, group, d).transpose(0, 1).reshape(n, self.num_heads, d)
-        if meta.decodes_are_prefix:
+        if batch.are_prefix:
             out[:n] = attn
         else:
-            out.index_copy_(0, meta.decode_token_idx, attn)
+            out.index_copy_(0, batch.token_idx, attn)
 
-    def _decode_bias(self, meta: AttentionMetadata, group: int, dtype: torch.dtype) -> torch.Tensor:
+    def _decode_bias(self, batch: DecodeBatch, group: int, dtype: torch.dtype) -> torch.Tensor:
         """The length mask as [kv_heads * num_decodes, group, max_len], built once per step."""
         key = (self.num_kv_heads, group, dtype)
-        bias = meta.decode_bias_cache.get(key)
+        bias = batch.bias_cache.get(key)
         if bias is None:
-            n, length = meta.decode_bias.shape[0], meta.decode_max_len
-            bias = meta.decode_bias.to(dtype).expand(self.num_kv_heads, n, group, length)
-            bias = meta.decode_bias_cache[key] = bias.reshape(self.num_kv_heads * n, group, length)
+            _, mask, length = batch.gather
+            n = len(batch.rows)
+            bias = mask.to(dtype).expand(self.num_kv_heads, n, group, length)
+            bias = batch.bias_cache[key] = bias.reshape(self.num_kv_heads * n, group, length)
         return bias
 
     def _prefill(

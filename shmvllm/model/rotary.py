@@ -136,7 +136,7 @@ class RotaryStep:
 
 def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotates x [T, H, D] (may be a strided view) in place with (cos, signed sin) [T, 1, D]."""
-    num_tokens, num_heads, head_dim = x.shape
+    head_dim = x.shape[-1]
     swapped = x.unflatten(-1, (2, head_dim // 2)).flip(2).flatten(-2)
     x.mul_(cos)
     x.add_(swapped.mul_(sin))

@@ -19,10 +19,10 @@ from shmvllm.config import EngineConfig
 from shmvllm.core.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from shmvllm.engine.messages import Logprobs
 from shmvllm.model.attention import AttentionMetadata, PrefillSeq, build_attention_metadata
-from shmvllm.worker.huge_pages import advise_huge_pages
 from shmvllm.model.loader import get_model, torch_dtype
 from shmvllm.model.sampler import Sampler, SamplingMetadata, gather_logprobs, seeded_generator
 from shmvllm.sampling_params import SamplingParams
+from shmvllm.worker.huge_pages import advise_huge_pages
 from shmvllm.worker.input_batch import CachedRequestState, InputBatch
 
 logger = logging.getLogger(__name__)

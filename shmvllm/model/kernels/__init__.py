@@ -17,8 +17,6 @@ import functools
 import hashlib
 import os
 import platform
-import shutil
-import stat
 import subprocess
 import tempfile
 import warnings
@@ -26,6 +24,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch  # loaded first: the kernels bind to the libgomp.so.1 that torch loaded
+
+from ipc._native import find_compiler, private_dir  # the ring's C helper is built the same way
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # -ffast-math lets gcc vectorize expf through glibc's libmvec; the kernels never see inf or NaN.
@@ -63,15 +63,6 @@ def _cache_dirs() -> list[Path]:
     return [Path.home() / ".cache" / "shmvllm" / "kernels", Path(tempfile.gettempdir()) / f"shmvllm-kernels-{os.getuid()}"]
 
 
-def _private_dir(path: Path) -> Path:
-    """`path`, created 0700; code is loaded from it, so nobody else may write there."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise PermissionError(f"kernel cache {path} is not a private directory (mode {stat.S_IMODE(st.st_mode):#o})")
-    return path
-
-
 def _compile(cc: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
     os.close(fd)
@@ -107,7 +98,7 @@ def cpu_kernels() -> Optional[ctypes.CDLL]:
     """The compiled kernels, built on first use; None when disabled or when building fails."""
     if os.environ.get("SHMVLLM_NATIVE_KERNELS", "1") == "0" or platform.machine() not in ("x86_64", "aarch64"):
         return None
-    cc = next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None)
+    cc = find_compiler()
     if cc is None:
         warnings.warn("shmvllm: no C compiler found; the model runs in plain torch (slower)", RuntimeWarning, stacklevel=2)
         return None
@@ -116,7 +107,7 @@ def cpu_kernels() -> Optional[ctypes.CDLL]:
     problems = []
     for base in _cache_dirs():
         try:
-            target = _private_dir(base) / filename
+            target = private_dir(base) / filename
             if not target.exists():
                 _compile(cc, target)
             return _load(target)

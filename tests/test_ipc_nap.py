@@ -33,16 +33,17 @@ def pure_python(request) -> bool:
     return request.param
 
 
-def _count_posts(producer: RingBuffer) -> list[int]:
-    """Counts the producer's posts of the consumer's "data" semaphore (the wake-ups it pays)."""
+def _count_posts(side: RingBuffer, bell: str = "_ring_data") -> list[int]:
+    """Counts `side`'s posts of the other side's semaphore (the wake-ups it pays): "_ring_data"
+    for a producer's, "_ring_space" for a consumer's."""
     posts = [0]
-    ring_data = producer._ring_data
+    ring = getattr(side, bell)
 
     def counted() -> None:
         posts[0] += 1
-        ring_data()
+        ring()
 
-    producer._ring_data = counted
+    setattr(side, bell, counted)
     return posts
 
 
@@ -88,14 +89,7 @@ def test_producer_naps_for_space_too(pure_python):
     """The producer's wait for space naps as well: the consumer's release then posts nothing."""
     tx = RingBuffer.create(1024, spin_us=0, poll_interval=30, nap_window_s=20.0, pure_python=pure_python)
     rx = RingBuffer.attach(tx.name, spin_us=0, pure_python=pure_python)
-    space_posts = [0]
-    ring_space = rx._ring_space
-
-    def counted() -> None:
-        space_posts[0] += 1
-        ring_space()
-
-    rx._ring_space = counted
+    space_posts = _count_posts(rx, "_ring_space")
     try:
         sent = 0
         with pytest.raises(TimeoutError):

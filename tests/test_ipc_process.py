@@ -139,8 +139,9 @@ def _block_until_peer_killed(ring: RingBuffer, child: subprocess.Popen, blocked_
     with pytest.raises(PeerDeadError, match=str(child.pid)):
         if blocked_in == "pop":
             ring.pop()
-        while True:  # fill the ring, then block on the full ring
-            ring.push(b"x" * 100)
+        else:
+            while True:  # fill the ring, then block on the full ring
+                ring.push(b"x" * 100)
     assert time.monotonic() - killed_at[0] < 1.0
 
 

@@ -86,12 +86,17 @@ def test_pooling_params_per_request(embed_llm):
         (lambda: PoolingParams(dimensions=0), "dimensions"),
         (lambda: PoolingParams(dimensions=2.5), "dimensions"),
         (lambda: PoolingParams(normalize="yes"), "normalize"),
-        (lambda: PoolingParams(dimensions=385), "dimensions"),  # larger than the model's 384
     ],
 )
-def test_invalid_pooling_params_name_the_field(embed_llm, make, field):
+def test_invalid_pooling_params_name_the_field(make, field):
     with pytest.raises(ValueError, match=field):
-        embed_llm.embed(["x", "y"], make(), use_tqdm=False)
+        make()
+
+
+def test_dimensions_beyond_the_model_are_refused_before_queueing(embed_llm):
+    params = PoolingParams(dimensions=385)  # valid on its own; larger than the model's 384
+    with pytest.raises(ValueError, match="dimensions"):
+        embed_llm.embed(["x", "y"], params, use_tqdm=False)
     assert not embed_llm.llm_engine.has_unfinished_requests()  # nothing was queued
 
 

@@ -101,29 +101,6 @@ class InputProcessor:
 
     # ---- pooling (embedding) requests ------------------------------------------------------
 
-    def process_pooling_inputs(
-        self,
-        request_id: str,
-        prompt: PromptType,
-        params: PoolingParams,
-        arrival_time: Optional[float] = None,
-        priority: int = 0,
-    ) -> tuple[EngineCoreRequest, Optional[str], list[int]]:
-        """The pooling twin of `process_inputs`: text is tokenized truncated to max_model_len."""
-        self.verify_pooling_params(params)
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise TypeError(f"priority must be an int, got {priority!r}.")
-        ((prompt_text, prompt_ids),) = self.tokenize_for_pooling([prompt])
-        self.validate_pooling_prompt(prompt_ids)
-        request = EngineCoreRequest(
-            request_id=request_id,
-            prompt_token_ids=EngineCoreRequest.pack_token_ids(prompt_ids),
-            pooling_params=params,
-            arrival_time=now() if arrival_time is None else arrival_time,
-            priority=priority,
-        )
-        return request, prompt_text, prompt_ids
-
     def verify_pooling_params(self, params: PoolingParams) -> None:
         if not isinstance(params, PoolingParams):
             raise TypeError(f"pooling_params must be a PoolingParams, got {type(params).__name__}.")

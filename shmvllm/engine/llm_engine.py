@@ -79,23 +79,30 @@ class LLMEngine:
     def _add_pooling_request(
         self, request_id: str, prompt: PromptType, params: PoolingParams, arrival_time: Optional[float], priority: int
     ) -> None:
-        request, prompt_text, prompt_ids = self.input_processor.process_pooling_inputs(
-            request_id, prompt, params, arrival_time, priority
-        )
-        self._queue_pooling_request(request, prompt_text, prompt_ids)
+        self.input_processor.verify_pooling_params(params)
+        ((prompt_text, prompt_ids),) = self.input_processor.tokenize_for_pooling([prompt])
+        self.add_tokenized_pooling_request(request_id, prompt_text, prompt_ids, params, priority, arrival_time)
 
     def add_tokenized_pooling_request(
-        self, request_id: str, prompt_text: Optional[str], prompt_ids: list[int], params: PoolingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt_text: Optional[str],
+        prompt_ids: list[int],
+        params: PoolingParams,
+        priority: int = 0,
+        arrival_time: Optional[float] = None,
     ) -> None:
         """A pooling request whose prompt `tokenize_for_pooling` already tokenized, and whose params
         the caller verified (LLM.embed tokenizes its prompts in batches)."""
         self.check_task(params)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an int, got {priority!r}.")
         self.input_processor.validate_pooling_prompt(prompt_ids)
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=EngineCoreRequest.pack_token_ids(prompt_ids),
             pooling_params=params,
-            arrival_time=now(),
+            arrival_time=now() if arrival_time is None else arrival_time,
             priority=priority,
         )
         self._queue_pooling_request(request, prompt_text, prompt_ids)

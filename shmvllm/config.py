@@ -122,9 +122,9 @@ class EngineArgs:
             seed=self.seed,
             tokenizer_dir=Path(self.tokenizer) if self.tokenizer else model_dir,
         )
-        max_batched, max_num_seqs = _scheduler_limits(self.max_num_batched_tokens, self.max_num_seqs, task)
-        if max_batched is None:
-            max_batched = max(2048, max_model_len) if not self.enable_chunked_prefill else 2048
+        max_batched, max_num_seqs = _scheduler_limits(
+            self.max_num_batched_tokens, self.max_num_seqs, task, max_model_len, self.enable_chunked_prefill
+        )
         if not self.enable_chunked_prefill and max_batched < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({max_batched}) must be at least max_model_len ({max_model_len}) "
@@ -178,15 +178,23 @@ _GENERATE_MAX_NUM_SEQS = 128
 
 
 def _scheduler_limits(
-    max_num_batched_tokens: Optional[int], max_num_seqs: Optional[int], task: Task
-) -> tuple[Optional[int], int]:
-    """The task's defaults for what the user left unset (None: the generation token budget)."""
+    max_num_batched_tokens: Optional[int],
+    max_num_seqs: Optional[int],
+    task: Task,
+    max_model_len: int,
+    chunked_prefill: bool,
+) -> tuple[int, int]:
+    """The task's defaults for what the user left unset. A pooling prompt is never split, so the
+    embed budget also covers the longest prompt; so does generation's without chunked prefill."""
     if task == "embed":
-        return (
-            max_num_batched_tokens if max_num_batched_tokens is not None else _EMBED_MAX_NUM_BATCHED_TOKENS,
-            max_num_seqs if max_num_seqs is not None else _EMBED_MAX_NUM_SEQS,
-        )
-    return max_num_batched_tokens, max_num_seqs if max_num_seqs is not None else _GENERATE_MAX_NUM_SEQS
+        default_batched, default_seqs = max(_EMBED_MAX_NUM_BATCHED_TOKENS, max_model_len), _EMBED_MAX_NUM_SEQS
+    else:
+        default_batched = 2048 if chunked_prefill else max(2048, max_model_len)
+        default_seqs = _GENERATE_MAX_NUM_SEQS
+    return (
+        max_num_batched_tokens if max_num_batched_tokens is not None else default_batched,
+        max_num_seqs if max_num_seqs is not None else default_seqs,
+    )
 
 
 def detect_task(model_dir: Path, hf_config: Any) -> Task:

@@ -202,3 +202,14 @@ def test_llama_last_token_pooling_matches_transformers(tiny_llama_dir):
     with torch.no_grad():
         expected = [F.normalize(hf(torch.tensor([p])).last_hidden_state[0, -1], dim=-1).numpy() for p in prompts]
     np.testing.assert_allclose(got, np.stack(expected), atol=2e-5)
+
+
+def test_embed_token_budget_covers_the_longest_prompt():
+    """A pooling prompt is never split: the default budget grows with max_model_len."""
+    from shmvllm.config import _scheduler_limits
+
+    assert _scheduler_limits(None, None, "embed", 512, False) == (16384, 1024)
+    assert _scheduler_limits(None, None, "embed", 32768, False) == (32768, 1024)
+    assert _scheduler_limits(100, 3, "embed", 32768, False) == (100, 3)  # what the user set stays
+    assert _scheduler_limits(None, None, "generate", 4096, True) == (2048, 128)
+    assert _scheduler_limits(None, None, "generate", 4096, False) == (4096, 128)

@@ -1,0 +1,340 @@
+"""Single-request latency on the default model's GGUF file: shmvllm vs llama.cpp vs HF transformers.
+
+One request, the same 85 prompt token ids and 128 greedy tokens (EOS ignored) for every engine,
+the same thread count. Each engine lives in a worker process of its own for the whole run; the
+parent asks the workers for one repetition at a time, in a rotating order, so that the machine's
+noise falls on every engine alike. Reported per engine: median and spread (min, max) of
+
+- TTFT: the wall time of a 1-token request (llama.cpp: the time to its first token);
+- decode tok/s: (128 - 1) tokens over the 128-token request's wall time minus its TTFT;
+- resident memory (MiB) after the first repetition: for shmvllm the engine process's (where the
+  weights live) and the frontend's, for the others their one process.
+
+Prefix caching is off on every engine (llama.cpp's state is reset before each request), so each
+repetition pays the full prefill. Peers:
+
+- llama.cpp through llama-cpp-python, in a venv of its own (no wheel on the registry: it builds
+  from its sdist, ~15 min on 2 cores):
+      python3 -m venv .venv-llamacpp && .venv-llamacpp/bin/pip install llama-cpp-python==0.3.36
+- HF transformers loading the same GGUF file (`gguf_file=`; dequantized to fp32).
+
+    flock /tmp/shmvllm-cpu.lock python benchmarks/latency.py --llama-python .venv-llamacpp/bin/python \\
+        --repeats 7 --json benchmarks/results/latency.json --plot benchmarks/results/latency.png
+
+`--variant NAME=JSON` adds a shmvllm row with extra engine arguments, e.g.
+`--variant shmvllm-fp32='{"dtype": "float32"}'`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+PROMPT_TOKENS = 85
+MAX_TOKENS = 128
+MODEL = "smollm2-135m-instruct"
+_QUESTION = ("You are a careful assistant. Explain in plain words how a refrigerator keeps food cold, "
+             "what the compressor and the refrigerant do, and why the back of the fridge feels warm.")
+
+
+# ---------------------------------------------------------------- workers (one engine each)
+
+class _Engine:
+    """One engine loaded in a worker: `one(n)` runs the request for n tokens and returns
+    (wall seconds, seconds to first token or None, token ids)."""
+
+    def one(self, n: int) -> tuple[float, Optional[float], list[int]]:
+        raise NotImplementedError
+
+    def rss_mib(self) -> dict[str, float]:
+        import psutil
+
+        return {"process": psutil.Process().memory_info().rss / 2**20}
+
+
+class _Shmvllm(_Engine):
+    def __init__(self, prompt: list[int], threads: int, extra: dict[str, Any]) -> None:
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        from shmvllm import LLM, SamplingParams
+
+        self.params = SamplingParams
+        self.prompt = prompt
+        self.llm = LLM(model=MODEL, enable_prefix_caching=False, **extra)
+
+    def one(self, n: int) -> tuple[float, Optional[float], list[int]]:
+        params = self.params(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
+        started = time.perf_counter()
+        out = self.llm.generate([{"prompt_token_ids": self.prompt}], params, use_tqdm=False)
+        return time.perf_counter() - started, None, list(out[0].outputs[0].token_ids)
+
+    def rss_mib(self) -> dict[str, float]:
+        import psutil
+
+        me = psutil.Process()
+        engines = me.children(recursive=True)
+        return {"frontend": me.memory_info().rss / 2**20,
+                "engine": sum(p.memory_info().rss for p in engines) / 2**20}
+
+
+class _LlamaCpp(_Engine):
+    def __init__(self, prompt: list[int], threads: int, gguf: str) -> None:
+        from llama_cpp import Llama
+
+        self.prompt = prompt
+        self.llm = Llama(model_path=gguf, n_ctx=512, n_threads=threads, n_threads_batch=threads,
+                         n_batch=512, verbose=False, seed=0)
+
+    def one(self, n: int) -> tuple[float, Optional[float], list[int]]:
+        self.llm.reset()  # no reuse of the previous request's prompt state
+        tokens: list[int] = []
+        first: Optional[float] = None
+        started = time.perf_counter()
+        for token in self.llm.generate(self.prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            tokens.append(token)
+            if first is None:
+                first = time.perf_counter() - started
+            if len(tokens) == n:
+                break
+        return time.perf_counter() - started, first, tokens
+
+
+class _HF(_Engine):
+    def __init__(self, prompt: list[int], threads: int, gguf: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(threads)
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(str(Path(gguf).parent), gguf_file=Path(gguf).name,
+                                                          dtype=torch.float32).eval()
+        self.ids = torch.tensor([prompt])
+
+    def one(self, n: int) -> tuple[float, Optional[float], list[int]]:
+        started = time.perf_counter()
+        with self.torch.inference_mode():
+            out = self.model.generate(input_ids=self.ids, attention_mask=self.torch.ones_like(self.ids),
+                                      max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - started, None, out[0, self.ids.shape[1]:].tolist()
+
+
+def _worker(kind: str, spec: dict[str, Any]) -> None:
+    """Loads one engine, then answers each line on stdin ("rep") with one JSON line on stdout."""
+    started = time.perf_counter()
+    prompt, threads = spec["prompt"], spec["threads"]
+    engine: _Engine
+    if kind == "shmvllm":
+        engine = _Shmvllm(prompt, threads, spec.get("extra", {}))
+    elif kind == "llama.cpp":
+        engine = _LlamaCpp(prompt, threads, spec["gguf"])
+    else:
+        engine = _HF(prompt, threads, spec["gguf"])
+    load_s = time.perf_counter() - started
+    engine.one(4)  # warm-up
+    reply = sys.stdout
+    reply.write(json.dumps({"load_s": load_s}) + "\n")
+    reply.flush()
+    for line in sys.stdin:
+        if line.strip() != "rep":
+            break
+        one_wall, _, _ = engine.one(1)
+        wall, first, tokens = engine.one(MAX_TOKENS)
+        ttft = first if first is not None else one_wall
+        reply.write(json.dumps({"ttft_s": ttft, "decode_tok_per_s": (MAX_TOKENS - 1) / max(wall - ttft, 1e-9),
+                                "wall_s": wall, "tokens": tokens, "rss_mib": engine.rss_mib()}) + "\n")
+        reply.flush()
+
+
+# ---------------------------------------------------------------- the parent
+
+class _Worker:
+    def __init__(self, name: str, kind: str, python: str, spec: dict[str, Any]) -> None:
+        self.name = name
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        print(f"[latency] loading {name} ...", file=sys.stderr, flush=True)
+        self.proc = subprocess.Popen([python, __file__, "--worker", kind, "--spec", json.dumps(spec)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.load_s = self._read()["load_s"]
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        raise RuntimeError(f"{self.name} exited (code {self.proc.wait()}) without a result")
+
+    def rep(self) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("rep\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def prompt_token_ids(gguf: str) -> list[int]:
+    """The chat-templated question, cut or padded (inside the user turn) to PROMPT_TOKENS ids."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(Path(gguf).parent), gguf_file=Path(gguf).name)
+    text = _QUESTION
+    while True:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        if len(ids) >= PROMPT_TOKENS:
+            break
+        text += " Please be precise."
+    tail = 5  # "<|im_end|>\n<|im_start|>assistant\n"
+    return ids[: PROMPT_TOKENS - tail] + ids[-tail:]
+
+
+def shipped_gguf() -> str:
+    import importlib.util
+
+    from shmvllm.model.registry import SHIPPED_MODELS
+
+    shipped = SHIPPED_MODELS[MODEL]
+    spec = importlib.util.find_spec(shipped.package)
+    if spec is None or spec.origin is None:
+        raise SystemExit(f"the default model needs {shipped.pip_name}")
+    return str(Path(spec.origin).parent / shipped.relative_path)
+
+
+def summarize(name: str, load_s: float, reps: list[dict[str, Any]]) -> dict[str, Any]:
+    def stats(key: str) -> dict[str, float]:
+        values = [r[key] for r in reps]
+        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+    return {"engine": name, "load_s": load_s, "repetitions": len(reps), "ttft_s": stats("ttft_s"),
+            "decode_tok_per_s": stats("decode_tok_per_s"), "rss_mib": reps[0]["rss_mib"],
+            "ttft_s_each": [r["ttft_s"] for r in reps], "decode_tok_per_s_each": [r["decode_tok_per_s"] for r in reps],
+            "token_ids": reps[-1]["tokens"]}
+
+
+def report(rows: list[dict[str, Any]], threads: int) -> list[str]:
+    print(f"one request: {PROMPT_TOKENS} prompt tokens, {MAX_TOKENS} greedy tokens, {threads} threads; "
+          f"median [min, max] over {rows[0]['repetitions']} interleaved repetitions")
+    print(f"{'engine':<16} {'TTFT ms':>24} {'decode tok/s':>26} {'RSS MiB':>24} {'load s':>7}")
+    for r in rows:
+        t, d = r["ttft_s"], r["decode_tok_per_s"]
+        rss = " + ".join(f"{k} {v:.0f}" for k, v in r["rss_mib"].items())
+        print(f"{r['engine']:<16} {t['median'] * 1e3:8.1f} [{t['min'] * 1e3:6.1f}, {t['max'] * 1e3:6.1f}] "
+              f"{d['median']:9.1f} [{d['min']:6.1f}, {d['max']:6.1f}]   {rss:>24} {r['load_s']:7.1f}")
+    by = {r["engine"]: r for r in rows}
+    ours = by.get("shmvllm")
+    checks = []
+    for peer in rows:
+        if ours is None or peer is ours:
+            continue
+        same = _common_prefix(ours["token_ids"], peer["token_ids"])
+        print(f"shmvllm/{peer['engine']}: decode {ours['decode_tok_per_s']['median'] / peer['decode_tok_per_s']['median']:.2f}x, "
+              f"TTFT {ours['ttft_s']['median'] / peer['ttft_s']['median']:.2f}x; "
+              f"first {same} of {MAX_TOKENS} tokens identical")
+    peer = by.get("llama.cpp")
+    if ours and peer:
+        ratio = ours["decode_tok_per_s"]["median"] / peer["decode_tok_per_s"]["median"]
+        checks.append(f"CHECK decode tok/s shmvllm/llama.cpp = {ratio:.2f}x (>= 1.0x): {'holds' if ratio >= 1.0 else 'FAILS'}")
+        ttft = ours["ttft_s"]["median"] / peer["ttft_s"]["median"]
+        checks.append(f"CHECK TTFT shmvllm/llama.cpp = {ttft:.2f}x (<= 1.0x): {'holds' if ttft <= 1.0 else 'FAILS'}")
+    for line in checks:
+        print(line)
+    return checks
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    same = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        same += 1
+    return same
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    names = [r["engine"] for r in rows]
+    for ax, key, scale, title in ((axes[0], "decode_tok_per_s", 1.0, "decode tok/s (higher is better)"),
+                                  (axes[1], "ttft_s", 1e3, "TTFT ms (lower is better)")):
+        med = [r[key]["median"] * scale for r in rows]
+        low = [m - r[key]["min"] * scale for m, r in zip(med, rows)]
+        high = [r[key]["max"] * scale - m for m, r in zip(med, rows)]
+        bars = ax.bar(names, med, yerr=[low, high], capsize=4, color=["tab:green", "tab:orange", "tab:gray", "tab:blue"][: len(rows)])
+        ax.bar_label(bars, fmt="%.1f")
+        ax.set_title(title)
+    fig.suptitle(f"SmolLM2-135M-Instruct Q4_1 GGUF, one request ({PROMPT_TOKENS} + {MAX_TOKENS} tokens)")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama-python", help="a Python with llama-cpp-python; llama.cpp is skipped without it")
+    parser.add_argument("--engines", default="shmvllm,llama.cpp,hf", help="comma-separated: shmvllm, llama.cpp, hf")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                        help="an extra shmvllm row with these engine arguments (repeatable)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions per engine (default 5)")
+    parser.add_argument("--json", help="write the rows to this JSON file")
+    parser.add_argument("--plot", help="draw a PNG to this path")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        _worker(args.worker, json.loads(args.spec))
+        return
+    gguf = shipped_gguf()
+    spec = {"prompt": prompt_token_ids(gguf), "threads": args.threads, "gguf": gguf}
+    plan: list[tuple[str, str, str, dict[str, Any]]] = []
+    for kind in [e for e in args.engines.split(",") if e]:
+        if kind == "llama.cpp" and not args.llama_python:
+            print("[latency] llama.cpp skipped: no --llama-python (see the module docstring)", file=sys.stderr)
+            continue
+        python = args.llama_python if kind == "llama.cpp" else sys.executable
+        plan.append((kind, kind, python, spec))
+        if kind == "shmvllm":
+            for variant in args.variant:
+                name, _, extra = variant.partition("=")
+                plan.append((name, kind, python, dict(spec, extra=json.loads(extra))))
+    workers = [_Worker(name, kind, python, s) for name, kind, python, s in plan]
+    reps: dict[str, list[dict[str, Any]]] = {w.name: [] for w in workers}
+    try:
+        for i in range(args.repeats):
+            order = workers[i % len(workers):] + workers[: i % len(workers)]
+            for w in order:
+                reps[w.name].append(w.rep())
+            print(f"[latency] repetition {i + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+    finally:
+        for w in workers:
+            w.close()
+    rows = [summarize(w.name, w.load_s, reps[w.name]) for w in workers]
+    checks = report(rows, args.threads)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"prompt_tokens": PROMPT_TOKENS, "max_tokens": MAX_TOKENS,
+                                               "threads": args.threads, "rows": rows, "checks": checks}, indent=2))
+    if args.plot:
+        plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -54,9 +54,7 @@ class _Engine:
         raise NotImplementedError
 
     def rss_mib(self) -> dict[str, float]:
-        import psutil
-
-        return {"process": psutil.Process().memory_info().rss / 2**20}
+        return {"process": _rss_mib(os.getpid())}
 
 
 class _Shmvllm(_Engine):
@@ -75,12 +73,7 @@ class _Shmvllm(_Engine):
         return time.perf_counter() - started, None, list(out[0].outputs[0].token_ids)
 
     def rss_mib(self) -> dict[str, float]:
-        import psutil
-
-        me = psutil.Process()
-        engines = me.children(recursive=True)
-        return {"frontend": me.memory_info().rss / 2**20,
-                "engine": sum(p.memory_info().rss for p in engines) / 2**20}
+        return {"frontend": _rss_mib(os.getpid()), "engine": sum(_rss_mib(pid) for pid in _children(os.getpid()))}
 
 
 class _LlamaCpp(_Engine):
@@ -122,6 +115,22 @@ class _HF(_Engine):
             out = self.model.generate(input_ids=self.ids, attention_mask=self.torch.ones_like(self.ids),
                                       max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
         return time.perf_counter() - started, None, out[0, self.ids.shape[1]:].tolist()
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of `pid` (from /proc: the llama.cpp venv has no psutil)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            found += [int(child)] + _children(int(child))
+    return found
 
 
 def _worker(kind: str, spec: dict[str, Any]) -> None:

@@ -17,6 +17,11 @@ _EXPORTS = {
     "EmbeddingRequestOutput": "shmvllm.outputs",
     "EngineArgs": "shmvllm.config",
     "EngineDeadError": "shmvllm.engine.exceptions",
+    "TextPrompt": "shmvllm.inputs",
+    "TokensPrompt": "shmvllm.inputs",
+    "BeamSearchParams": "shmvllm.sampling_params",
+    "install_as_vllm": "shmvllm.compat",
+    "VLLM_API_VERSION": "shmvllm.compat",
 }
 
 __all__ = list(_EXPORTS)

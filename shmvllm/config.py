@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
+
+from shmvllm.compat.vllm_args import BY_NAME as _VLLM_ONLY_ARGS
+from shmvllm.compat.vllm_args import VllmArgs, check_vllm_args
 
 logger = logging.getLogger(__name__)
 
 Task = Literal["generate", "embed"]
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+# vLLM's other spellings of the dtypes.
+_DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+_TASK_ALIASES = {"embedding": "embed"}
 
 
 @dataclass
@@ -27,6 +35,11 @@ class ModelConfig:
     max_model_len: int
     seed: int = 0
     tokenizer_dir: Optional[Path] = None
+    max_logprobs: int = 20  # the most logprobs a request may ask for; -1: the whole vocabulary
+    skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs are not detokenized
+    tokenizer_mode: str = "auto"  # "auto": the fast tokenizer; "slow": the Python one
+    generation_config: str = "auto"  # where default sampling params come from ("vllm": none)
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
 
     @property
     def vocab_size(self) -> int:
@@ -39,6 +52,39 @@ class ModelConfig:
     @property
     def is_embedding(self) -> bool:
         return self.task == "embed"
+
+    # vLLM's ModelConfig accessors, for programs that read them.
+    @property
+    def runner_type(self) -> str:
+        return "pooling" if self.is_embedding else "generate"
+
+    @property
+    def tokenizer(self) -> str:
+        return str(self.tokenizer_dir or self.model_dir)
+
+    def get_vocab_size(self) -> int:
+        return self.vocab_size
+
+    def get_hidden_size(self) -> int:
+        return self.hidden_size
+
+    def get_diff_sampling_param(self) -> dict[str, Any]:
+        """The sampling defaults the model's generation config sets (vLLM's names): what
+        `LLM.get_default_sampling_params` starts from. Only values that differ from transformers'
+        GenerationConfig defaults count, as in vLLM; "vllm" ignores the file."""
+        config: dict[str, Any] = {}
+        if self.generation_config != "vllm":
+            from transformers import GenerationConfig
+
+            folder = self.model_dir if self.generation_config == "auto" else Path(self.generation_config)
+            if (folder / "generation_config.json").exists():
+                config = GenerationConfig.from_pretrained(folder).to_diff_dict()
+        config = {**config, **self.override_generation_config}
+        names = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
+        diff = {name: config[name] for name in names if config.get(name) is not None}
+        if "max_new_tokens" in diff:
+            diff["max_tokens"] = diff.pop("max_new_tokens")
+        return diff
 
 
 @dataclass
@@ -73,31 +119,63 @@ class EngineConfig:
 
 
 @dataclass
-class EngineArgs:
-    """Every knob of `LLM(model=..., **engine_args)`, with vLLM's names."""
+class EngineArgs(VllmArgs):
+    """Every knob of `LLM(model=..., **engine_args)`, with vLLM's names.
+
+    The fields below are what shmvllm implements; the inherited ones (shmvllm.compat.vllm_args)
+    are the rest of vLLM's engine arguments, accepted at any value where they make no difference
+    here and refused with a ValueError naming them where they ask for what shmvllm lacks.
+    """
 
     model: str = "smollm2-135m-instruct"
     tokenizer: Optional[str] = None
-    task: Literal["auto", "generate", "embed"] = "auto"
-    dtype: str = "auto"
+    task: Optional[str] = "auto"  # "auto" | "generate" | "embed" (vLLM's older spelling of runner)
+    runner: str = "auto"  # "auto" | "generate" | "pooling"
+    convert: str = "auto"  # "auto" | "none" | "embed" (only for a model that embeds already)
+    dtype: str = "auto"  # also vLLM's "half", "float"
     device: str = "auto"
-    seed: int = 0
+    seed: Optional[int] = 0
     max_model_len: Optional[int] = None
-    block_size: int = 16
+    block_size: Optional[int] = 16
     kv_cache_memory: Optional[int] = None
+    kv_cache_memory_bytes: Optional[int] = None  # vLLM's name of kv_cache_memory
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: Optional[int] = None
-    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: Optional[int] = None  # vLLM's name of num_kv_blocks
+    enable_prefix_caching: Optional[bool] = True
     max_num_batched_tokens: Optional[int] = None  # None: 2048 (generate) or 16384 (embed)
     max_num_seqs: Optional[int] = None  # None: 128 (generate) or 1024 (embed)
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: Optional[bool] = True
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     tensor_parallel_size: int = 1
-    extra: dict[str, Any] = field(default_factory=dict)
+    max_logprobs: int = 20
+    skip_tokenizer_init: bool = False
+    tokenizer_mode: str = "auto"  # "auto" | "hf" | "slow"
+    generation_config: str = "auto"  # "auto" | "vllm" | a folder holding generation_config.json
+    override_generation_config: Optional[dict[str, Any]] = None
 
     @classmethod
     def field_names(cls) -> set[str]:
-        return {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """One --flag per field (vLLM's spelling: --max-model-len), defaults as the fields'."""
+        hints = typing.get_type_hints(cls)
+        group = parser.add_argument_group("EngineArgs")
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            flag = "--" + f.name.lstrip("_").replace("_", "-")
+            kind = _VLLM_ONLY_ARGS[f.name].cli_type if f.name in _VLLM_ONLY_ARGS else _cli_type(hints[f.name])
+            if kind is bool:
+                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
+            else:
+                group.add_argument(flag, dest=f.name, type=_nullable(kind), default=default)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        return cls(**{name: getattr(args, name) for name in cls.field_names() if hasattr(args, name)})
 
     def create_engine_config(self) -> EngineConfig:
         self._verify()
@@ -107,9 +185,10 @@ class EngineArgs:
 
         model_dir = resolve_model_dir(self.model)
         hf_config = AutoConfig.from_pretrained(model_dir)
-        task = self.task if self.task != "auto" else detect_task(model_dir, hf_config)
+        task = self._task(model_dir, hf_config)
         device = self.device if self.device != "auto" else _default_device()
-        dtype = self.dtype if self.dtype != "auto" else _default_dtype(device, hf_config)
+        dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
+        dtype = dtype if dtype != "auto" else _default_dtype(device, hf_config)
         max_model_len = _resolve_max_model_len(self.max_model_len, hf_config, model_dir)
         model_config = ModelConfig(
             model=self.model,
@@ -119,13 +198,19 @@ class EngineArgs:
             dtype=dtype,
             device=device,
             max_model_len=max_model_len,
-            seed=self.seed,
+            seed=self.seed if self.seed is not None else 0,
             tokenizer_dir=Path(self.tokenizer) if self.tokenizer else model_dir,
+            max_logprobs=self.max_logprobs,
+            skip_tokenizer_init=self.skip_tokenizer_init,
+            tokenizer_mode=self.tokenizer_mode,
+            generation_config=self.generation_config,
+            override_generation_config=dict(self.override_generation_config or {}),
         )
+        chunked_prefill = self.enable_chunked_prefill is not False
         max_batched, max_num_seqs = _scheduler_limits(
-            self.max_num_batched_tokens, self.max_num_seqs, task, max_model_len, self.enable_chunked_prefill
+            self.max_num_batched_tokens, self.max_num_seqs, task, max_model_len, chunked_prefill
         )
-        if not self.enable_chunked_prefill and max_batched < max_model_len:
+        if not chunked_prefill and max_batched < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({max_batched}) must be at least max_model_len ({max_model_len}) "
                 "when enable_chunked_prefill is False."
@@ -133,30 +218,68 @@ class EngineArgs:
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
-                block_size=self.block_size,
-                kv_cache_memory=self.kv_cache_memory,
+                block_size=self.block_size if self.block_size is not None else 16,
+                kv_cache_memory=self.kv_cache_memory if self.kv_cache_memory is not None else self.kv_cache_memory_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,
-                num_kv_blocks=self.num_kv_blocks,
-                enable_prefix_caching=self.enable_prefix_caching,
+                num_kv_blocks=self.num_kv_blocks if self.num_kv_blocks is not None else self.num_gpu_blocks_override,
+                enable_prefix_caching=self.enable_prefix_caching is not False,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=max_batched,
                 max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len,
-                enable_chunked_prefill=self.enable_chunked_prefill,
+                enable_chunked_prefill=chunked_prefill,
                 policy=self.scheduling_policy,
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
         )
 
+    def _task(self, model_dir: Path, hf_config: Any) -> Task:
+        """The task from task / runner / convert, checked against what the model is."""
+        detected = detect_task(model_dir, hf_config)
+        task = _TASK_ALIASES.get(self.task or "auto", self.task or "auto")
+        wanted = {"generate": "generate", "pooling": "embed"}.get(self.runner)
+        if self.convert == "embed":
+            if detected != "embed":
+                raise ValueError(
+                    f"convert='embed' is not supported for model {self.model!r}: shmvllm embeds with "
+                    "encoder (BERT-family) models only and does not turn a generative model into one."
+                )
+            wanted = "embed"
+        if task != "auto":
+            if wanted is not None and wanted != task:
+                raise ValueError(f"task={self.task!r} contradicts runner={self.runner!r} / convert={self.convert!r}.")
+            wanted = task
+        return wanted or detected
+
     def _verify(self) -> None:
-        if self.task not in ("auto", "generate", "embed"):
+        check_vllm_args({f.name: getattr(self, f.name) for f in dataclasses.fields(VllmArgs)})
+        task = _TASK_ALIASES.get(self.task or "auto", self.task or "auto")
+        if task not in ("auto", "generate", "embed"):
             raise ValueError(f"task must be 'auto', 'generate' or 'embed', got {self.task!r}.")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}.")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}.")
+        if self.convert not in ("auto", "none", "embed"):
+            raise ValueError(
+                f"convert={self.convert!r} is not supported: 'auto', 'none', or 'embed' (for a model that embeds already)."
+            )
+        if _DTYPE_ALIASES.get(self.dtype, self.dtype) not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES + tuple(_DTYPE_ALIASES)}, got {self.dtype!r}.")
+        if self.tokenizer_mode not in ("auto", "hf", "slow"):
+            raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r} is not supported: 'auto', 'hf' or 'slow'.")
+        if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an int >= 0, or -1 (the whole vocabulary), got {self.max_logprobs!r}.")
+        if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
+            raise ValueError(f"override_generation_config must be a dict, got {self.override_generation_config!r}.")
+        block_size = self.block_size if self.block_size is not None else 16
+        if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
-        for name in ("max_model_len", "kv_cache_memory", "num_kv_blocks", "max_num_batched_tokens"):
+        if self.kv_cache_memory is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError("kv_cache_memory and kv_cache_memory_bytes are the same knob: give one.")
+        if self.num_kv_blocks is not None and self.num_gpu_blocks_override is not None:
+            raise ValueError("num_kv_blocks and num_gpu_blocks_override are the same knob: give one.")
+        for name in ("max_model_len", "kv_cache_memory", "kv_cache_memory_bytes", "num_kv_blocks",
+                     "num_gpu_blocks_override", "max_num_batched_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}.")
@@ -166,8 +289,8 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} is not supported: shmvllm runs on one device.")
 
 
 # Embedding steps are one whole pass over short prompts with no KV cache kept: larger steps mean
@@ -195,6 +318,35 @@ def _scheduler_limits(
         max_num_batched_tokens if max_num_batched_tokens is not None else default_batched,
         max_num_seqs if max_num_seqs is not None else default_seqs,
     )
+
+
+def _cli_type(hint: Any) -> Any:
+    """The argparse type of a field's annotation: its non-None member for Optional[X]."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    base = args[0] if typing.get_origin(hint) is typing.Union and args else hint
+    if typing.get_origin(base) is Literal:
+        return str
+    if base in (bool, int, float):
+        return base
+    if base is dict or typing.get_origin(base) is dict:
+        return json.loads
+    return str
+
+
+def _nullable(kind: Any) -> Any:
+    """`kind`, with "None" (and "") meaning None; a JSON value for the fields without a plain type."""
+
+    def parse(text: str) -> Any:
+        if text in ("", "None"):
+            return None
+        if kind is str:
+            return text
+        if kind in (int, float, json.loads):
+            return kind(text)
+        return json.loads(text) if text[:1] in "[{" else text
+
+    parse.__name__ = getattr(kind, "__name__", "value")
+    return parse
 
 
 def detect_task(model_dir: Path, hf_config: Any) -> Task:

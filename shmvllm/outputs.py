@@ -7,20 +7,29 @@ from typing import Any, Generic, Optional, TypeVar, Union
 
 import numpy as np
 
+from shmvllm.logprobs import FlatLogprobs, Logprob, PromptLogprobs, SampleLogprobs
+
+__all__ = [
+    "CompletionOutput", "RequestOutput", "PoolingOutput", "EmbeddingOutput", "PoolingRequestOutput",
+    "EmbeddingRequestOutput", "ClassificationOutput", "ClassificationRequestOutput", "ScoringOutput",
+    "ScoringRequestOutput", "RequestStateStats", "Logprob", "FlatLogprobs", "SampleLogprobs", "PromptLogprobs",
+]
+
 
 @dataclass
-class Logprob:
-    """One token's log probability at one position, its rank (1 = most likely), and its text."""
+class RequestStateStats:
+    """When a request's tokens came, as the frontend saw them (`RequestOutput.metrics`); times are
+    time.monotonic() seconds, like `arrival_time`."""
 
-    logprob: float
-    rank: Optional[int] = None
-    decoded_token: Optional[str] = None
+    arrival_time: float = 0.0
+    first_token_ts: float = 0.0  # 0.0: no token yet
+    last_token_ts: float = 0.0
+    num_generation_tokens: int = 0
 
-
-# One dict per position: token id -> Logprob (the sampled/actual token and the top-k).
-SampleLogprobs = list[dict[int, Logprob]]
-# Prompt logprobs: None for the first prompt token, which has no preceding context.
-PromptLogprobs = list[Optional[dict[int, Logprob]]]
+    @property
+    def first_token_latency(self) -> float:
+        """Seconds from arrival to the first token (time to first token)."""
+        return self.first_token_ts - self.arrival_time if self.first_token_ts else 0.0
 
 
 @dataclass
@@ -34,6 +43,7 @@ class CompletionOutput:
     logprobs: Optional[SampleLogprobs]
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
     stop_reason: Union[int, str, None] = None  # the stop string or stop token id that ended it
+    lora_request: None = None  # vLLM's field; shmvllm has no LoRA
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -55,6 +65,12 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: Optional[int] = None
     error: Optional[str] = None
+    metrics: Optional[RequestStateStats] = None
+    # vLLM's fields for what shmvllm does not do (LoRA, encoder-decoder models, KV transfer): None.
+    lora_request: None = None
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None
+    kv_transfer_params: None = None
 
 
 @dataclass
@@ -65,16 +81,40 @@ class PoolingOutput:
     data: Any
 
 
-@dataclass
 class EmbeddingOutput:
-    """`embedding`: a read-only float32 numpy array (vLLM gives a list of floats: len, indexing,
-    iteration and `.tolist()` work alike, without a Python float per value)."""
+    """`embedding`: the vector as a list of floats, as vLLM gives it; `numpy()`: the same vector as
+    a read-only float32 numpy array viewing the engine's output bytes (no copy, no Python float
+    per value). The list is built on first access."""
 
-    embedding: Any
+    __slots__ = ("_array", "_list")
+
+    def __init__(self, embedding: Any):
+        if isinstance(embedding, np.ndarray):
+            self._array, self._list = embedding, None
+        else:
+            self._array, self._list = None, list(embedding)
+
+    @property
+    def embedding(self) -> list[float]:
+        if self._list is None:
+            self._list = self._array.tolist()
+        return self._list
+
+    def numpy(self) -> np.ndarray:
+        """The vector as a float32 array (zero-copy when it came from the engine)."""
+        if self._array is None:
+            self._array = np.asarray(self._list, dtype=np.float32)
+        return self._array
 
     @property
     def hidden_size(self) -> int:
-        return len(self.embedding)
+        return len(self._array) if self._array is not None else len(self._list)
+
+    def __repr__(self) -> str:
+        return f"EmbeddingOutput(hidden_size={self.hidden_size})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EmbeddingOutput) and np.array_equal(self.numpy(), other.numpy())
 
 
 _O = TypeVar("_O")
@@ -102,14 +142,48 @@ class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
 
     @classmethod
     def from_base(cls, base: PoolingRequestOutput) -> "EmbeddingRequestOutput":
-        data = base.outputs.data
-        embedding = data.numpy() if hasattr(data, "numpy") else np.asarray(data, dtype=np.float32)
-        return cls(
-            request_id=base.request_id,
-            outputs=EmbeddingOutput(embedding=embedding),
-            prompt_token_ids=base.prompt_token_ids,
-            finished=base.finished,
-            prompt=base.prompt,
-            num_cached_tokens=base.num_cached_tokens,
-            error=base.error,
-        )
+        return cls(**_fields_of(base, EmbeddingOutput(_as_array(base.outputs.data))))
+
+
+@dataclass
+class ClassificationOutput:
+    """`probs`: the class probabilities of one input."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput(PoolingRequestOutput[ClassificationOutput]):
+    @classmethod
+    def from_base(cls, base: PoolingRequestOutput) -> "ClassificationRequestOutput":
+        return cls(**_fields_of(base, ClassificationOutput(_as_array(base.outputs.data).tolist())))
+
+
+@dataclass
+class ScoringOutput:
+    """`score`: the similarity of one pair (cosine of the two embeddings, for an embedding model)."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput(PoolingRequestOutput[ScoringOutput]):
+    @classmethod
+    def from_base(cls, base: PoolingRequestOutput) -> "ScoringRequestOutput":
+        return cls(**_fields_of(base, ScoringOutput(float(_as_array(base.outputs.data).reshape(-1)[0]))))
+
+
+def _as_array(data: Any) -> np.ndarray:
+    return data.numpy() if hasattr(data, "numpy") else np.asarray(data, dtype=np.float32)
+
+
+def _fields_of(base: PoolingRequestOutput, outputs: Any) -> dict[str, Any]:
+    return {
+        "request_id": base.request_id, "outputs": outputs, "prompt_token_ids": base.prompt_token_ids,
+        "finished": base.finished, "prompt": base.prompt, "num_cached_tokens": base.num_cached_tokens,
+        "error": base.error,
+    }

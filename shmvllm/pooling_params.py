@@ -8,6 +8,9 @@ import msgspec
 
 from shmvllm.sampling_params import ParameterTypeError
 
+# The pooling tasks shmvllm's models serve ("encode": vLLM's older name of the same pooled vector).
+POOLING_TASKS = ("embed", "encode")
+
 
 class PoolingParams(
     msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True
@@ -22,8 +25,19 @@ class PoolingParams(
 
     normalize: Optional[bool] = None
     dimensions: Optional[int] = None
+    # vLLM's: the pooling task ("embed"; set by LLM.encode's pooling_task), and the prompt
+    # truncation (keep the last k tokens; -1: max_model_len).
+    task: Optional[str] = None
+    truncate_prompt_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
+        if self.task is not None and self.task not in POOLING_TASKS:
+            raise ValueError(f"task={self.task!r} is not supported: shmvllm's pooling models do {list(POOLING_TASKS)}.")
+        if self.truncate_prompt_tokens is not None and (
+            not isinstance(self.truncate_prompt_tokens, int) or isinstance(self.truncate_prompt_tokens, bool)
+            or (self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1)
+        ):
+            raise ValueError(f"truncate_prompt_tokens must be an int >= 1 or -1, got {self.truncate_prompt_tokens!r}.")
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise ParameterTypeError(f"normalize must be a bool or None, got {self.normalize!r}.")
         if self.dimensions is not None:
@@ -31,6 +45,9 @@ class PoolingParams(
                 raise ParameterTypeError(f"dimensions must be an int, got {self.dimensions!r}.")
             if self.dimensions < 1:
                 raise ValueError(f"dimensions must be at least 1, got {self.dimensions}.")
+
+    def clone(self) -> "PoolingParams":
+        return msgspec.structs.replace(self)
 
     def verify(self, hidden_size: int) -> None:
         """Checks against the model, once it is known."""

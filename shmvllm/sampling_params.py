@@ -6,12 +6,19 @@ It is a msgspec Struct so that it crosses the frontend/engine boundary inside
 
 from __future__ import annotations
 
+import copy
 import enum
-from typing import Optional, Union
+import logging
+from typing import Any, Optional, Union
 
 import msgspec
 
+logger = logging.getLogger(__name__)
+
 _SAMPLING_EPS = 1e-5
+# vLLM raises a positive temperature below this to it (smaller ones overflow in the softmax).
+_MIN_TEMPERATURE = 1e-2
+_MAX_TEMPERATURE = 2.0
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -47,7 +54,7 @@ class SamplingParams(
     repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
     seed: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
@@ -62,17 +69,83 @@ class SamplingParams(
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's v1 fields (applied by the input processor and the sampler's logits processors):
+    truncate_prompt_tokens: Optional[int] = None  # keep the last k prompt tokens; -1: max_model_len
+    logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit
+    allowed_token_ids: Optional[list[int]] = None  # only these may be sampled
+    bad_words: Optional[list[str]] = None  # a word's last token is banned after the rest of it
+    extra_args: Optional[dict[str, Any]] = None  # carried for custom code; no in-tree use (as in vLLM)
+    flat_logprobs: bool = False  # logprobs as one FlatLogprobs per completion (fewer objects)
     # Set by the input processor from the tokenizer / generation config, not by users.
     eos_token_id: Optional[int] = None
+    bad_words_token_ids: Optional[list[list[int]]] = None  # bad_words, tokenized
 
     def __post_init__(self) -> None:
         self._normalize()
         self._verify()
+        self._verify_v1_fields()
+        if _SAMPLING_EPS <= self.temperature < _MIN_TEMPERATURE:
+            logger.warning("temperature %s is below %s, which overflows the softmax: raised to %s",
+                           self.temperature, _MIN_TEMPERATURE, _MIN_TEMPERATURE)
+            self.temperature = _MIN_TEMPERATURE
         if self.temperature < _SAMPLING_EPS:
-            # Greedy: the other truncation knobs are meaningless.
-            self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
+            # Greedy: the other truncation knobs are meaningless, and n copies would be equal.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+            if self.n > 1:
+                raise ValueError(f"n must be 1 when using greedy sampling (temperature=0), got n={self.n}.")
+
+    @staticmethod
+    def from_optional(**kwargs: Any) -> "SamplingParams":
+        """vLLM's constructor for values that may be None (None: the default). logit_bias keys may
+        be strings of token ids, and its values are clamped to [-100, 100]."""
+        defaults = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                    "temperature": 1.0, "top_p": 1.0}
+        values = {k: (defaults[k] if v is None and k in defaults else v) for k, v in kwargs.items()}
+        bias = values.get("logit_bias")
+        if bias is not None:
+            try:
+                values["logit_bias"] = {int(t): min(100.0, max(-100.0, float(b))) for t, b in bias.items()}
+            except (TypeError, ValueError, AttributeError):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}.") from None
+        return SamplingParams(**values)
+
+    def _verify_v1_fields(self) -> None:
+        """Checks of the fields vLLM's v1 API added; what needs the model (vocabulary, max_logprobs)
+        is checked by the input processor."""
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
+                raise ValueError(f"truncate_prompt_tokens must be an int >= 1 or -1, got {self.truncate_prompt_tokens}.")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ParameterTypeError(f"logit_bias must be a dict of token id -> float, got {self.logit_bias!r}.")
+            for token, bias in self.logit_bias.items():
+                _check_int("logit_bias token id", token)
+                _check_number(f"logit_bias[{token}]", bias)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in self.allowed_token_ids
+            ):
+                raise ParameterTypeError(f"allowed_token_ids must be a list of int, got {self.allowed_token_ids!r}.")
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids is empty: no token could be sampled.")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list) or not all(isinstance(w, str) for w in self.bad_words):
+                raise ParameterTypeError(f"bad_words must be a list of str, got {self.bad_words!r}.")
+            if any(not w.strip() for w in self.bad_words):
+                raise ValueError(f"bad_words cannot contain an empty string, got {self.bad_words!r}.")
+            self.bad_words = list(dict.fromkeys(self.bad_words))
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ParameterTypeError(f"extra_args must be a dict, got {self.extra_args!r}.")
+        if not isinstance(self.flat_logprobs, bool):
+            raise ParameterTypeError(f"flat_logprobs must be a bool, got {self.flat_logprobs!r}.")
 
     def _normalize(self) -> None:
+        if self.seed == -1:  # vLLM: -1 means no seed
+            self.seed = None
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:  # vLLM: True means 1
+                setattr(self, name, 1)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif isinstance(self.stop, tuple):
@@ -99,14 +172,14 @@ class SamplingParams(
         if self.repetition_penalty <= 0.0:
             raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
         _check_number("temperature", self.temperature)
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if not 0.0 <= self.temperature <= _MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {_MAX_TEMPERATURE}], got {self.temperature}.")
         _check_number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         _check_int("top_k", self.top_k)
-        if self.top_k < -1 or self.top_k == 0:
-            raise ValueError(f"top_k must be -1 (disable), or at least 1, got {self.top_k}.")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.")
         _check_number("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
@@ -127,8 +200,8 @@ class SamplingParams(
             value = getattr(self, name)
             if value is not None:
                 _check_int(name, value)
-                if value < 0:
-                    raise ValueError(f"{name} must be non-negative, got {value}.")
+                if value < -1:
+                    raise ValueError(f"{name} must be non-negative, or -1 (the whole vocabulary), got {value}.")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
             raise ParameterTypeError(f"stop must be a str or a list of str, got {self.stop!r}.")
         if any(s == "" for s in self.stop):
@@ -165,8 +238,30 @@ class SamplingParams(
         return ids
 
     def clone(self) -> "SamplingParams":
-        """A copy that shares no mutable state (the stop lists) with this one."""
-        return msgspec.structs.replace(self, stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids or []))
+        """A copy that shares no mutable state (lists, dicts) with this one."""
+        return copy.deepcopy(self)
+
+
+class BeamSearchParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type: ignore[call-arg]
+    """`LLM.beam_search`'s parameters, vLLM's: keep beam_width beams for up to max_tokens tokens,
+    ranked by cumulative logprob / length ** length_penalty."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            _check_int(name, getattr(self, name))
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        for name in ("temperature", "length_penalty"):
+            _check_number(name, getattr(self, name))
+        if not 0.0 <= self.temperature <= _MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {_MAX_TEMPERATURE}], got {self.temperature}.")
 
 
 def _check_int(name: str, value: object) -> None:

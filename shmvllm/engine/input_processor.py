@@ -21,8 +21,14 @@ from shmvllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# What `generate` accepts per prompt: text, {"prompt": text}, or {"prompt_token_ids": [...]}.
-PromptType = Union[str, dict[str, Any]]
+# What `generate` accepts per prompt: text, {"prompt": text}, {"prompt_token_ids": [...]}, or a
+# bare list of token ids (shmvllm.inputs names these shapes).
+PromptType = Union[str, dict[str, Any], list[int]]
+
+# The keys of a prompt dict that change nothing here; anything else in it is refused.
+_PROMPT_KEYS = {"prompt", "prompt_token_ids"}
+# tokenization_kwargs keys (vLLM: overrides for the tokenizer call) and what they do here.
+TOKENIZATION_KWARGS = ("truncate_prompt_tokens", "add_special_tokens")
 
 
 class InputProcessor:
@@ -34,13 +40,16 @@ class InputProcessor:
         model_dir: Optional[Path] = None,
         hidden_size: Optional[int] = None,
         generates: bool = True,
+        max_logprobs: int = 20,
     ):
         """hidden_size: the pooled vector's size, for PoolingParams.verify. generates: False for an
-        embedding model, which has no EOS tokens to look up."""
+        embedding model, which has no EOS tokens to look up. max_logprobs: the most logprobs a
+        request may ask for (vLLM's engine argument; -1: the whole vocabulary)."""
         self.renderer = renderer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
+        self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
         self.eos_token_id: Optional[int] = None
         self.extra_eos_token_ids: list[int] = []
         if generates:
@@ -53,13 +62,16 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: Optional[float] = None,
         priority: int = 0,
+        tokenization_kwargs: Optional[dict[str, Any]] = None,
     ) -> tuple[EngineCoreRequest, Optional[str], list[int]]:
         """Returns the request for the engine, the prompt text (None if given as ids) and its ids."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise TypeError(f"priority must be an int, got {priority!r}.")
-        prompt_text, prompt_ids = self.tokenize_prompt(prompt)
+        self.verify_sampling_params(params)
+        prompt_text, prompt_ids = self.tokenize_prompt(prompt, tokenization_kwargs)
+        prompt_ids = self.truncate(prompt_ids, params.truncate_prompt_tokens)
         self.validate_prompt(prompt_ids)
         request = EngineCoreRequest(
             request_id=request_id,
@@ -70,10 +82,32 @@ class InputProcessor:
         )
         return request, prompt_text, prompt_ids
 
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+    def tokenize_prompt(
+        self, prompt: PromptType, tokenization_kwargs: Optional[dict[str, Any]] = None
+    ) -> tuple[Optional[str], list[int]]:
+        """(text or None, token ids) of one prompt; tokenization_kwargs: see TOKENIZATION_KWARGS."""
+        truncate, add_special_tokens = parse_tokenization_kwargs(tokenization_kwargs)
+        text, ids = self._tokenize_prompt(prompt, add_special_tokens)
+        return text, self.truncate(ids, truncate)
+
+    def truncate(self, prompt_ids: list[int], truncate_prompt_tokens: Optional[int]) -> list[int]:
+        """The last truncate_prompt_tokens ids (vLLM truncates on the left); -1: max_model_len."""
+        if truncate_prompt_tokens is None:
+            return prompt_ids
+        keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        if keep > self.max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens={truncate_prompt_tokens} is more than max_model_len={self.max_model_len}."
+            )
+        return prompt_ids[-keep:]
+
+    def _tokenize_prompt(self, prompt: PromptType, add_special_tokens: bool) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.renderer.tokenize(prompt)
+            return prompt, self.renderer.tokenize(prompt, add_special_tokens=add_special_tokens)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
         if isinstance(prompt, dict):
+            check_prompt_keys(prompt)
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if hasattr(ids, "tolist"):
@@ -82,10 +116,46 @@ class InputProcessor:
                     raise ValueError(f"prompt_token_ids must be a list of int, got {ids!r}.")
                 return prompt.get("prompt"), list(ids)
             if "prompt" in prompt:
-                return prompt["prompt"], self.renderer.tokenize(prompt["prompt"])
+                return prompt["prompt"], self.renderer.tokenize(prompt["prompt"], add_special_tokens=add_special_tokens)
         raise ValueError(
-            f"a prompt must be a str, {{'prompt': str}} or {{'prompt_token_ids': list[int]}}, got {prompt!r}."
+            "a prompt must be a str, a list of token ids, {'prompt': str} or {'prompt_token_ids': list[int]}, "
+            f"got {prompt!r}."
         )
+
+    def verify_sampling_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: the vocabulary, max_logprobs (as vLLM's
+        processor does), and bad_words' tokens."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            wanted = self.vocab_size if value == -1 else value
+            if wanted is not None and wanted > self.max_logprobs:
+                raise ValueError(
+                    f"{name}={value} asks for {wanted} logprobs, more than max_logprobs={self.max_logprobs} "
+                    "(an engine argument: LLM(..., max_logprobs=N), -1 for the whole vocabulary)."
+                )
+        for name, ids in (("allowed_token_ids", params.allowed_token_ids), ("logit_bias", params.logit_bias)):
+            bad = [t for t in (ids or ()) if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} has token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}.")
+        if self.renderer.tokenizer is None and (params.stop or params.bad_words):
+            raise ValueError("stop strings and bad_words need a tokenizer: this engine has skip_tokenizer_init=True.")
+        if params.bad_words:
+            self.bad_words_token_ids(params.bad_words)
+
+    def bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """Each bad word's tokens, alone and after a space (as vLLM: a word at the start of the
+        text and inside it tokenize differently); the spaced form is kept when it is a different
+        word token of the same length."""
+        result: list[list[int]] = []
+        for word in bad_words:
+            plain = self.renderer.tokenize(word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise ValueError(f"bad_words entry {word!r} has no tokens.")
+            result.append(plain)
+            spaced = self.renderer.tokenize(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                result.append(spaced)
+        return result
 
     def validate_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -107,24 +177,32 @@ class InputProcessor:
         if self.hidden_size is not None:
             params.verify(self.hidden_size)
 
-    def tokenize_for_pooling(self, prompts: list[PromptType]) -> list[tuple[Optional[str], list[int]]]:
+    def tokenize_for_pooling(
+        self, prompts: list[PromptType], tokenization_kwargs: Optional[dict[str, Any]] = None
+    ) -> list[tuple[Optional[str], list[int]]]:
         """(text, ids) per prompt. Texts are tokenized in one batch call and truncated to
-        max_model_len, as sentence-transformers does; given token ids are taken as they are."""
+        max_model_len, as sentence-transformers does; given token ids are taken as they are.
+        tokenization_kwargs: see TOKENIZATION_KWARGS (truncate_prompt_tokens keeps the last k)."""
+        truncate, add_special_tokens = parse_tokenization_kwargs(tokenization_kwargs)
         results: list[Optional[tuple[Optional[str], list[int]]]] = [None] * len(prompts)
         texts, slots = [], []
         for i, prompt in enumerate(prompts):
             text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
             given_ids = isinstance(prompt, dict) and "prompt_token_ids" in prompt
             if given_ids or not isinstance(text, str):  # ids as they are; anything else: its error
-                results[i] = self.tokenize_prompt(prompt)
+                results[i] = self._tokenize_prompt(prompt, add_special_tokens)
             else:
+                if isinstance(prompt, dict):
+                    check_prompt_keys(prompt)
                 texts.append(text)
                 slots.append(i)
         if texts:
-            encoded = self.renderer.tokenizer(texts, truncation=True, max_length=self.max_model_len)["input_ids"]
+            encoded = self.renderer.tokenizer(
+                texts, truncation=truncate is None, max_length=self.max_model_len, add_special_tokens=add_special_tokens
+            )["input_ids"]
             for i, text, ids in zip(slots, texts, encoded):
                 results[i] = (text, ids)
-        return results  # type: ignore[return-value]
+        return [(text, self.truncate(ids, truncate)) for text, ids in results]  # type: ignore[misc]
 
     def validate_pooling_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -138,7 +216,8 @@ class InputProcessor:
             raise ValueError(f"prompt_token_ids out of the vocabulary [0, {self.vocab_size}): {low if low < 0 else high}.")
 
     def engine_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
-        """A copy with the EOS token set and max_tokens capped by what is left of max_model_len."""
+        """A copy with the EOS token set, max_tokens capped by what is left of max_model_len,
+        logprobs=-1 spelled as the vocabulary size, and bad_words tokenized."""
         room = self.max_model_len - prompt_len
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         stop_token_ids = list(params.stop_token_ids or [])
@@ -150,7 +229,35 @@ class InputProcessor:
             min_tokens=min(params.min_tokens, max_tokens),
             stop_token_ids=stop_token_ids,
             eos_token_id=self.eos_token_id,
+            logprobs=self.vocab_size if params.logprobs == -1 else params.logprobs,
+            prompt_logprobs=self.vocab_size if params.prompt_logprobs == -1 else params.prompt_logprobs,
+            bad_words_token_ids=self.bad_words_token_ids(params.bad_words) if params.bad_words else None,
         )
+
+
+def check_prompt_keys(prompt: dict[str, Any]) -> None:
+    unknown = sorted(k for k, v in prompt.items() if k not in _PROMPT_KEYS and v is not None)
+    if unknown:
+        raise ValueError(
+            f"prompt keys {unknown} are not supported (shmvllm serves text-only models without "
+            f"cache salts); a prompt may hold {sorted(_PROMPT_KEYS)}."
+        )
+
+
+def parse_tokenization_kwargs(tokenization_kwargs: Optional[dict[str, Any]]) -> tuple[Optional[int], bool]:
+    """(truncate_prompt_tokens, add_special_tokens) from vLLM's tokenization_kwargs; other keys
+    are refused by name."""
+    kwargs = dict(tokenization_kwargs or {})
+    unknown = sorted(set(kwargs) - set(TOKENIZATION_KWARGS))
+    if unknown:
+        raise ValueError(f"tokenization_kwargs keys {unknown} are not supported; supported: {list(TOKENIZATION_KWARGS)}.")
+    truncate = kwargs.get("truncate_prompt_tokens")
+    if truncate is not None and (not isinstance(truncate, int) or isinstance(truncate, bool) or (truncate < 1 and truncate != -1)):
+        raise ValueError(f"tokenization_kwargs['truncate_prompt_tokens'] must be an int >= 1 or -1, got {truncate!r}.")
+    add_special_tokens = kwargs.get("add_special_tokens", True)
+    if not isinstance(add_special_tokens, bool):
+        raise ValueError(f"tokenization_kwargs['add_special_tokens'] must be a bool, got {add_special_tokens!r}.")
+    return truncate, add_special_tokens
 
 
 def _eos_token_ids(tokenizer: Any, model_dir: Optional[Path]) -> tuple[Optional[int], list[int]]:

@@ -18,6 +18,7 @@ from shmvllm.engine.input_processor import InputProcessor, PromptType
 from shmvllm.engine.messages import EngineCoreRequest, now
 from shmvllm.engine.output_processor import OutputProcessor, ParentRequest
 from shmvllm.engine.renderer import Renderer, load_tokenizer
+from shmvllm.metrics import FrontendStats, Metric
 from shmvllm.outputs import PoolingRequestOutput, RequestOutput
 from shmvllm.pooling_params import PoolingParams
 from shmvllm.sampling_params import SamplingParams
@@ -29,20 +30,31 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, multiprocess: bool = True, transport: str = "shm"):
         self.config = config
         model_config = config.model_config
-        self.tokenizer = load_tokenizer(model_config.tokenizer_dir or model_config.model_dir)
+        self.tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(
+            model_config.tokenizer_dir or model_config.model_dir, model_config.tokenizer_mode
+        )
         self.renderer = Renderer(self.tokenizer)
         self.input_processor = InputProcessor(
             self.renderer, model_config.max_model_len, model_config.vocab_size, model_config.model_dir,
             hidden_size=model_config.hidden_size, generates=not model_config.is_embedding,
+            max_logprobs=model_config.max_logprobs,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats = FrontendStats()
         self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess, transport=transport)
+
+    @property
+    def model_config(self) -> Any:
+        """vLLM's `llm_engine.model_config` (max_model_len, hf_config, get_vocab_size(), ...)."""
+        return self.config.model_config
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, multiprocess: bool = True, transport: str = "shm") -> "LLMEngine":
         return cls(engine_args.create_engine_config(), multiprocess=multiprocess, transport=transport)
 
     def get_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: it was built with skip_tokenizer_init=True.")
         return self.tokenizer
 
     def add_request(
@@ -52,6 +64,7 @@ class LLMEngine:
         params: Union[SamplingParams, PoolingParams],
         arrival_time: Optional[float] = None,
         priority: int = 0,
+        tokenization_kwargs: Optional[dict[str, Any]] = None,
     ) -> None:
         """Validates, then queues; a ValueError here means nothing of this request was queued.
 
@@ -59,10 +72,10 @@ class LLMEngine:
         needs an engine of its task."""
         self.check_task(params)
         if isinstance(params, PoolingParams):
-            self._add_pooling_request(request_id, prompt, params, arrival_time, priority)
+            self._add_pooling_request(request_id, prompt, params, arrival_time, priority, tokenization_kwargs)
             return
         request, prompt_text, prompt_ids = self.input_processor.process_inputs(
-            request_id, prompt, params, arrival_time, priority
+            request_id, prompt, params, arrival_time, priority, tokenization_kwargs
         )
         if request_id in self.output_processor.request_states or request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use.")
@@ -77,10 +90,16 @@ class LLMEngine:
             self.engine_core.add_request(child)
 
     def _add_pooling_request(
-        self, request_id: str, prompt: PromptType, params: PoolingParams, arrival_time: Optional[float], priority: int
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: PoolingParams,
+        arrival_time: Optional[float],
+        priority: int,
+        tokenization_kwargs: Optional[dict[str, Any]] = None,
     ) -> None:
         self.input_processor.verify_pooling_params(params)
-        ((prompt_text, prompt_ids),) = self.input_processor.tokenize_for_pooling([prompt])
+        ((prompt_text, prompt_ids),) = self.input_processor.tokenize_for_pooling([prompt], tokenization_kwargs)
         self.add_tokenized_pooling_request(request_id, prompt_text, prompt_ids, params, priority, arrival_time)
 
     def add_tokenized_pooling_request(
@@ -133,7 +152,15 @@ class LLMEngine:
         processed = self.output_processor.process_outputs(outputs.outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
+        finished_at = now()
+        for output in processed.request_outputs:
+            if output.finished and isinstance(output, RequestOutput):
+                self.stats.record_finished(output, finished_at)
         return processed.request_outputs
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's metrics: the engine's state and totals, and the frontend's token and latency counts."""
+        return self.stats.snapshot(self.engine_core.get_stats(), self.config.model_config.model)
 
     def abort_request(self, request_ids: list[str]) -> None:
         """Aborts requests by the ids they were added with (a parent id aborts all its children)."""

@@ -11,6 +11,7 @@ engine, which does not know about stop strings.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Union
 
@@ -19,6 +20,7 @@ import numpy as np
 
 from shmvllm.engine.detokenizer import IncrementalDetokenizer, byte_fallback_token_ids, special_token_ids
 from shmvllm.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, Logprobs
+from shmvllm.logprobs import create_prompt_logprobs, create_sample_logprobs
 from shmvllm.outputs import (
     CompletionOutput,
     Logprob,
@@ -26,6 +28,7 @@ from shmvllm.outputs import (
     PoolingRequestOutput,
     PromptLogprobs,
     RequestOutput,
+    RequestStateStats,
     SampleLogprobs,
 )
 from shmvllm.sampling_params import RequestOutputKind, SamplingParams
@@ -92,6 +95,7 @@ class RequestState:
     finish_reason: Optional[str] = None
     stop_reason: Any = None
     error: Optional[str] = None
+    stats: RequestStateStats = field(default_factory=RequestStateStats)
 
     @property
     def finished(self) -> bool:
@@ -153,9 +157,10 @@ class OutputProcessor:
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, params.skip_special_tokens, self.byte_token_ids, self.special_ids
             ),
-            logprobs=[] if params.logprobs is not None else None,
-            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            logprobs=create_sample_logprobs(params.flat_logprobs) if params.logprobs is not None else None,
+            prompt_logprobs=create_prompt_logprobs(params.flat_logprobs) if params.prompt_logprobs is not None else None,
             cumulative_logprob=0.0 if params.logprobs is not None else None,
+            stats=RequestStateStats(arrival_time=request.arrival_time),
         )
 
     def add_pooling_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int]) -> None:
@@ -224,10 +229,12 @@ class OutputProcessor:
         """Applies one step's output; returns True if a stop string finished it here."""
         params = state.params
         state.num_cached_tokens = output.num_cached_tokens or state.num_cached_tokens
+        if output.new_token_ids:
+            _record_tokens(state.stats, len(output.new_token_ids))
         if output.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
-            state.prompt_logprobs.extend(self._logprob_rows(output.new_prompt_logprobs))
+            state.prompt_logprobs.extend(self._logprob_rows(output.new_prompt_logprobs, params.detokenize))
         if output.new_logprobs is not None and state.logprobs is not None:
-            rows = self._logprob_rows(output.new_logprobs)
+            rows = self._logprob_rows(output.new_logprobs, params.detokenize)
             state.logprobs.extend(rows)
             _, lps, _ = output.new_logprobs.arrays()
             state.cumulative_logprob += float(lps[:, 0].astype("float64").sum())
@@ -240,7 +247,7 @@ class OutputProcessor:
         )
         detok = state.detokenizer
         old_len = len(detok.output_text)
-        if params.detokenize:
+        if params.detokenize and self.tokenizer is not None:
             detok.update(new_ids, skip_last=stop_token_hit)
             if output.finished:
                 detok.flush()
@@ -298,7 +305,7 @@ class OutputProcessor:
             text, token_ids, logprobs = delta_text, delta_ids, delta_logprobs
         else:
             token_ids = list(token_ids)
-            logprobs = list(logprobs) if logprobs is not None else None
+            logprobs = logprobs[:] if logprobs is not None else None  # a copy of the same kind
         return CompletionOutput(
             index=state.index,
             text=text,
@@ -340,6 +347,7 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=state.num_cached_tokens,
             error=error,
+            metrics=state.stats,
         )
 
     def _take_prompt_logprobs(self, state: RequestState) -> Optional[PromptLogprobs]:
@@ -353,15 +361,19 @@ class OutputProcessor:
         state.sent_prompt_logprobs = True
         return state.prompt_logprobs
 
-    def _logprob_rows(self, logprobs: Logprobs) -> list[dict[int, Logprob]]:
+    def _logprob_rows(self, logprobs: Logprobs, detokenize: bool = True) -> list[dict[int, Logprob]]:
+        """One dict per row; decoded_token is None without detokenize (vLLM's)."""
         ids, lps, ranks = logprobs.arrays()
+        ids_list, lps_list = ids.tolist(), lps.tolist()
+        decode = self._decode_token if detokenize and self.tokenizer is not None else _no_text
         rows = []
         for r in range(logprobs.num_rows):
-            row = {int(ids[r, 0]): Logprob(float(lps[r, 0]), int(ranks[r]), self._decode_token(int(ids[r, 0])))}
+            row_ids, row_lps = ids_list[r], lps_list[r]
+            row = {row_ids[0]: Logprob(row_lps[0], int(ranks[r]), decode(row_ids[0]))}
             for j in range(1, logprobs.width):
-                tid = int(ids[r, j])
+                tid = row_ids[j]
                 if tid not in row:
-                    row[tid] = Logprob(float(lps[r, j]), j, self._decode_token(tid))
+                    row[tid] = Logprob(row_lps[j], j, decode(tid))
             rows.append(row)
         return rows
 
@@ -371,3 +383,15 @@ class OutputProcessor:
             text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
             self._token_text[token_id] = text
         return text
+
+
+def _no_text(token_id: int) -> None:
+    return None
+
+
+def _record_tokens(stats: RequestStateStats, count: int) -> None:
+    now = time.monotonic()
+    if not stats.first_token_ts:
+        stats.first_token_ts = now
+    stats.last_token_ts = now
+    stats.num_generation_tokens += count

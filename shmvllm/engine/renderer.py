@@ -14,14 +14,51 @@ ChatMessage = dict[str, Any]
 Conversation = list[ChatMessage]
 
 
-def load_tokenizer(tokenizer_dir: Union[str, Path]) -> Any:
+def load_tokenizer(tokenizer_dir: Union[str, Path], mode: str = "auto", **kwargs: Any) -> Any:
+    """The Hugging Face tokenizer of a local directory; mode "slow": the Python implementation."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir), use_fast=mode != "slow", **kwargs)
+
+
+def get_tokenizer(
+    tokenizer_name: Union[str, Path],
+    *args: Any,
+    tokenizer_mode: str = "auto",
+    trust_remote_code: bool = False,
+    revision: Optional[str] = None,
+    download_dir: Optional[str] = None,
+    **kwargs: Any,
+) -> Any:
+    """vLLM's `get_tokenizer`: a model's tokenizer by the name LLM(model=...) takes (a shipped
+    short name, a local directory or a .gguf file). trust_remote_code and download_dir change
+    nothing (no remote code runs, nothing is downloaded); other kwargs go to the tokenizer."""
+    from shmvllm.model.registry import resolve_model_dir
+
+    if revision is not None:
+        raise ValueError(f"revision={revision!r} is not supported: shmvllm loads local models only.")
+    if tokenizer_mode not in ("auto", "hf", "slow"):
+        raise ValueError(f"tokenizer_mode={tokenizer_mode!r} is not supported: 'auto', 'hf' or 'slow'.")
+    return load_tokenizer(resolve_model_dir(str(tokenizer_name)), tokenizer_mode, **kwargs)
+
+
+def resolve_hf_chat_template(
+    tokenizer: Any, chat_template: Optional[str], tools: Optional[list[dict[str, Any]]], **_: Any
+) -> Optional[str]:
+    """vLLM's choice of chat template: the one given, else the tokenizer's (its tool-use variant
+    when tools are given and it has one), else None. The model_config / trust_remote_code that
+    vLLM's version takes change nothing here."""
+    if chat_template is not None:
+        return chat_template
+    try:
+        return tokenizer.get_chat_template(None, tools=tools)
+    except (ValueError, AttributeError, TypeError):
+        return getattr(tokenizer, "chat_template", None) or None
 
 
 class Renderer:
     def __init__(self, tokenizer: Any):
+        """tokenizer None: the engine has none (skip_tokenizer_init); only token ids go in."""
         self.tokenizer = tokenizer
 
     @property
@@ -31,6 +68,8 @@ class Renderer:
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"prompt must be a str, got {type(text).__name__}.")
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer: with skip_tokenizer_init=True give prompt_token_ids.")
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def render_chat_text(
@@ -39,25 +78,61 @@ class Renderer:
         chat_template: Optional[str] = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: Optional[list[dict[str, Any]]] = None,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
+        chat_template_content_format: str = "auto",
     ) -> str:
-        """The conversation rendered by the chat template, as text."""
+        """The conversation rendered by the chat template, as text.
+
+        chat_template_kwargs: extra variables for the template (e.g. enable_thinking).
+        chat_template_content_format: "auto" / "string" join a message's OpenAI-style text parts
+        ([{"type": "text", "text": ...}]) into one string (with newlines, as vLLM); "openai"
+        passes the parts to the template as they are."""
         _check_conversation(conversation)
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer: this engine was built with skip_tokenizer_init=True.")
         if chat_template is None and not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; pass chat_template=... or use generate().")
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be True.")
-        return self.tokenizer.apply_chat_template(
-            conversation,
-            chat_template=chat_template,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-        )
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(
+                f"chat_template_content_format must be 'auto', 'string' or 'openai', got {chat_template_content_format!r}."
+            )
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError(f"chat_template_kwargs must be a dict, got {chat_template_kwargs!r}.")
+        reserved = sorted(set(chat_template_kwargs or ()) & {"conversation", "tokenize", "chat_template"})
+        if reserved:
+            raise ValueError(f"chat_template_kwargs cannot set {reserved}: they are chat()'s own arguments.")
+        if chat_template_content_format != "openai":
+            conversation = [_flatten_content(message) for message in conversation]
+        kwargs = {
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            **(chat_template_kwargs or {}),
+        }
+        if tools is not None:
+            kwargs["tools"] = tools
+        return self.tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False, **kwargs)
 
     def render_chat(self, conversation: Conversation, **kwargs: Any) -> tuple[str, list[int]]:
         """(rendered text, its token ids) for one conversation."""
         text = self.render_chat_text(conversation, **kwargs)
         return text, self.tokenize(text, add_special_tokens=False)
+
+
+def _flatten_content(message: ChatMessage) -> ChatMessage:
+    """A message whose content is a list of OpenAI parts, with the text parts joined into one string."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"message content part {part!r} is not supported: shmvllm serves text-only models.")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
 
 
 def _check_conversation(conversation: Any) -> None:

@@ -5,24 +5,37 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import msgspec
 
+import numpy as np
+
+from shmvllm.beam_search import BeamSearchOutput, beam_prompt_ids, run_beam_search
 from shmvllm.config import EngineArgs
-from shmvllm.engine.input_processor import PromptType
+from shmvllm.engine.input_processor import PromptType, check_prompt_keys
 from shmvllm.engine.llm_engine import LLMEngine
 from shmvllm.engine.renderer import Conversation
+from shmvllm.lora import check_no_lora
+from shmvllm.metrics import Metric
 from shmvllm.model.registry import DEFAULT_MODEL
-from shmvllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
-from shmvllm.pooling_params import PoolingParams
-from shmvllm.sampling_params import RequestOutputKind, SamplingParams
+from shmvllm.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
+from shmvllm.pooling_params import POOLING_TASKS, PoolingParams
+from shmvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 Prompts = Union[PromptType, Sequence[PromptType]]
 ParamsArg = Union[SamplingParams, Sequence[SamplingParams], None]
 PoolingParamsArg = Union[PoolingParams, Sequence[PoolingParams], None]
+UseTqdm = Union[bool, Callable[..., Any]]
 
 # embed/encode tokenize this many texts per tokenizer call, and send them while the engine
 # computes what came before.
@@ -36,9 +49,13 @@ POOLING_MAX_IN_FLIGHT_STEPS = 2  # x max_num_seqs
 class LLM:
     """An LLM for offline inference.
 
-    LLM(model=..., **engine_args): engine_args are EngineArgs' fields (dtype, max_model_len,
-    num_kv_blocks, ...). multiprocess: run the engine in its own process (the default) or in
-    this one. transport: the channel to the engine process ("shm": shared-memory rings).
+    LLM(model=..., **engine_args): engine_args are EngineArgs' fields: shmvllm's knobs under
+    vLLM's names (dtype, max_model_len, max_num_seqs, kv_cache_memory_bytes, ...) and the rest of
+    vLLM's engine arguments, accepted where they make no difference here and refused with a
+    ValueError naming them where they ask for what shmvllm lacks (README, "Porting from vLLM").
+    An argument vLLM does not have either is a TypeError. multiprocess: run the engine in its
+    own process (the default) or in this one. transport: the channel to the engine process
+    ("shm": shared-memory rings; "zmq": ZeroMQ sockets).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, multiprocess: bool = True, transport: str = "shm", **engine_args: Any):
@@ -47,40 +64,76 @@ class LLM:
             raise TypeError(f"LLM() got unexpected engine arguments {unknown}; known: {sorted(EngineArgs.field_names())}.")
         self.engine_args = EngineArgs(model=model, **engine_args)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args, multiprocess=multiprocess, transport=transport)
+        self.model_config = self.llm_engine.model_config
+        self.supported_tasks: tuple[str, ...] = ("embed",) if self.model_config.is_embedding else ("generate",)
+        self.default_sampling_params: Optional[dict[str, Any]] = None
         self.request_counter = itertools.count()
         self._closed = False
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the defaults of the model's generation_config.json (temperature,
+        top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens), as vLLM's."""
+        if self.default_sampling_params is None:
+            self.default_sampling_params = self.model_config.get_diff_sampling_param()
+        return SamplingParams.from_optional(**self.default_sampling_params)
+
+    def get_metrics(self) -> list[Metric]:
+        """A snapshot of vLLM's metrics (vllm:prompt_tokens, vllm:num_requests_running, ...)."""
+        return self.llm_engine.get_metrics()
+
     def generate(
         self,
         prompts: Prompts,
         sampling_params: ParamsArg = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
+        lora_request: Any = None,
         priority: Optional[list[int]] = None,
+        tokenization_kwargs: Optional[dict[str, Any]] = None,
     ) -> list[RequestOutput]:
         """Completes each prompt; returns one finished RequestOutput per prompt, in input order.
 
-        prompts: a str, {"prompt": str}, {"prompt_token_ids": [...]}, or a list of those.
-        sampling_params: one for all prompts, or one per prompt (default: SamplingParams()).
-        Every prompt is validated before any is queued: a ValueError leaves the LLM as it was.
+        prompts: a str, a list of token ids, {"prompt": str}, {"prompt_token_ids": [...]}, or a
+        list of those. sampling_params: one for all prompts, or one per prompt (default:
+        get_default_sampling_params()). tokenization_kwargs: {"truncate_prompt_tokens": k,
+        "add_special_tokens": bool}. Every prompt is validated before any is queued: a
+        ValueError leaves the LLM as it was.
         """
         self.llm_engine.check_task(SamplingParams())
-        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        return self._run(self._prepare(prompt_list), sampling_params, use_tqdm, priority)
+        check_no_lora(lora_request)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        prompt_list = _prompt_list(prompts)
+        params_list = _params_per_prompt(sampling_params, len(prompt_list))
+        return self._run(self._prepare(prompt_list, params_list, tokenization_kwargs), params_list, use_tqdm, priority)
 
     def chat(
         self,
         messages: Union[Conversation, list[Conversation]],
         sampling_params: ParamsArg = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
+        lora_request: Any = None,
         chat_template: Optional[str] = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: Optional[list[dict[str, Any]]] = None,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
+        tokenization_kwargs: Optional[dict[str, Any]] = None,
+        mm_processor_kwargs: Optional[dict[str, Any]] = None,
+        priority: Optional[list[int]] = None,
     ) -> list[RequestOutput]:
-        """Generates the next message of each conversation, rendered by the chat template."""
+        """Generates the next message of each conversation, rendered by the chat template
+        (`chat_template` instead of the tokenizer's; `chat_template_kwargs`: extra template
+        variables; `tools`: the template's tool list)."""
         self.llm_engine.check_task(SamplingParams())
+        check_no_lora(lora_request)
+        if mm_processor_kwargs:
+            raise ValueError(f"mm_processor_kwargs={mm_processor_kwargs!r} is not supported: shmvllm serves text-only models.")
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         renderer = self.llm_engine.renderer
         prompts: list[dict[str, Any]] = []
@@ -90,58 +143,165 @@ class LLM:
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+                chat_template_content_format=chat_template_content_format,
             )
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self._run(self._prepare(prompts), sampling_params, use_tqdm, None)
+        params_list = _params_per_prompt(sampling_params, len(prompts))
+        return self._run(self._prepare(prompts, params_list, tokenization_kwargs), params_list, use_tqdm, priority)
+
+    def beam_search(
+        self,
+        prompts: list[PromptType],
+        params: BeamSearchParams,
+        lora_request: Any = None,
+        use_tqdm: bool = False,
+        concurrency_limit: Optional[int] = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (shmvllm.beam_search): the beam_width best sequences per prompt."""
+        check_no_lora(lora_request)
+        self.llm_engine.check_task(SamplingParams())
+        prompt_ids = beam_prompt_ids(self, _prompt_list(prompts))
+        step = concurrency_limit or len(prompt_ids)
+        results: list[BeamSearchOutput] = []
+        for start in range(0, len(prompt_ids), step):
+            results.extend(run_beam_search(self, prompt_ids[start : start + step], params))
+        return results
 
     def embed(
         self,
         prompts: Prompts,
         pooling_params: PoolingParamsArg = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
+        lora_request: Any = None,
         priority: Optional[list[int]] = None,
+        tokenization_kwargs: Optional[dict[str, Any]] = None,
+        *,
+        truncate_prompt_tokens: Optional[int] = None,
     ) -> list[EmbeddingRequestOutput]:
         """Embeds each prompt; one EmbeddingRequestOutput per prompt, in input order.
 
-        prompts: a str, {"prompt": str}, {"prompt_token_ids": [...]}, or a list of those; text is
-        truncated to max_model_len tokens, as sentence-transformers does. pooling_params: one for
-        all prompts, or one per prompt (default: PoolingParams(), the model's own pooling).
-        `.outputs.embedding` is a float32 numpy array viewing the engine's output bytes.
+        prompts: a str, a list of token ids, {"prompt": str}, {"prompt_token_ids": [...]}, or a
+        list of those; text is truncated to max_model_len tokens, as sentence-transformers does
+        (truncate_prompt_tokens=k keeps the last k). pooling_params: one for all prompts, or one
+        per prompt (default: PoolingParams(), the model's own pooling).
+        `.outputs.embedding` is a list of floats, as vLLM's; `.outputs.numpy()` the same vector
+        as a float32 numpy array viewing the engine's output bytes (no copy).
         """
-        return [EmbeddingRequestOutput.from_base(o) for o in self._pool(prompts, pooling_params, use_tqdm, priority)]
+        check_no_lora(lora_request)
+        kwargs = _with_truncation(tokenization_kwargs, truncate_prompt_tokens)
+        return [
+            EmbeddingRequestOutput.from_base(o)
+            for o in self._pool(prompts, pooling_params, use_tqdm, priority, kwargs, "embed")
+        ]
 
     def encode(
         self,
         prompts: Prompts,
         pooling_params: PoolingParamsArg = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
+        lora_request: Any = None,
+        pooling_task: Optional[str] = None,
+        tokenization_kwargs: Optional[dict[str, Any]] = None,
+        *,
+        truncate_prompt_tokens: Optional[int] = None,
         priority: Optional[list[int]] = None,
     ) -> list[PoolingRequestOutput]:
-        """Like `embed`, but `.outputs.data` is the pooled vector as a float32 torch tensor."""
+        """Like `embed`, but `.outputs.data` is the pooled vector as a float32 torch tensor.
+        pooling_task: "embed" (or vLLM's older "encode", the same vector here); the tasks shmvllm's
+        models do not have ("classify", "score", "token_embed", ...) are refused by name."""
         import torch
 
-        outputs = self._pool(prompts, pooling_params, use_tqdm, priority)
+        check_no_lora(lora_request)
+        if pooling_task is not None and pooling_task not in POOLING_TASKS:
+            raise ValueError(
+                f"pooling_task={pooling_task!r} is not supported by model {self.model_config.model!r}: "
+                f"it does {list(POOLING_TASKS)}."
+            )
+        kwargs = _with_truncation(tokenization_kwargs, truncate_prompt_tokens)
+        outputs = self._pool(prompts, pooling_params, use_tqdm, priority, kwargs, pooling_task)
         for output in outputs:
             output.outputs.data = torch.from_numpy(output.outputs.data.copy())  # writable, owned
         return outputs
 
+    def classify(self, prompts: Prompts, **kwargs: Any) -> list[ClassificationRequestOutput]:
+        """vLLM's classification API: shmvllm serves no classification models, so it is refused as
+        vLLM refuses it for a model without a classifier head."""
+        raise ValueError(
+            f"Classification API is not supported by model {self.model_config.model!r}: shmvllm serves "
+            "generation and embedding models only."
+        )
+
+    def score(
+        self,
+        data_1: Union[PromptType, Sequence[PromptType]],
+        data_2: Union[PromptType, Sequence[PromptType]],
+        /,
+        *,
+        use_tqdm: UseTqdm = True,
+        pooling_params: Optional[PoolingParams] = None,
+        lora_request: Any = None,
+        tokenization_kwargs: Optional[dict[str, Any]] = None,
+        truncate_prompt_tokens: Optional[int] = None,
+        chat_template: Optional[str] = None,
+    ) -> list[ScoringRequestOutput]:
+        """Similarity of each pair (data_1[i], data_2[i]); one data_1 is paired with every data_2.
+        An embedding model scores by the cosine of the two embeddings (vLLM's bi-encoder scoring);
+        shmvllm serves no cross-encoders."""
+        check_no_lora(lora_request)
+        if not self.model_config.is_embedding:
+            raise ValueError("LLM.score() is only supported for pooling models; this one generates.")
+        if chat_template is not None:
+            raise ValueError("chat_template is only supported for cross-encoder models.")
+        first = _prompt_list(data_1)
+        second = _prompt_list(data_2)
+        if len(first) == 1:
+            first = first * len(second)
+        if len(first) != len(second):
+            raise ValueError(f"data_1 has {len(first)} inputs and data_2 {len(second)}: give one, or as many as data_2.")
+        kwargs = _with_truncation(tokenization_kwargs, truncate_prompt_tokens)
+        encoded = self._pool(first + second, pooling_params, use_tqdm, None, kwargs, "embed")
+        scores = []
+        for a, b in zip(encoded[: len(first)], encoded[len(first) :]):
+            va, vb = a.outputs.data.astype(np.float64), b.outputs.data.astype(np.float64)
+            cosine = float(va @ vb / max(np.linalg.norm(va) * np.linalg.norm(vb), 1e-12))
+            base = PoolingRequestOutput(
+                request_id=f"{a.request_id}_{b.request_id}",
+                outputs=PoolingOutput(data=np.array([cosine], dtype=np.float32)),
+                prompt_token_ids=a.prompt_token_ids + b.prompt_token_ids,
+                finished=True,
+                error=a.error or b.error,
+            )
+            scores.append(ScoringRequestOutput.from_base(base))
+        return scores
+
     def _pool(
-        self, prompts: Prompts, pooling_params: PoolingParamsArg, use_tqdm: bool, priority: Optional[list[int]]
+        self,
+        prompts: Prompts,
+        pooling_params: PoolingParamsArg,
+        use_tqdm: UseTqdm,
+        priority: Optional[list[int]],
+        tokenization_kwargs: Optional[dict[str, Any]] = None,
+        task: Optional[str] = None,
     ) -> list[PoolingRequestOutput]:
         """Validates everything, then tokenizes chunk by chunk while the engine embeds what was
         sent before; returns the outputs in prompt order."""
         engine = self.llm_engine
-        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        prompt_list = _prompt_list(prompts)
         if not prompt_list:
             raise ValueError("prompts is empty.")
         params_list = _pooling_params_per_prompt(pooling_params, len(prompt_list))
         engine.check_task(params_list[0])
         for params in {id(p): p for p in params_list}.values():
             engine.input_processor.verify_pooling_params(params)
+            if task is not None and params.task is not None and params.task != task:
+                raise ValueError(f"pooling_params.task={params.task!r} contradicts the pooling task {task!r}.")
+        tokenization_kwargs = _pooling_truncation(tokenization_kwargs, params_list)
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts.")
         for prompt in prompt_list:
-            self._check_pooling_prompt(prompt)
+            self._check_pooling_prompt(prompt, tokenization_kwargs)
         request_ids = [str(next(self.request_counter)) for _ in prompt_list]
         tracker = _PoolingTracker(engine, len(prompt_list), use_tqdm)
         max_in_flight = POOLING_MAX_IN_FLIGHT_STEPS * engine.config.scheduler_config.max_num_seqs
@@ -149,7 +309,7 @@ class LLM:
         try:
             for start in range(0, len(prompt_list), POOLING_TOKENIZE_CHUNK):
                 chunk = prompt_list[start : start + POOLING_TOKENIZE_CHUNK]
-                for text, ids in engine.input_processor.tokenize_for_pooling(chunk):
+                for text, ids in engine.input_processor.tokenize_for_pooling(chunk, tokenization_kwargs):
                     while tracker.in_flight >= max_in_flight:
                         tracker.collect()
                     engine.add_tokenized_pooling_request(
@@ -169,39 +329,53 @@ class LLM:
             raise RuntimeError(f"the engine finished without outputs for requests {missing[:10]}.")
         return [tracker.finished[rid] for rid in request_ids]
 
-    def _check_pooling_prompt(self, prompt: PromptType) -> None:
+    def _check_pooling_prompt(self, prompt: PromptType, tokenization_kwargs: Optional[dict[str, Any]]) -> None:
         """What `tokenize_for_pooling` would refuse, found before anything is queued."""
         if isinstance(prompt, str) or (isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str)
                                        and "prompt_token_ids" not in prompt):
+            if isinstance(prompt, dict):
+                check_prompt_keys(prompt)
             return
         processor = self.llm_engine.input_processor
-        _, ids = processor.tokenize_prompt(prompt)  # a ValueError for anything but given token ids
+        _, ids = processor.tokenize_prompt(prompt, tokenization_kwargs)  # a ValueError for anything but token ids
         processor.validate_pooling_prompt(ids)
 
-    def _prepare(self, prompts: list[PromptType]) -> list[dict[str, Any]]:
-        """Tokenizes and validates every prompt, so that a bad one fails before any is queued."""
+    def _prepare(
+        self,
+        prompts: list[PromptType],
+        params_list: list[SamplingParams],
+        tokenization_kwargs: Optional[dict[str, Any]] = None,
+    ) -> list[dict[str, Any]]:
+        """Tokenizes and validates every prompt and its params, so that a bad one fails before
+        any is queued."""
         if not prompts:
             raise ValueError("prompts is empty.")
         processor = self.llm_engine.input_processor
+        for params in {id(p): p for p in params_list}.values():
+            processor.verify_sampling_params(params)
         prepared = []
-        for prompt in prompts:
-            text, ids = processor.tokenize_prompt(prompt)
+        for prompt, params in zip(prompts, params_list):
+            text, ids = processor.tokenize_prompt(prompt, tokenization_kwargs)
+            ids = processor.truncate(ids, params.truncate_prompt_tokens)
             processor.validate_prompt(ids)
             prepared.append({"prompt": text, "prompt_token_ids": ids})
         return prepared
 
     def _run(
-        self, prompts: list[dict[str, Any]], sampling_params: ParamsArg, use_tqdm: bool, priority: Optional[list[int]]
+        self, prompts: list[dict[str, Any]], params_list: list[SamplingParams], use_tqdm: UseTqdm,
+        priority: Optional[list[int]],
     ) -> list[RequestOutput]:
-        params_list = _params_per_prompt(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts.")
         request_ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 request_id = str(next(self.request_counter))
-                # The caller's params stay untouched; offline calls only need each request's end.
-                final = msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+                # The caller's params stay untouched; offline calls only need each request's end. The
+                # prompt is already truncated.
+                final = msgspec.structs.replace(
+                    params, output_kind=RequestOutputKind.FINAL_ONLY, truncate_prompt_tokens=None
+                )
                 self.llm_engine.add_request(request_id, prompt, final, priority=priority[i] if priority else 0)
                 request_ids.append(request_id)
             return self._run_engine(request_ids, use_tqdm)
@@ -209,10 +383,10 @@ class LLM:
             self.llm_engine.abort_request(request_ids)
             raise
 
-    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_engine(self, request_ids: list[str], use_tqdm: UseTqdm) -> list[RequestOutput]:
         """Steps the engine until every request is finished; returns outputs in `request_ids` order."""
         started = time.perf_counter()
-        bar = _progress_bar(len(request_ids)) if use_tqdm and len(request_ids) > 1 else None
+        bar = _progress_bar(len(request_ids), use_tqdm) if use_tqdm and len(request_ids) > 1 else None
         finished: dict[str, RequestOutput] = {}
         prompt_tokens = output_tokens = 0
         while self.llm_engine.has_unfinished_requests():
@@ -272,13 +446,13 @@ class _PoolingTracker:
     """The finished pooling outputs of one embed/encode call, what is still in flight, and the
     progress bar."""
 
-    def __init__(self, engine: LLMEngine, total: int, use_tqdm: bool) -> None:
+    def __init__(self, engine: LLMEngine, total: int, use_tqdm: UseTqdm) -> None:
         self.engine = engine
         self.finished: dict[str, PoolingRequestOutput] = {}
         self.in_flight = 0
         self.started = time.perf_counter()
         self.prompt_tokens = 0
-        self.bar = _progress_bar(total) if use_tqdm and total > 1 else None
+        self.bar = _progress_bar(total, use_tqdm) if use_tqdm and total > 1 else None
 
     def collect(self) -> None:
         """Takes one batch of engine outputs (blocks until it comes)."""
@@ -324,7 +498,37 @@ def _pooling_params_per_prompt(pooling_params: PoolingParamsArg, num_prompts: in
     return params
 
 
-def _progress_bar(total: int) -> Any:
+def _progress_bar(total: int, use_tqdm: UseTqdm = True) -> Any:
+    """use_tqdm: True, or (as vLLM allows) a callable that makes the bar, e.g. partial(tqdm, leave=False)."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+    make = use_tqdm if callable(use_tqdm) else tqdm
+    return make(total=total, desc="Processed prompts", dynamic_ncols=True)
+
+
+def _prompt_list(prompts: Any) -> list[Any]:
+    """One prompt (text, a prompt dict, or a bare list of token ids) as a list of one; a list of
+    prompts as it is."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompts
+    ):
+        return [list(prompts)]
+    return list(prompts)
+
+
+def _with_truncation(tokenization_kwargs: Optional[dict[str, Any]], truncate_prompt_tokens: Optional[int]) -> Optional[dict[str, Any]]:
+    if truncate_prompt_tokens is None:
+        return tokenization_kwargs
+    return {**(tokenization_kwargs or {}), "truncate_prompt_tokens": truncate_prompt_tokens}
+
+
+def _pooling_truncation(tokenization_kwargs: Optional[dict[str, Any]], params_list: list[PoolingParams]) -> Optional[dict[str, Any]]:
+    """The call's tokenization kwargs with the PoolingParams' truncate_prompt_tokens (one value per call)."""
+    values = {p.truncate_prompt_tokens for p in params_list} - {None}
+    if not values:
+        return tokenization_kwargs
+    if len(values) > 1:
+        raise ValueError(f"pooling_params ask for different truncate_prompt_tokens {sorted(values)}: give one per call.")
+    return _with_truncation(tokenization_kwargs, values.pop())

@@ -15,6 +15,8 @@ from typing import Optional
 
 import torch
 
+from shmvllm.model.logits_processors import RequestLogitsProcessors, apply_request_logits_processors
+
 _EPS = 1e-5
 _MASK64 = (1 << 64) - 1
 
@@ -37,6 +39,8 @@ class SamplingMetadata:
     prompt_token_ids: Optional[torch.Tensor] = None  # [rows, max_prompt] int64, padded with vocab_size
     stop_token_mask: list[tuple[int, list[int]]] = field(default_factory=list)  # min_tokens: row, ids
     max_num_logprobs: Optional[int] = None  # the widest top-k asked for (0: sampled token only)
+    # allowed_token_ids, bad_words, logit_bias (logits_processors.py)
+    request_processors: RequestLogitsProcessors = field(default_factory=RequestLogitsProcessors)
 
 
 @dataclass
@@ -72,6 +76,8 @@ class Sampler(torch.nn.Module):
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if meta.request_processors:
+            apply_request_logits_processors(logits, meta.request_processors)
         apply_min_tokens(logits, meta.stop_token_mask)
         if meta.repetition_penalty is not None:
             logits = apply_penalties(logits, meta)

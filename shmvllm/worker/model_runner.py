@@ -20,6 +20,7 @@ from shmvllm.core.sched.output import ModelRunnerOutput, NewRequestData, Schedul
 from shmvllm.engine.messages import Logprobs
 from shmvllm.model.attention import AttentionMetadata, PrefillSeq, build_attention_metadata
 from shmvllm.model.loader import get_model, torch_dtype
+from shmvllm.model.logits_processors import RequestLogitsProcessors
 from shmvllm.model.sampler import Sampler, SamplingMetadata, gather_logprobs, seeded_generator
 from shmvllm.sampling_params import SamplingParams
 from shmvllm.worker.huge_pages import advise_huge_pages
@@ -252,6 +253,7 @@ class ModelRunner:
                 meta.stop_token_mask.append((i, state.stop_token_ids))
             if params.logprobs is not None:
                 meta.max_num_logprobs = max(meta.max_num_logprobs or 0, params.logprobs)
+            _add_request_processors(meta.request_processors, i, params, state.output_token_ids)
         return meta
 
     def _prompt_logprobs(
@@ -300,6 +302,18 @@ class ModelRunner:
             max_num_logprobs=5,
         )
         self.sampler(logits, sampling)
+
+
+def _add_request_processors(
+    processors: RequestLogitsProcessors, row: int, params: SamplingParams, output_token_ids: list[int]
+) -> None:
+    """The row's allowed_token_ids, bad_words (tokenized by the input processor) and logit_bias."""
+    if params.allowed_token_ids:
+        processors.allowed_token_ids[row] = params.allowed_token_ids
+    if params.bad_words_token_ids:
+        processors.bad_words[row] = (params.bad_words_token_ids, output_token_ids)
+    if params.logit_bias:
+        processors.logit_bias[row] = params.logit_bias
 
 
 def _min_tokens_masked_ids(params: SamplingParams) -> list[int]:

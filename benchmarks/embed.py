@@ -107,7 +107,7 @@ def embed_with_llm(model_dir: Path, max_num_batched_tokens: int, max_num_seqs: i
 
     llm = LLM(model=str(model_dir), task="embed", max_num_batched_tokens=max_num_batched_tokens,
               max_num_seqs=max_num_seqs)
-    return lambda texts: np.stack([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+    return lambda texts: np.stack([o.outputs.numpy() for o in llm.embed(texts, use_tqdm=False)])
 
 
 def timed(embed: Callable[[list[str]], np.ndarray], texts: list[str]) -> tuple[float, np.ndarray]:

@@ -221,7 +221,7 @@ def run_embed(args: argparse.Namespace) -> int:
     with make_llm(args, task="embed") as llm:
         outputs = llm.embed(texts, params, use_tqdm=args.verbose)
     for i, (text, output) in enumerate(zip(texts, outputs)):
-        record: dict[str, Any] = {"index": i, "text": text, "embedding": output.outputs.embedding.tolist()}
+        record: dict[str, Any] = {"index": i, "text": text, "embedding": output.outputs.embedding}
         if output.error:
             record["error"] = output.error
         sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")

@@ -44,7 +44,7 @@ def test_embed_matches_sentence_transformers(embed_llm, reference, embedding_tex
     outputs = embed_llm.embed(texts, use_tqdm=False)
     assert all(isinstance(o, EmbeddingRequestOutput) and o.finished and o.error is None for o in outputs)
     assert [o.prompt for o in outputs] == texts
-    got = np.stack([o.outputs.embedding for o in outputs])
+    got = np.stack([o.outputs.numpy() for o in outputs])
     expected = reference.encode(texts, batch_size=32, convert_to_numpy=True)
     assert got.shape == expected.shape == (100, 384) and got.dtype == np.float32
     sims = cosine(got, expected)
@@ -62,22 +62,22 @@ def test_encode_returns_tensors(embed_llm):
     for enc, emb in zip(encoded, embedded):
         assert isinstance(enc, PoolingRequestOutput) and isinstance(enc.outputs.data, torch.Tensor)
         assert enc.outputs.data.dtype == torch.float32 and enc.outputs.data.shape == (384,)
-        np.testing.assert_array_equal(enc.outputs.data.numpy(), emb.outputs.embedding)
+        np.testing.assert_array_equal(enc.outputs.data.numpy(), emb.outputs.numpy())
     single = embed_llm.encode("one text", use_tqdm=False)
     assert len(single) == 1 and single[0].prompt == "one text"
 
 
 def test_pooling_params_per_request(embed_llm):
     texts = ["matryoshka dolls nest", "token ids given", "raw"]
-    full = embed_llm.embed(texts[0], PoolingParams(normalize=False), use_tqdm=False)[0].outputs.embedding
+    full = embed_llm.embed(texts[0], PoolingParams(normalize=False), use_tqdm=False)[0].outputs.numpy()
     ids = embed_llm.get_tokenizer()(texts[1])["input_ids"]
     prompts = [texts[0], {"prompt_token_ids": ids}, {"prompt": texts[2]}]
     params = [PoolingParams(dimensions=16), PoolingParams(), PoolingParams(normalize=False)]
     cut, given, raw = embed_llm.embed(prompts, params, use_tqdm=False)
-    np.testing.assert_allclose(cut.outputs.embedding, full[:16] / np.linalg.norm(full[:16]), atol=1e-6)
+    np.testing.assert_allclose(cut.outputs.numpy(), full[:16] / np.linalg.norm(full[:16]), atol=1e-6)
     assert given.prompt is None and given.prompt_token_ids == ids
-    np.testing.assert_allclose(np.linalg.norm(given.outputs.embedding), 1.0, atol=1e-5)
-    assert np.linalg.norm(raw.outputs.embedding) > 1.5  # MiniLM's mean-pooled vectors are not unit length
+    np.testing.assert_allclose(np.linalg.norm(given.outputs.numpy()), 1.0, atol=1e-5)
+    assert np.linalg.norm(raw.outputs.numpy()) > 1.5  # MiniLM's mean-pooled vectors are not unit length
 
 
 @pytest.mark.parametrize(
@@ -136,7 +136,7 @@ def test_requests_in_flight_stay_capped(tiny_bert_dir, embedding_texts):
             return engine_step()
 
         llm.llm_engine.step = step
-        got = np.stack([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+        got = np.stack([o.outputs.numpy() for o in llm.embed(texts, use_tqdm=False)])
     assert max(seen) <= 4 and len(seen) >= 10
     expected = SentenceTransformer(str(tiny_bert_dir), device="cpu").encode(texts, convert_to_numpy=True)
     np.testing.assert_allclose(got, expected, atol=2e-5)
@@ -149,7 +149,7 @@ def test_generation_and_embedding_llms_in_one_process(tiny_llama_dir, embed_llm,
     with LLM(model=str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64) as gen_llm:
         before = [o.outputs[0].token_ids for o in gen_llm.generate(prompts, params, use_tqdm=False)]
         texts = ["between two generate calls", "Ελληνικά"]
-        vectors = np.stack([o.outputs.embedding for o in embed_llm.embed(texts, use_tqdm=False)])
+        vectors = np.stack([o.outputs.numpy() for o in embed_llm.embed(texts, use_tqdm=False)])
         after = [o.outputs[0].token_ids for o in gen_llm.generate(prompts, params, use_tqdm=False)]
         with pytest.raises(ValueError, match="cannot embed"):
             gen_llm.embed("text")

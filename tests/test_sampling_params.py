@@ -12,7 +12,6 @@ INVALID = [
     ("temperature", "hot"),
     ("top_p", 0.0),
     ("top_p", 1.5),
-    ("top_k", 0),
     ("top_k", -2),
     ("top_k", 2.5),
     ("min_p", 1.5),
@@ -21,8 +20,19 @@ INVALID = [
     ("max_tokens", 0),
     ("max_tokens", "16"),
     ("min_tokens", -1),
-    ("logprobs", -1),
+    ("logprobs", -2),
     ("prompt_logprobs", -3),
+    ("temperature", 2.5),
+    ("truncate_prompt_tokens", 0),
+    ("truncate_prompt_tokens", -2),
+    ("logit_bias", {"a": 1.0}),
+    ("logit_bias", [1, 2]),
+    ("allowed_token_ids", []),
+    ("allowed_token_ids", [1, "2"]),
+    ("bad_words", [""]),
+    ("bad_words", "word"),
+    ("extra_args", [1]),
+    ("flat_logprobs", 1),
     ("presence_penalty", 2.5),
     ("frequency_penalty", -3.0),
     ("repetition_penalty", 0.0),
@@ -65,7 +75,7 @@ def test_greedy_invalid_knobs_are_still_rejected_then_reset():
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(temperature=0.0, top_p=2.0)
     params = SamplingParams(temperature=0.0, top_k=5, top_p=0.5)
-    assert (params.top_k, params.top_p, params.sampling_type) == (-1, 1.0, SamplingType.GREEDY)
+    assert (params.top_k, params.top_p, params.sampling_type) == (0, 1.0, SamplingType.GREEDY)
 
 
 def test_normalization_and_types():

@@ -334,16 +334,16 @@ def _cli_type(hint: Any) -> Any:
 
 
 def _nullable(kind: Any) -> Any:
-    """`kind`, with "None" (and "") meaning None; a JSON value for the fields without a plain type."""
+    """`kind`, with "None" meaning None; a JSON value for the fields without a plain type."""
 
     def parse(text: str) -> Any:
-        if text in ("", "None"):
+        if text == "None":
             return None
         if kind is str:
             return text
         if kind in (int, float, json.loads):
             return kind(text)
-        return json.loads(text) if text[:1] in "[{" else text
+        return json.loads(text) if text.startswith(("[", "{")) else text
 
     parse.__name__ = getattr(kind, "__name__", "value")
     return parse

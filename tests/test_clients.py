@@ -99,11 +99,11 @@ def test_outlines_from_vllm_offline_plain_generation(reference):
 
 DOCS = [
     {"question": "The capital of France is", "choices": [" Paris", " London", " Rome"], "answer": 0,
-     "target": "Paris"},
-    {"question": "Two plus two equals", "choices": [" four", " five", " nine"], "answer": 0, "target": "4"},
-    {"question": "The sky on a clear day is", "choices": [" green", " blue", " red"], "answer": 1, "target": "blue"},
+     "target": " Paris"},
+    {"question": "Two plus two equals", "choices": [" four", " five", " nine"], "answer": 0, "target": " four"},
+    {"question": "The sky on a clear day is", "choices": [" green", " blue", " red"], "answer": 1, "target": " blue"},
     {"question": "Water freezes at zero degrees", "choices": [" Celsius", " Kelvin"], "answer": 0,
-     "target": "Celsius"},
+     "target": " Celsius"},
 ]
 
 
@@ -117,7 +117,7 @@ def _write_tasks(folder: Path) -> None:
     )
     (folder / "shm_generate.yaml").write_text(
         "task: shm_generate\n" + common + "output_type: generate_until\n"
-        "doc_to_text: 'Complete: {{question}}'\ndoc_to_target: '{{target}}'\n"
+        "doc_to_text: '{{question}}'\ndoc_to_target: '{{target}}'\n"
         "generation_kwargs:\n  until: ['\\n', '.']\n  max_gen_toks: 12\n  do_sample: false\n  temperature: 0.0\n"
         "metric_list:\n  - metric: exact_match\n"
     )
@@ -141,9 +141,11 @@ def test_lm_eval_vllm_scores_equal_its_hf_scores(tmp_path, smollm2_dir):
     for task in tasks:
         assert len(vllm_samples[task]) == len(hf_samples[task]) == len(DOCS)
     # loglikelihood: every choice's logprob equal to HF's (fp32 both), so the accuracy too
+    max_diff = 0.0
     for ours, theirs in zip(vllm_samples["shm_choice"], hf_samples["shm_choice"]):
         for (lp, greedy), (hf_lp, hf_greedy) in zip([r[0] for r in ours["resps"]], [r[0] for r in theirs["resps"]]):
             assert math.isclose(lp, hf_lp, abs_tol=2e-3) and greedy == hf_greedy
+            max_diff = max(max_diff, abs(lp - hf_lp))
     assert results["vllm"]["results"]["shm_choice"]["acc,none"] == results["hf"]["results"]["shm_choice"]["acc,none"]
     # generate_until: the same greedy continuations, so the same exact_match
     assert [s["resps"] for s in vllm_samples["shm_generate"]] == [s["resps"] for s in hf_samples["shm_generate"]]
@@ -151,4 +153,6 @@ def test_lm_eval_vllm_scores_equal_its_hf_scores(tmp_path, smollm2_dir):
             == results["hf"]["results"]["shm_generate"]["exact_match,none"])
     summary = {name: {t: {k: v for k, v in r["results"][t].items() if "stderr" not in k and k != "alias"} for t in tasks}
                for name, r in results.items()}
+    summary["max_abs_loglikelihood_diff"] = max_diff
+    summary["generations"] = [s["resps"][0][0] for s in vllm_samples["shm_generate"]]
     print("LM-EVAL RESULTS", json.dumps(summary))

@@ -379,3 +379,9 @@ def test_encode_pooling_task_classify_and_score(embedder):
     assert truncated.prompt_token_ids == embedder.get_tokenizer()(texts[0])["input_ids"][-3:]
     via_params = embedder.embed(texts[0], PoolingParams(truncate_prompt_tokens=3), use_tqdm=False)[0]
     assert via_params.outputs == truncated.outputs
+
+
+def test_readme_lists_every_ignored_argument():
+    readme = (REPO / "README.md").read_text()
+    table = readme[readme.index("vLLM engine arguments accepted at any value"):]
+    assert all(f"`{arg.name}`" in table for arg in VLLM_ARGS)

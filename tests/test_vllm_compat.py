@@ -234,6 +234,15 @@ def test_generate_keywords_lora_priority_tokenization_kwargs(llm):
                        tokenization_kwargs={"truncate_prompt_tokens": 3})[0]
     assert out.prompt_token_ids == ids[-3:]
     assert out.outputs[0].token_ids == greedy_ids(llm, {"prompt_token_ids": ids[-3:]}, 4)
+    bars = []
+
+    def make_bar(**kwargs):  # vLLM: use_tqdm may be a factory of the progress bar
+        from tqdm import tqdm
+
+        bars.append(tqdm(disable=True, **kwargs))
+        return bars[-1]
+
+    assert len(llm.generate(["a", "b"], params, use_tqdm=make_bar)) == 2 and len(bars) == 1 and bars[0].n == 2
     no_special = llm.generate("one", params, use_tqdm=False, tokenization_kwargs={"add_special_tokens": False})[0]
     assert no_special.prompt_token_ids == tokenizer("one", add_special_tokens=False)["input_ids"]
     with pytest.raises(ValueError, match="lora_request"):

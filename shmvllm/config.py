@@ -253,7 +253,8 @@ class EngineArgs(VllmArgs):
         return wanted or detected
 
     def _verify(self) -> None:
-        check_vllm_args({f.name: getattr(self, f.name) for f in dataclasses.fields(VllmArgs)})
+        own = set(EngineArgs.__annotations__)  # a knob shmvllm implements itself has its own checks
+        check_vllm_args({f.name: getattr(self, f.name) for f in dataclasses.fields(VllmArgs) if f.name not in own})
         task = _TASK_ALIASES.get(self.task or "auto", self.task or "auto")
         if task not in ("auto", "generate", "embed"):
             raise ValueError(f"task must be 'auto', 'generate' or 'embed', got {self.task!r}.")

@@ -236,13 +236,21 @@ def test_generate_keywords_lora_priority_tokenization_kwargs(llm):
     assert out.outputs[0].token_ids == greedy_ids(llm, {"prompt_token_ids": ids[-3:]}, 4)
     bars = []
 
-    def make_bar(**kwargs):  # vLLM: use_tqdm may be a factory of the progress bar
-        from tqdm import tqdm
+    class Bar:  # vLLM: use_tqdm may be a factory of the progress bar
+        def __init__(self, **kwargs):
+            self.n, self.kwargs = 0, kwargs
+            bars.append(self)
 
-        bars.append(tqdm(disable=True, **kwargs))
-        return bars[-1]
+        def update(self, count):
+            self.n += count
 
-    assert len(llm.generate(["a", "b"], params, use_tqdm=make_bar)) == 2 and len(bars) == 1 and bars[0].n == 2
+        def set_postfix_str(self, text):
+            pass
+
+        def close(self):
+            pass
+
+    assert len(llm.generate(["a", "b"], params, use_tqdm=Bar)) == 2 and len(bars) == 1 and bars[0].n == 2
     no_special = llm.generate("one", params, use_tqdm=False, tokenization_kwargs={"add_special_tokens": False})[0]
     assert no_special.prompt_token_ids == tokenizer("one", add_special_tokens=False)["input_ids"]
     with pytest.raises(ValueError, match="lora_request"):

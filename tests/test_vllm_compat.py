@@ -4,7 +4,6 @@ LLM methods and keywords vLLM programs use."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import subprocess

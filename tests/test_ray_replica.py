@@ -4,14 +4,18 @@ tests are in test_ray.py (marked `ray`)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
 
-from conftest import leaked_shm_entries
+from conftest import SHM_DIR, leaked_shm_entries
+from ipc.segment import pid_alive
 from shmvllm import LLM, SamplingParams
 from shmvllm.ray.config import ProcessorConfig, row_sampling_params
 from shmvllm.ray.replica import EmbedReplica, GenerateReplica
@@ -131,3 +135,34 @@ def test_replica_whose_engine_died_exits_and_leaves_no_ring(tiny_llama_dir, tmp_
     assert "returned" not in proc.stdout
     assert "EngineDeadError" in proc.stderr or "engine died" in proc.stderr, proc.stderr[-2000:]
     assert not leaked_shm_entries() - before
+
+
+def test_janitor_unlinks_the_rings_when_ray_kills_the_replicas_process_group(tiny_llama_dir, tmp_path):
+    """Ray ends an actor with SIGKILL to its process group, which holds the engine too: neither end
+    of the rings can unlink them, so the replica's janitor does, then exits."""
+    script = tmp_path / "replica.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        from shmvllm.ray.config import ProcessorConfig
+        from shmvllm.ray.replica import GenerateReplica
+
+        if __name__ == "__main__":
+            replica = GenerateReplica(ProcessorConfig(model={str(tiny_llama_dir)!r}, engine_args={ENGINE_ARGS!r}))
+            print(replica.llm.llm_engine.engine_core.engine_pid, replica.janitor.pid, flush=True)
+            time.sleep(600)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        engine_pid, janitor_pid = map(int, proc.stdout.readline().split())
+        rings = {e.name for e in SHM_DIR.iterdir() if e.name.startswith((f"ipcring-{proc.pid}-", f"sem.ipcring-{proc.pid}-"))}
+        assert len(rings) == 6, rings  # two rings, each a segment and two semaphores
+        assert os.getpgid(engine_pid) == proc.pid != os.getpgid(janitor_pid)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while (pid_alive(janitor_pid) or pid_alive(engine_pid) or any((SHM_DIR / r).exists() for r in rings)) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [r for r in rings if (SHM_DIR / r).exists()]
+    assert not pid_alive(janitor_pid) and not pid_alive(engine_pid)

@@ -2,8 +2,10 @@
 holding one `LLM` (its engine in a process of its own on the actor's node, over the rings).
 
 A batch is a dict of numpy columns; the replica returns the same columns, row for row, plus
-its output columns. If the engine dies the actor's process exits instead of raising: Ray then
-restarts the actor (max_restarts) and runs its unfinished batches again on the new one
+its output columns. Ray kills an actor's process group, its engine included, so each replica has
+a janitor process (janitor.py) that unlinks its rings once it is gone.
+
+If the engine dies the actor's process exits instead of raising: Ray then restarts the actor (max_restarts) and runs its unfinished batches again on the new one
 (max_task_retries). An exception would only fail the batch, and a retry on the same actor would
 find the same dead engine.
 """
@@ -26,6 +28,7 @@ from shmvllm.ray.config import (
     ProcessorConfig,
     row_sampling_params,
 )
+from shmvllm.ray.janitor import Janitor
 from shmvllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -43,7 +46,14 @@ class Replica:
         # gave this replica CPUs.
         os.environ["OMP_NUM_THREADS"] = str(config.num_cpus)
         self.config = config
-        self.llm: Optional[LLM] = LLM(config.model, task=config.task, **config.engine_args)
+        self.llm: Optional[LLM] = None
+        self.janitor: Optional[Janitor] = None
+        self.janitor = Janitor()
+        try:
+            self.llm = LLM(config.model, task=config.task, **config.engine_args)
+        except BaseException:
+            self.close()
+            raise
 
     def __call__(self, batch: Batch) -> Batch:
         clash = sorted(set(self.output_columns) & set(batch))
@@ -70,6 +80,9 @@ class Replica:
         llm, self.llm = self.llm, None
         if llm is not None:
             llm.shutdown()
+        janitor, self.janitor = self.janitor, None
+        if janitor is not None:  # the rings are unlinked: nothing left for it to do
+            janitor.stop()
 
     def __del__(self) -> None:
         """Ray Data drops the UDF when it releases an actor gracefully: stop the engine then."""

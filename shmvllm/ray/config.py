@@ -71,7 +71,7 @@ class ProcessorConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}.")
         if self.num_gpus not in (0, 1) or isinstance(self.num_gpus, bool):
             raise ValueError(f"num_gpus must be 0 or 1 (one engine uses at most one GPU), got {self.num_gpus!r}.")
-        if self.num_gpus and self.engine_args.get("device", "auto").startswith("cpu"):
+        if self.num_gpus and str(self.engine_args.get("device", "auto")).startswith("cpu"):
             raise ValueError(f"num_gpus=1 with engine_args device={self.engine_args['device']!r}: the GPU would sit idle.")
         for name in ("max_restarts", "max_task_retries"):
             value = getattr(self, name)

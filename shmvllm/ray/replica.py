@@ -47,7 +47,7 @@ class Replica:
         os.environ["OMP_NUM_THREADS"] = str(config.num_cpus)
         self.config = config
         self.llm: Optional[LLM] = None
-        self.janitor: Optional[Janitor] = None
+        self.janitor: Optional[Janitor] = None  # set before starting it: __del__ calls close()
         self.janitor = Janitor()
         try:
             self.llm = LLM(config.model, task=config.task, **config.engine_args)

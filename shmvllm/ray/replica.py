@@ -149,7 +149,7 @@ class EmbedReplica(Replica):
         if failed:
             raise RuntimeError(f"the engine failed {len(failed)} rows of the batch, the first (row {failed[0][0]}): {failed[0][1]}")
         return {
-            "embeddings": np.stack([o.outputs.embedding for o in outputs]).astype(np.float32, copy=False),
+            "embeddings": np.stack([o.outputs.numpy() for o in outputs]),  # float32, no Python floats
             "num_input_tokens": np.array([len(o.prompt_token_ids) for o in outputs], dtype=np.int64),
         }
 

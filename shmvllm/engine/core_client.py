@@ -11,6 +11,8 @@ import collections
 import itertools
 import multiprocessing.util
 import os
+import threading
+import time
 from abc import ABC, abstractmethod
 from typing import Any, Optional
 
@@ -41,8 +43,10 @@ class EngineCoreClient(ABC):
     def add_request(self, request: EngineCoreRequest) -> None: ...
 
     @abstractmethod
-    def get_output(self) -> EngineCoreOutputs:
-        """The next step's outputs (may be empty)."""
+    def get_output(self, timeout: Optional[float] = None) -> Optional[EngineCoreOutputs]:
+        """The next step's outputs (may be empty); None if `timeout` seconds passed without any.
+
+        Safe to call from one thread while others add and abort requests."""
 
     @abstractmethod
     def abort_requests(self, request_ids: list[str]) -> None: ...
@@ -72,18 +76,22 @@ class InprocClient(EngineCoreClient):
         from shmvllm.engine.core import EngineCore
 
         self.engine_core = EngineCore(config)
+        self._lock = threading.Lock()  # a step and a new request do not touch the scheduler at once
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.engine_core.add_request(request)
+        with self._lock:
+            self.engine_core.add_request(request)
 
-    def get_output(self) -> EngineCoreOutputs:
-        if not self.engine_core.has_unfinished_requests():
-            return EngineCoreOutputs()
-        return self.engine_core.step()
+    def get_output(self, timeout: Optional[float] = None) -> Optional[EngineCoreOutputs]:
+        with self._lock:
+            if not self.engine_core.has_unfinished_requests():
+                return EngineCoreOutputs()
+            return self.engine_core.step()
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
-            self.engine_core.abort_requests(request_ids)
+            with self._lock:
+                self.engine_core.abort_requests(request_ids)
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
@@ -187,6 +195,9 @@ class SyncMPClient(EngineCoreClient):
             self._finalizer()
             raise
         self._pending: collections.deque[EngineCoreOutputs] = collections.deque()
+        # The output channel has one reader at a time: get_output, a utility call waiting for
+        # its reply, or a send that drains outputs while the input ring is full.
+        self._recv_lock = threading.RLock()
         self._call_ids = itertools.count()
         self._dead: Optional[str] = None
 
@@ -217,11 +228,16 @@ class SyncMPClient(EngineCoreClient):
             raise self._died(str(exc)) from exc
 
     def _drain_outputs(self) -> None:
-        for _ in range(_MAX_DRAIN):
-            outputs = self._endpoint.try_recv(decode_outputs)
-            if outputs is None:
-                return
-            self._pending.append(self._checked(outputs))
+        if not self._recv_lock.acquire(blocking=False):
+            return  # another thread is reading the outputs: the engine gets room all the same
+        try:
+            for _ in range(_MAX_DRAIN):
+                outputs = self._endpoint.try_recv(decode_outputs)
+                if outputs is None:
+                    return
+                self._pending.append(self._checked(outputs))
+        finally:
+            self._recv_lock.release()
 
     def _checked(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
         utility = outputs.utility_output
@@ -229,15 +245,19 @@ class SyncMPClient(EngineCoreClient):
             raise self._died(f"it failed:\n{utility.failure_message}")
         return outputs
 
-    def _recv(self) -> EngineCoreOutputs:
-        """The engine's next message; EngineDeadError within ~POLL_S of its death."""
+    def _recv(self, timeout: Optional[float] = None) -> Optional[EngineCoreOutputs]:
+        """The engine's next message (None after `timeout` s); EngineDeadError within ~POLL_S of its death."""
         self._check_usable()
         endpoint = self._endpoint
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
-                outputs = endpoint.recv(decode_outputs, POLL_S)
+                wait = POLL_S if deadline is None else max(min(POLL_S, deadline - time.monotonic()), 0.0)
+                outputs = endpoint.recv(decode_outputs, wait)
             except TimeoutError:
                 if self._manager.is_alive():
+                    if deadline is not None and time.monotonic() >= deadline:
+                        return None
                     continue
                 outputs = endpoint.try_recv(decode_outputs)  # what it said before it died
                 if outputs is None:
@@ -251,10 +271,11 @@ class SyncMPClient(EngineCoreClient):
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(request)
 
-    def get_output(self) -> EngineCoreOutputs:
-        if self._pending:
-            return self._pending.popleft()
-        return self._recv()
+    def get_output(self, timeout: Optional[float] = None) -> Optional[EngineCoreOutputs]:
+        with self._recv_lock:
+            if self._pending:
+                return self._pending.popleft()
+            return self._recv(timeout)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """A dead engine holds no requests: then there is nothing to abort, and no error."""
@@ -264,6 +285,10 @@ class SyncMPClient(EngineCoreClient):
     def call_utility(self, method: str, *args: Any) -> Any:
         """Calls `EngineCore.<method>(*args)` in the engine; EngineUtilityError if it raised there."""
         call_id = next(self._call_ids)
+        with self._recv_lock:  # nobody else may take the reply
+            return self._call_utility(call_id, method, args)
+
+    def _call_utility(self, call_id: int, method: str, args: tuple[Any, ...]) -> Any:
         self._send(EngineCoreUtility(call_id, method, list(args)))
         while True:
             outputs = self._recv()

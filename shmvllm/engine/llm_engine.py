@@ -15,7 +15,7 @@ import msgspec
 from shmvllm.config import EngineArgs, EngineConfig
 from shmvllm.engine.core_client import EngineCoreClient
 from shmvllm.engine.input_processor import InputProcessor, PromptType
-from shmvllm.engine.messages import EngineCoreRequest, now
+from shmvllm.engine.messages import EngineCoreOutputs, EngineCoreRequest, now
 from shmvllm.engine.output_processor import OutputProcessor, ParentRequest
 from shmvllm.engine.renderer import Renderer, load_tokenizer
 from shmvllm.metrics import FrontendStats, Metric
@@ -148,7 +148,11 @@ class LLMEngine:
 
     def step(self) -> list[Union[RequestOutput, PoolingRequestOutput]]:
         """One batch of engine outputs -> RequestOutputs; aborts in the engine what stop strings ended."""
-        outputs = self.engine_core.get_output()
+        return self.process_engine_outputs(self.engine_core.get_output())
+
+    def process_engine_outputs(self, outputs: EngineCoreOutputs) -> list[Union[RequestOutput, PoolingRequestOutput]]:
+        """`step` after the wait: what one batch of engine outputs makes (threads that share the
+        engine wait for outputs unlocked and run this under their lock)."""
         processed = self.output_processor.process_outputs(outputs.outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)

@@ -16,6 +16,7 @@ from shmvllm.config import EngineArgs
 from shmvllm.engine.input_processor import PromptType, check_prompt_keys
 from shmvllm.engine.llm_engine import LLMEngine
 from shmvllm.engine.renderer import Conversation
+from shmvllm.entrypoints.output_router import OutputRouter, Sink
 from shmvllm.lora import check_no_lora
 from shmvllm.metrics import Metric
 from shmvllm.model.registry import DEFAULT_MODEL
@@ -56,6 +57,12 @@ class LLM:
     An argument vLLM does not have either is a TypeError. multiprocess: run the engine in its
     own process (the default) or in this one. transport: the channel to the engine process
     ("shm": shared-memory rings; "zmq": ZeroMQ sockets).
+
+    Threads: one LLM may be called from many threads at once (generate, chat, embed, encode,
+    score, beam_search, get_metrics). Each call returns exactly its own outputs, the requests of
+    all callers share the engine's steps (continuous batching across callers), and a caller
+    that is interrupted aborts only its own requests. If the engine dies, every waiting call
+    raises EngineDeadError.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, multiprocess: bool = True, transport: str = "shm", **engine_args: Any):
@@ -68,6 +75,7 @@ class LLM:
         self.supported_tasks: tuple[str, ...] = ("embed",) if self.model_config.is_embedding else ("generate",)
         self.default_sampling_params: Optional[dict[str, Any]] = None
         self.request_counter = itertools.count()
+        self._router = OutputRouter(self.llm_engine)
         self._closed = False
 
     def get_tokenizer(self) -> Any:
@@ -82,7 +90,7 @@ class LLM:
 
     def get_metrics(self) -> list[Metric]:
         """A snapshot of vLLM's metrics (vllm:prompt_tokens, vllm:num_requests_running, ...)."""
-        return self.llm_engine.get_metrics()
+        return self._router.locked(self.llm_engine.get_metrics)
 
     def generate(
         self,
@@ -303,7 +311,8 @@ class LLM:
         for prompt in prompt_list:
             self._check_pooling_prompt(prompt, tokenization_kwargs)
         request_ids = [str(next(self.request_counter)) for _ in prompt_list]
-        tracker = _PoolingTracker(engine, len(prompt_list), use_tqdm)
+        router, sink = self._router, Sink()
+        tracker = _PoolingTracker(router, sink, len(prompt_list), use_tqdm)
         max_in_flight = POOLING_MAX_IN_FLIGHT_STEPS * engine.config.scheduler_config.max_num_seqs
         sent = 0
         try:
@@ -312,15 +321,18 @@ class LLM:
                 for text, ids in engine.input_processor.tokenize_for_pooling(chunk, tokenization_kwargs):
                     while tracker.in_flight >= max_in_flight:
                         tracker.collect()
-                    engine.add_tokenized_pooling_request(
-                        request_ids[sent], text, ids, params_list[sent], priority[sent] if priority else 0
+                    router.register(sink, request_ids[sent])
+                    router.locked(
+                        engine.add_tokenized_pooling_request,
+                        request_ids[sent], text, ids, params_list[sent], priority[sent] if priority else 0,
                     )
                     tracker.in_flight += 1
                     sent += 1
-            while engine.has_unfinished_requests():
+            while sink.pending:
                 tracker.collect()
         except BaseException:
-            engine.abort_request([rid for rid in request_ids[:sent] if rid not in tracker.finished])
+            router.release(sink)
+            router.locked(engine.abort_request, [rid for rid in request_ids[:sent] if rid not in tracker.finished])
             raise
         finally:
             tracker.close()
@@ -367,7 +379,8 @@ class LLM:
     ) -> list[RequestOutput]:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts.")
-        request_ids = []
+        request_ids: list[str] = []
+        router, sink = self._router, Sink()
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 request_id = str(next(self.request_counter))
@@ -376,21 +389,30 @@ class LLM:
                 final = msgspec.structs.replace(
                     params, output_kind=RequestOutputKind.FINAL_ONLY, truncate_prompt_tokens=None
                 )
-                self.llm_engine.add_request(request_id, prompt, final, priority=priority[i] if priority else 0)
+                router.register(sink, request_id)
+                router.locked(self.llm_engine.add_request, request_id, prompt, final, priority=priority[i] if priority else 0)
                 request_ids.append(request_id)
-            return self._run_engine(request_ids, use_tqdm)
+            return self._run_engine(request_ids, use_tqdm, sink)
         except BaseException:
-            self.llm_engine.abort_request(request_ids)
+            router.release(sink)
+            router.locked(self.llm_engine.abort_request, request_ids)
             raise
 
-    def _run_engine(self, request_ids: list[str], use_tqdm: UseTqdm) -> list[RequestOutput]:
-        """Steps the engine until every request is finished; returns outputs in `request_ids` order."""
+    def _run_engine(self, request_ids: list[str], use_tqdm: UseTqdm, sink: Optional[Sink] = None) -> list[RequestOutput]:
+        """Waits until every request is finished; returns outputs in `request_ids` order.
+
+        sink: where the router puts these requests' outputs (registered before they were added);
+        without one, the requests are registered now (they were added by the caller)."""
+        if sink is None:
+            sink = Sink()
+            for request_id in request_ids:
+                self._router.register(sink, request_id)
         started = time.perf_counter()
         bar = _progress_bar(len(request_ids), use_tqdm) if use_tqdm and len(request_ids) > 1 else None
         finished: dict[str, RequestOutput] = {}
         prompt_tokens = output_tokens = 0
-        while self.llm_engine.has_unfinished_requests():
-            for output in self.llm_engine.step():
+        while sink.pending:
+            for output in self._router.next_outputs(sink):
                 if not output.finished or not isinstance(output, RequestOutput):
                     continue
                 finished[output.request_id] = output
@@ -446,8 +468,9 @@ class _PoolingTracker:
     """The finished pooling outputs of one embed/encode call, what is still in flight, and the
     progress bar."""
 
-    def __init__(self, engine: LLMEngine, total: int, use_tqdm: UseTqdm) -> None:
-        self.engine = engine
+    def __init__(self, router: OutputRouter, sink: Sink, total: int, use_tqdm: UseTqdm) -> None:
+        self.router = router
+        self.sink = sink
         self.finished: dict[str, PoolingRequestOutput] = {}
         self.in_flight = 0
         self.started = time.perf_counter()
@@ -457,7 +480,7 @@ class _PoolingTracker:
     def collect(self) -> None:
         """Takes one batch of engine outputs (blocks until it comes)."""
         done = 0
-        for output in self.engine.step():
+        for output in self.router.next_outputs(self.sink):
             if not isinstance(output, PoolingRequestOutput):
                 continue
             self.finished[output.request_id] = output

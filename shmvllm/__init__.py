@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "shmvllm.entrypoints.llm",
+    "AsyncLLM": "shmvllm.engine.async_llm",
     "SamplingParams": "shmvllm.sampling_params",
     "RequestOutputKind": "shmvllm.sampling_params",
     "PoolingParams": "shmvllm.pooling_params",

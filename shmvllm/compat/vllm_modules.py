@@ -34,6 +34,7 @@ MODULES: dict[str, Optional[str]] = {
     "vllm.engine": None,
     "vllm.engine.arg_utils": "shmvllm.config",
     "vllm.engine.llm_engine": "shmvllm.engine.llm_engine",
+    "vllm.engine.async_llm_engine": "shmvllm.engine.async_llm",
     "vllm.entrypoints": None,
     "vllm.entrypoints.llm": "shmvllm.entrypoints.llm",
     "vllm.entrypoints.chat_utils": "shmvllm.engine.renderer",
@@ -45,6 +46,7 @@ MODULES: dict[str, Optional[str]] = {
     "vllm.v1": None,
     "vllm.v1.engine": None,
     "vllm.v1.engine.llm_engine": "shmvllm.engine.llm_engine",
+    "vllm.v1.engine.async_llm": "shmvllm.engine.async_llm",
     "vllm.v1.metrics": None,
     "vllm.v1.metrics.reader": "shmvllm.metrics",
 }
@@ -53,6 +55,7 @@ MODULES: dict[str, Optional[str]] = {
 TOPLEVEL: dict[str, str] = {
     "LLM": "shmvllm.entrypoints.llm",
     "LLMEngine": "shmvllm.engine.llm_engine",
+    "AsyncLLMEngine": "shmvllm.engine.async_llm",
     "EngineArgs": "shmvllm.config",
     "SamplingParams": "shmvllm.sampling_params",
     "PoolingParams": "shmvllm.pooling_params",

@@ -91,12 +91,16 @@ def add_generate_parser(subparsers: Any) -> None:
     parser.add_argument("--n", type=int, default=1, help="completions per prompt (default: %(default)s)")
     parser.add_argument("--no-chat-template", action="store_true",
                         help="send the prompt as raw text, without the model's chat template")
+    parser.add_argument("--stream", action="store_true",
+                        help="print the text as it is generated, prompt after prompt (needs --n 1)")
     add_sampling_args(parser, max_tokens=256)
     add_engine_args(parser)
     parser.set_defaults(func=run_generate)
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    if args.stream:
+        return run_generate_streaming(args)
     params = sampling_params_from_args(args, n=args.n)
     with make_llm(args) as llm:
         use_template = not args.no_chat_template and llm.llm_engine.renderer.has_chat_template
@@ -113,6 +117,29 @@ def run_generate(args: argparse.Namespace) -> int:
         if output.error:
             print(f"error: {output.error}", file=sys.stderr)
     return 1 if any(o.error for o in outputs) else 0
+
+
+def run_generate_streaming(args: argparse.Namespace) -> int:
+    from shmvllm.sampling_params import RequestOutputKind
+
+    if args.n != 1:
+        raise SystemExit(f"shmvllm generate: error: --stream prints one completion per prompt; got --n {args.n}.")
+    params = sampling_params_from_args(args, output_kind=RequestOutputKind.DELTA)
+    failed = False
+    with make_llm(args) as llm:
+        renderer = llm.llm_engine.renderer
+        use_template = not args.no_chat_template and renderer.has_chat_template
+        for i, text in enumerate(args.prompts):
+            if len(args.prompts) > 1:
+                print(f"--- prompt {i}, completion 0 ---", flush=True)
+            if use_template:
+                rendered, ids = renderer.render_chat(conversation(args, text))
+                prompt: Any = {"prompt": rendered, "prompt_token_ids": ids}
+            else:
+                prompt = text
+            _, error = stream_prompt(llm, prompt, params)
+            failed = failed or error
+    return 1 if failed else 0
 
 
 # --- chat ---------------------------------------------------------------------------------------
@@ -152,11 +179,19 @@ def run_chat(args: argparse.Namespace) -> int:
 
 def stream_reply(llm: Any, history: list[dict[str, str]], params: Any) -> str:
     """Generates the assistant's next message, printing each piece as it arrives."""
+    text, ids = llm.llm_engine.renderer.render_chat(history)
+    reply, _ = stream_prompt(llm, {"prompt": text, "prompt_token_ids": ids}, params)
+    return reply
+
+
+def stream_prompt(llm: Any, prompt: Any, params: Any) -> tuple[str, bool]:
+    """Generates one completion (params with output_kind DELTA), printing each piece as it
+    arrives; Ctrl-C stops it. Returns the text and whether the engine reported an error."""
     engine = llm.llm_engine
-    text, ids = engine.renderer.render_chat(history)
-    request_id = f"chat-{next(llm.request_counter)}"
-    engine.add_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params)
+    request_id = f"stream-{next(llm.request_counter)}"
+    engine.add_request(request_id, prompt, params)
     pieces = []
+    error = False
     try:
         while engine.has_unfinished_requests():
             for output in engine.step():
@@ -164,11 +199,12 @@ def stream_reply(llm: Any, history: list[dict[str, str]], params: Any) -> str:
                     pieces.append(completion.text)
                     print(completion.text, end="", flush=True)
                 if output.error:
+                    error = True
                     print(f"\nerror: {output.error}", file=sys.stderr)
     except KeyboardInterrupt:
         engine.abort_request([request_id])
     print(flush=True)
-    return "".join(pieces)
+    return "".join(pieces), error
 
 
 def _read_line(prompt: str) -> Optional[str]:

@@ -89,3 +89,24 @@ def test_chat_repl_streams_the_same_reply_as_llm_chat(tiny_llama_dir):
 def test_invalid_flag_value_is_a_clear_error(tiny_llama_dir, flag, value, field):
     result = run([sys.executable, "-m", "shmvllm", "generate", "hi", "--model", str(tiny_llama_dir), flag, value, "--inproc"])
     assert result.returncode == 2 and field in result.stderr and "Traceback" not in result.stderr
+
+
+def test_generate_stream_prints_pieces_as_they_come(tiny_llama_dir):
+    """--stream: the same text as without, and the first piece is on stdout before the rest exists."""
+    import os
+    import subprocess
+
+    args = ["generate", "The capital of France is", "Once upon", "--no-chat-template", "--model", str(tiny_llama_dir),
+            "--max-tokens", "300", "--inproc"]
+    plain = run([sys.executable, "-m", "shmvllm", *args])
+    assert plain.returncode == 0, plain.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "shmvllm", *args, "--stream"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        first = os.read(proc.stdout.fileno(), 1 << 20)
+        rest, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert (first + rest).decode() == plain.stdout
+    assert len(first) < len(plain.stdout.encode()) // 2  # it came in pieces

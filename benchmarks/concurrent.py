@@ -9,7 +9,7 @@ next, for --seconds (default 10). Embedding (all-MiniLM-L6-v2, one short sentenc
 - sentence-transformers behind a lock: `SentenceTransformer.encode([text])` per request, one at
   a time (what an application does with it today).
 
-Generation (the shipped SmolLM2-135M-Instruct GGUF, 16 greedy tokens a request): shmvllm
+Generation (the shipped SmolLM2-135M-Instruct GGUF, 16 greedy tokens a request, EOS ignored): shmvllm
 threads (`LLM.generate`), shmvllm async (`AsyncLLM.generate`, streaming: it also gives TTFT),
 shmvllm serial, and llama-cpp-python behind a lock (streaming, in its own venv's python, given
 by --llama-python; left out without it). Reported: requests/s (and tokens/s), latency p50/p99,
@@ -144,10 +144,13 @@ def llama_worker(gguf: str, callers: list[int], seconds: float) -> None:
     def call(i: int) -> tuple[Optional[float], int]:
         started = time.perf_counter()
         first, count = None, 0
-        for _ in llm.create_completion(GEN_PROMPT.format(i), max_tokens=GEN_TOKENS, temperature=0.0, stream=True):
+        prompt = llm.tokenize(GEN_PROMPT.format(i).encode())
+        for _ in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
             if first is None:
                 first = time.perf_counter() - started
             count += 1
+            if count == GEN_TOKENS:  # EOS ignored, as shmvllm's ignore_eos=True
+                break
         return first, count
 
     call(0)
@@ -223,7 +226,7 @@ def generation_rows(callers: list[int], seconds: float, llama_python: Optional[s
               file=sys.stderr, flush=True)
 
     model = "smollm2-135m-instruct"
-    params = SamplingParams(temperature=0, max_tokens=GEN_TOKENS)
+    params = SamplingParams(temperature=0, max_tokens=GEN_TOKENS, ignore_eos=True)
     with LLM(model) as llm:
         llm.generate("warm up", params, use_tqdm=False)
 
@@ -234,7 +237,7 @@ def generation_rows(callers: list[int], seconds: float, llama_python: Optional[s
             add("shmvllm", "threads", n, run_threads(call, n, seconds))
             add("shmvllm", "serial", n, run_threads(locked(call), n, seconds))
 
-    stream_params = SamplingParams(temperature=0, max_tokens=GEN_TOKENS, output_kind=RequestOutputKind.DELTA)
+    stream_params = SamplingParams(temperature=0, max_tokens=GEN_TOKENS, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 
     async def make_async() -> Any:
         engine = AsyncLLM.from_engine_args(EngineArgs(model=model))

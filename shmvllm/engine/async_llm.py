@@ -90,15 +90,22 @@ class _OutputReader:
                 return
             if outputs is None:
                 continue
-            with self.lock:
-                processed = engine.process_engine_outputs(outputs)
-                for output in processed:
-                    stream = self.streams.get(output.request_id)
-                    if stream is None:
-                        continue
-                    if output.finished:
-                        del self.streams[output.request_id]
-                    _call_soon(stream.loop, stream.put, output)
+            try:
+                self._dispatch(outputs)
+            except Exception as exc:  # a stream must never wait for a reader that is gone
+                self._fail_all(EngineDeadError(f"the output reader failed: {exc!r}"))
+                raise
+
+    def _dispatch(self, outputs: Any) -> None:
+        with self.lock:
+            processed = self.engine.process_engine_outputs(outputs)
+            for output in processed:
+                stream = self.streams.get(output.request_id)
+                if stream is None:
+                    continue
+                if output.finished:
+                    del self.streams[output.request_id]
+                _call_soon(stream.loop, stream.put, output)
 
     def _fail_all(self, error: EngineDeadError) -> None:
         with self.lock:

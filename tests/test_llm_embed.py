@@ -129,13 +129,13 @@ def test_requests_in_flight_stay_capped(tiny_bert_dir, embedding_texts):
     texts = embedding_texts[:40]
     with LLM(model=str(tiny_bert_dir), max_num_seqs=2) as llm:
         seen = []
-        engine_step = llm.llm_engine.step
+        process = llm.llm_engine.process_engine_outputs
 
-        def step():
+        def step(outputs):
             seen.append(llm.llm_engine.get_num_unfinished_requests())
-            return engine_step()
+            return process(outputs)
 
-        llm.llm_engine.step = step
+        llm.llm_engine.process_engine_outputs = step
         got = np.stack([o.outputs.numpy() for o in llm.embed(texts, use_tqdm=False)])
     assert max(seen) <= 4 and len(seen) >= 10
     expected = SentenceTransformer(str(tiny_bert_dir), device="cpu").encode(texts, convert_to_numpy=True)

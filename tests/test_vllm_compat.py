@@ -115,7 +115,7 @@ def test_install_as_vllm_maps_vllm_modules_to_shmvllm_modules():
                 assert e.name == missing, e
             else:
                 raise AssertionError(missing)
-        for module, name in (("vllm", "AsyncLLMEngine"), ("vllm.sampling_params", "NoSuchName")):
+        for module, name in (("vllm", "AsyncEngineArgs"), ("vllm.sampling_params", "NoSuchName")):
             try:
                 exec(f"from {module} import {name}")
             except ImportError as e:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import json as _json
 import logging
 from typing import Any, Optional, Union
 
@@ -31,6 +32,126 @@ class RequestOutputKind(enum.IntEnum):
 
 class ParameterTypeError(TypeError, ValueError):
     """A parameter of the wrong type: a TypeError, and a ValueError like every other invalid parameter."""
+
+
+_CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+class StructuredOutputsParams(
+    msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True
+):  # type: ignore[call-arg]
+    """A constraint on the output, with vLLM's fields: exactly one of `json` (a JSON schema as a
+    dict, a JSON string, or a pydantic model class), `regex`, `choice` (a list of strings),
+    `grammar` (EBNF / GBNF, or Lark), `json_object` (any JSON object) and `structural_tag` (an
+    xgrammar structural tag, as JSON text or a dict).
+
+    Options: `disable_any_whitespace` (JSON without free whitespace), `disable_additional_properties`
+    (objects of the schema that do not say otherwise get additionalProperties false),
+    `whitespace_pattern` (refused when set: xgrammar has no such knob, as in vLLM's xgrammar
+    backend), `disable_fallback` (accepted at any value: there is one backend, never a fallback).
+
+    Whether the constraint itself is valid (a schema xgrammar can compile, a regex that parses)
+    is checked by the frontend's input processor, which has the grammar library.
+    """
+
+    json: Union[str, dict[str, Any], None] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Union[str, dict[str, Any], None] = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: Optional[str] = None
+    disable_fallback: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, type) or _is_pydantic_model(self.json):
+            self.json = _pydantic_schema(self.json)
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        if self.json_object is False:
+            self.json_object = None  # vLLM counts only True as a constraint
+        given = [name for name in _CONSTRAINT_FIELDS if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one constraint of "
+                f"{list(_CONSTRAINT_FIELDS)}, got {len(given)}: {given or 'none'}."
+            )
+        self._verify()
+
+    def _verify(self) -> None:
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ParameterTypeError(
+                "structured_outputs.json must be a JSON schema (dict or str) or a pydantic model class, "
+                f"got {self.json!r} ({type(self.json).__name__})."
+            )
+        if isinstance(self.json, str):
+            try:
+                schema = _json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}; got {self.json!r}.") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"structured_outputs.json must be a JSON schema object, got {self.json!r}.")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ParameterTypeError(f"structured_outputs.{name} must be a str, got {value!r}.")
+            if value is not None and "\x00" in value:
+                raise ValueError(f"structured_outputs.{name} must not contain a NUL character, got {value!r}.")
+        if self.grammar is not None and not self.grammar.strip():
+            raise ValueError(f"structured_outputs.grammar is empty, got {self.grammar!r}.")
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not all(isinstance(c, str) for c in self.choice):
+                raise ParameterTypeError(f"structured_outputs.choice must be a list of str, got {self.choice!r}.")
+            if not self.choice:
+                raise ValueError("structured_outputs.choice must hold at least one string, got [].")
+        if self.json_object is not None and self.json_object is not True:
+            raise ParameterTypeError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}.")
+        if self.structural_tag is not None:
+            if not isinstance(self.structural_tag, (str, dict)):
+                raise ParameterTypeError(
+                    f"structured_outputs.structural_tag must be JSON text or a dict, got {self.structural_tag!r}."
+                )
+            if isinstance(self.structural_tag, str):
+                try:
+                    _json.loads(self.structural_tag)
+                except ValueError as exc:
+                    raise ValueError(
+                        f"structured_outputs.structural_tag is not valid JSON: {exc}; got {self.structural_tag!r}."
+                    ) from None
+        for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+            if not isinstance(getattr(self, name), bool):
+                raise ParameterTypeError(f"structured_outputs.{name} must be a bool, got {getattr(self, name)!r}.")
+        if self.whitespace_pattern is not None:
+            raise ValueError(
+                "structured_outputs.whitespace_pattern is not supported by the xgrammar backend "
+                f"(use disable_any_whitespace=True for compact JSON), got {self.whitespace_pattern!r}."
+            )
+
+    @property
+    def kind(self) -> str:
+        """The name of the one constraint field that is set."""
+        return next(name for name in _CONSTRAINT_FIELDS if getattr(self, name) is not None)
+
+    def all_constraints_none(self) -> bool:
+        return all(getattr(self, name) is None for name in _CONSTRAINT_FIELDS)
+
+
+# vLLM's older name for the same parameters.
+GuidedDecodingParams = StructuredOutputsParams
+
+
+def _is_pydantic_model(value: object) -> bool:
+    return hasattr(value, "model_json_schema") and callable(value.model_json_schema)
+
+
+def _pydantic_schema(model: Any) -> Any:
+    if not _is_pydantic_model(model):
+        raise ParameterTypeError(
+            f"structured_outputs.json must be a JSON schema (dict or str) or a pydantic model class, got {model!r}."
+        )
+    return model.model_json_schema()
 
 
 class SamplingType(enum.IntEnum):
@@ -76,6 +197,8 @@ class SamplingParams(
     bad_words: Optional[list[str]] = None  # a word's last token is banned after the rest of it
     extra_args: Optional[dict[str, Any]] = None  # carried for custom code; no in-tree use (as in vLLM)
     flat_logprobs: bool = False  # logprobs as one FlatLogprobs per completion (fewer objects)
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    guided_decoding: Optional[StructuredOutputsParams] = None  # vLLM's older name: moved to structured_outputs
     # Set by the input processor from the tokenizer / generation config, not by users.
     eos_token_id: Optional[int] = None
     bad_words_token_ids: Optional[list[list[int]]] = None  # bad_words, tokenized
@@ -146,6 +269,13 @@ class SamplingParams(
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is True:  # vLLM: True means 1
                 setattr(self, name, 1)
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None and self.structured_outputs != self.guided_decoding:
+                raise ValueError(
+                    "structured_outputs and guided_decoding (its older name) are both set, to different values: "
+                    f"{self.structured_outputs!r} and {self.guided_decoding!r}."
+                )
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif isinstance(self.stop, tuple):
@@ -218,6 +348,10 @@ class SamplingParams(
                 raise ParameterTypeError(f"{name} must be a bool, got {getattr(self, name)!r}.")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ParameterTypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ParameterTypeError(
+                f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}."
+            )
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are only supported when detokenize is True.")
 

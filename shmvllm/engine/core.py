@@ -24,6 +24,7 @@ from shmvllm.engine.messages import (
     SchedulerStats,
     now,
 )
+from shmvllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,14 @@ class EngineCore:
         self.num_kv_blocks = int(self.executor.determine_num_kv_blocks())
         self.executor.initialize_kv_cache(self.num_kv_blocks)
         self.block_size = config.cache_config.block_size
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_kv_blocks)
+        self.structured_output_manager = None if self.model_config.is_embedding else StructuredOutputManager(
+            self.model_config.tokenizer_dir or self.model_config.model_dir,
+            self.model_config.vocab_size,
+            config.scheduler_config.max_num_seqs,
+        )
+        self.scheduler = Scheduler(
+            config.scheduler_config, config.cache_config, self.num_kv_blocks, self.structured_output_manager
+        )
         self._rejected: list[EngineCoreOutput] = []
         self._totals = {"num_steps": 0, "num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         self._last_stats = SchedulerStats()
@@ -158,6 +166,8 @@ class EngineCore:
         }
 
     def shutdown(self) -> None:
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.shutdown()
         self.executor.shutdown()
 
     def _kv_cache_bytes(self) -> int:

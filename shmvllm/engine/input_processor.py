@@ -2,7 +2,7 @@
 
 Everything that can be wrong with a request is found here, as a ValueError, before anything is
 queued in the engine: an empty prompt, token ids outside the vocabulary, a prompt that leaves no
-room to generate within max_model_len.
+room to generate within max_model_len, a structured-output constraint that does not parse.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from shmvllm.engine.messages import EngineCoreRequest, now
 from shmvllm.engine.renderer import Renderer
 from shmvllm.pooling_params import PoolingParams
 from shmvllm.sampling_params import SamplingParams
+from shmvllm.structured_output.validator import StructuredOutputValidator
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class InputProcessor:
         self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
         self.eos_token_id: Optional[int] = None
         self.extra_eos_token_ids: list[int] = []
+        self.structured_output_validator = StructuredOutputValidator()
         if generates:
             self.eos_token_id, self.extra_eos_token_ids = _eos_token_ids(renderer.tokenizer, model_dir)
 
@@ -70,6 +72,7 @@ class InputProcessor:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise TypeError(f"priority must be an int, got {priority!r}.")
         self.verify_sampling_params(params)
+        self.verify_structured_outputs(params)
         prompt_text, prompt_ids = self.tokenize_prompt(prompt, tokenization_kwargs)
         prompt_ids = self.truncate(prompt_ids, params.truncate_prompt_tokens)
         self.validate_prompt(prompt_ids)
@@ -81,6 +84,11 @@ class InputProcessor:
             priority=priority,
         )
         return request, prompt_text, prompt_ids
+
+    def verify_structured_outputs(self, params: SamplingParams) -> None:
+        """A ValueError naming the field if the constraint does not parse (results are cached)."""
+        if params.structured_outputs is not None:
+            self.structured_output_validator.validate(params.structured_outputs)
 
     def tokenize_prompt(
         self, prompt: PromptType, tokenization_kwargs: Optional[dict[str, Any]] = None

@@ -367,6 +367,8 @@ class LLM:
     ) -> list[RequestOutput]:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts.")
+        for params in {id(p): p for p in params_list}.values():  # a bad constraint fails before any is queued
+            self.llm_engine.input_processor.verify_structured_outputs(params)
         request_ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):

@@ -23,6 +23,7 @@ from shmvllm.model.loader import get_model, torch_dtype
 from shmvllm.model.logits_processors import RequestLogitsProcessors
 from shmvllm.model.sampler import Sampler, SamplingMetadata, gather_logprobs, seeded_generator
 from shmvllm.sampling_params import SamplingParams
+from shmvllm.structured_output.bitmask import TokenBitmaskApplier
 from shmvllm.worker.huge_pages import advise_huge_pages
 from shmvllm.worker.input_batch import CachedRequestState, InputBatch
 
@@ -45,6 +46,7 @@ class ModelRunner:
         generator = torch.Generator(device=device)
         generator.manual_seed(self.model_config.seed)
         self.sampler = Sampler(generator)
+        self.bitmask_applier = TokenBitmaskApplier(self.vocab_size, device)
         self.model: Optional[torch.nn.Module] = None
         self.kv_cache: Optional[torch.Tensor] = None
         self.num_blocks = 0
@@ -117,7 +119,7 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta)
         cu_ends = np.cumsum(query_lens)
         sample_rows = np.flatnonzero(ends == batch.num_tokens[: batch.num_reqs])
-        output = self._sample(hidden, cu_ends, sample_rows)
+        output = self._sample(hidden, cu_ends, sample_rows, scheduler_output)
         prompt_logprobs = self._prompt_logprobs(hidden, cu_ends - query_lens, query_lens, num_computed)
         if prompt_logprobs:
             output.prompt_logprobs = prompt_logprobs
@@ -197,7 +199,9 @@ class ModelRunner:
         )
 
     # ---- sampling -----------------------------------------------------------------------
-    def _sample(self, hidden: torch.Tensor, cu_ends: np.ndarray, sample_rows: np.ndarray) -> ModelRunnerOutput:
+    def _sample(
+        self, hidden: torch.Tensor, cu_ends: np.ndarray, sample_rows: np.ndarray, scheduler_output: SchedulerOutput
+    ) -> ModelRunnerOutput:
         batch = self.input_batch
         sampled_lists: list[list[int]] = [[] for _ in range(batch.num_reqs)]
         output = ModelRunnerOutput(req_ids=list(batch.req_ids), sampled_token_ids=sampled_lists)
@@ -205,6 +209,8 @@ class ModelRunner:
             return output
         logits_idx = torch.from_numpy((cu_ends[sample_rows] - 1).astype(np.int64)).to(self.device)
         logits = self.model.compute_logits(hidden.index_select(0, logits_idx))
+        if scheduler_output.grammar_bitmask is not None:
+            self._apply_grammar_bitmask(logits, sample_rows, scheduler_output)
         result = self.sampler(logits, self._sampling_metadata(sample_rows))
         tokens = result.sampled_token_ids.tolist()
         for i, row in enumerate(sample_rows.tolist()):
@@ -221,6 +227,16 @@ class ModelRunner:
                         ids[i : i + 1, :width], lps[i : i + 1, :width], ranks[i : i + 1]
                     )
         return output
+
+    def _apply_grammar_bitmask(self, logits: torch.Tensor, sample_rows: np.ndarray, so: SchedulerOutput) -> None:
+        """Masks each constrained request's logits row with its bitmask row (before sampling, so
+        every sampling knob chooses among allowed tokens)."""
+        batch_rows = np.fromiter((self.input_batch.req_id_to_index[r] for r in so.structured_output_request_ids),
+                                 dtype=np.int64, count=len(so.structured_output_request_ids))
+        logits_rows = np.searchsorted(sample_rows, batch_rows)  # sample_rows is sorted
+        if not np.array_equal(sample_rows[np.minimum(logits_rows, len(sample_rows) - 1)], batch_rows):
+            raise ValueError(f"grammar bitmask for requests that do not sample in this step: {so.structured_output_request_ids}.")
+        self.bitmask_applier.apply(logits, logits_rows, so.grammar_bitmask)
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         batch = self.input_batch

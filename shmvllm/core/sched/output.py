@@ -52,6 +52,9 @@ class SchedulerOutput:
     finished_req_ids: requests finished or aborted since the last step (the runner drops them).
     preempted_req_ids: requests preempted this step (the runner drops them; they come back later
     as NewRequestData).
+    structured_output_request_ids / grammar_bitmask: the constrained requests that sample in this
+    step, and their allowed next tokens, row i for structured_output_request_ids[i] (int32
+    [rows, ceil(vocab / 32)], a view of the scheduler's buffer, valid until the next schedule()).
 
     A request's num_computed_tokens may count prefix-cache blocks that another request writes in
     this same step (both share a prompt prefix and were scheduled together): the runner must
@@ -66,6 +69,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Optional[np.ndarray] = None
 
 
 @dataclass

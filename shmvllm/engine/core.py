@@ -163,6 +163,7 @@ class EngineCore:
             "num_running_reqs": len(self.scheduler.running),
             "num_waiting_reqs": len(self.scheduler.waiting),
             **self._totals,
+            **({"structured_output": self.structured_output_manager.stats()} if self.structured_output_manager else {}),
         }
 
     def shutdown(self) -> None:

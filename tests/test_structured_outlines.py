@@ -67,4 +67,4 @@ def test_regex_and_literal_choice(model):
     mood = model("Is this review positive or negative? 'I loved it.'", Literal["positive", "negative"], sampling_params=greedy)
     assert mood in ("positive", "negative")
     batch = model.batch(["Name a colour.", "Name a fruit."], Literal["red", "apple", "other"], sampling_params=greedy)
-    assert all(answer in ("red", "apple", "other") for answer in batch)
+    assert len(batch) == 2 and all(len(answers) == 1 and answers[0] in ("red", "apple", "other") for answers in batch)

@@ -388,3 +388,40 @@ def test_padded_vocab_masks_ids_the_tokenizer_lacks(padded_vocab_llama_dir):
         assert completion.finish_reason == "stop"
         assert max(completion.token_ids) < vocab
         assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", completion.text) if i % 2 else completion.text in ("alpha", "beta", "gamma delta")
+
+
+# ---- the engine alone: a constraint that bypassed the frontend ------------------------------
+
+def test_engine_fails_only_the_request_whose_grammar_does_not_compile(tiny_llama_dir):
+    from shmvllm.config import EngineArgs
+    from shmvllm.engine.core import EngineCore
+    from shmvllm.engine.messages import FinishReason
+
+    config = EngineArgs(model=str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=256,
+                        num_kv_blocks=64).create_engine_config()
+    engine = EngineCore(config)
+    try:
+        def request(req_id: str, **constraint) -> EngineCoreRequest:
+            params = SamplingParams(temperature=0.0, max_tokens=8, eos_token_id=2,
+                                    structured_outputs=StructuredOutputsParams(**constraint) if constraint else None)
+            return EngineCoreRequest(request_id=req_id, prompt_token_ids=EngineCoreRequest.pack_token_ids([1, 5, 9]),
+                                     sampling_params=params)
+
+        engine.add_request(request("bad", regex="(unclosed"))
+        engine.add_request(request("choice", choice=["left", "right"]))
+        engine.add_request(request("free"))
+        finished = {}
+        for _ in range(200):
+            for output in engine.step().outputs:
+                if output.finished:
+                    finished[output.request_id] = output
+            if not engine.has_unfinished_requests():
+                break
+        assert finished["bad"].finish_reason == FinishReason.ERROR
+        assert "structured_outputs.regex" in finished["bad"].error and "did not compile" in finished["bad"].error
+        assert finished["choice"].finish_reason == FinishReason.STOP and finished["free"].finish_reason == FinishReason.LENGTH
+        stats = engine.get_stats()
+        assert stats["num_running_reqs"] == stats["num_waiting_reqs"] == 0
+        assert stats["num_free_blocks"] == engine.num_kv_blocks
+    finally:
+        engine.shutdown()

@@ -58,7 +58,9 @@ class StructuredOutputManager:
         if self._bitmask is None:
             xgr = backend.import_xgrammar()
             self._bitmask = np.empty((self.max_num_seqs, -(-self.vocab_size // 32)), dtype=np.int32)
-            self._batch_matcher = xgr.BatchGrammarMatcher()
+            # One thread, the caller's: 64 rows take well under a millisecond, and xgrammar's pool
+            # threads would contend with torch's for the cores during the forward that follows.
+            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=1)
         rows = self._bitmask[: len(requests)]
         self._batch_matcher.batch_fill_next_token_bitmask([r.matcher for r in requests], rows)
         self.fill_s += time.perf_counter() - started

@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         work = {mode: (prompts_for(llm, mode), make_params(mode, args.max_tokens)) for mode in MODES}
         warm = {}
         for mode in MODES:
-            prompts, params = work[mode]
+            prompts = work[mode][0]
             started = time.perf_counter()
             run_once(llm, mode, prompts[:4], make_params(mode, 4))
             warm[mode] = time.perf_counter() - started

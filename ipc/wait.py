@@ -37,12 +37,21 @@ message and then closes (or dies) between our look at the counter and our look a
 would otherwise be reported gone with that message unread. The peer's close follows its last
 publish, and our look at its state (an acquire load) precedes that second look at the counter,
 so whoever sees the peer gone also sees everything it published.
+
+Signals: a Python signal handler that raises (a SIGALRM timeout, say) interrupts a blocked
+wait, as it would `time.sleep`. posix_ipc's `acquire` runs the handler itself on EINTR and
+replaces any exception but KeyboardInterrupt with its own SignalError, so the sleep blocks this
+thread's catchable signals and lasts at most `SIGNAL_SLICE_S`: a signal that arrives meanwhile
+stays pending until the mask is restored, and its handler runs in Python right after (at most a
+slice late). The spin and the nap return to Python at least every nap (the C nap returns early
+on EINTR), where the handler runs too.
 """
 
 from __future__ import annotations
 
 import collections
 import math
+import signal
 import time
 from typing import Callable, Optional
 
@@ -55,6 +64,20 @@ NAP_FIRST_US = 50.0
 NAP_MAX_US = 1000.0
 RECENT_WAITS = 4  # how many past waits predict the next one (their shortest does)
 EXPECTED_FRACTION = 0.9  # of that shortest wait, napped through in one go
+# The longest semaphore sleep with signals blocked: how late a signal handler may run.
+SIGNAL_SLICE_S = 0.05
+# Signals a sleeping thread holds back: all but those that cannot be blocked and the synchronous
+# faults (blocking those is undefined behaviour when they happen).
+_HELD_SIGNALS = (
+    signal.valid_signals() - {getattr(signal, name) for name in ("SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE",
+                                                                 "SIGILL", "SIGTRAP", "SIGSYS") if hasattr(signal, name)}
+    if hasattr(signal, "pthread_sigmask") else set()
+)
+
+
+class RingTimeoutError(TimeoutError):
+    """A wait on a ring ran out of time (a TimeoutError of the ring's own, so that a caller can
+    tell it from a TimeoutError that a signal handler raised during the wait)."""
 
 
 def check_wait_params(spin_us: float, nap_window_s: float, poll_interval: float) -> None:
@@ -86,17 +109,27 @@ class Doorbell:
         self._sem.release()
 
     def wait(self, timeout: float) -> bool:
-        """Sleeps until rung or `timeout` seconds pass (GIL released); True if rung.
+        """Sleeps until rung or min(`timeout`, SIGNAL_SLICE_S) seconds pass (GIL released);
+        True if rung.
 
-        A signal interrupts the sleep (EINTR, posix_ipc.SignalError): that is a spurious
-        wake-up, not an error. The Python handler runs as soon as we are back in bytecode and
-        raises from there if it wants to (KeyboardInterrupt); a handler that returns (SIGCHLD,
-        SIGUSR1, a profiler's timer) must not turn a blocked pop or push into an exception.
+        Signals are held back during the sleep (see the module docstring); once they are let
+        through, a handler that raises does so from here, and one that returns (SIGCHLD,
+        SIGUSR1, a profiler's timer) leaves the wait going.
         """
+        timeout = min(max(timeout, 0.0), SIGNAL_SLICE_S)
+        if not _HELD_SIGNALS:
+            try:
+                self._sem.acquire(timeout)
+            except (posix_ipc.BusyError, posix_ipc.SignalError):
+                return False
+            return True
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
         try:
-            self._sem.acquire(max(timeout, 0.0))
+            self._sem.acquire(timeout)
         except (posix_ipc.BusyError, posix_ipc.SignalError):
             return False
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         return True
 
 
@@ -157,7 +190,7 @@ class Waiter:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     self._disarm()
-                    raise TimeoutError("timed out waiting on the ring")
+                    raise RingTimeoutError("timed out waiting on the ring")
                 step = min(step, remaining)
             try:
                 self._bell.wait(step)

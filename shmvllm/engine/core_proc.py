@@ -59,7 +59,7 @@ from shmvllm.engine.messages import (
     EngineReady,
     UtilityOutput,
 )
-from shmvllm.engine.transport import Addresses, Endpoint, PeerMissingError, open_engine, remove_orphaned
+from shmvllm.engine.transport import Addresses, ChannelTimeout, Endpoint, PeerMissingError, open_engine, remove_orphaned
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,10 @@ class EngineCoreProc:
             raise
         core = self.engine_core
         self.endpoint.send(
-            EngineReady(core.num_kv_blocks, core.block_size, core.max_concurrency, core.scheduler.max_model_len)
+            EngineReady(
+                core.num_kv_blocks, core.block_size, core.max_concurrency, core.scheduler.max_model_len,
+                core.model_config.vocab_size, core.max_logprobs,
+            )
         )
 
     # ---- the process ---------------------------------------------------------------------
@@ -238,7 +241,7 @@ class EngineCoreProc:
         while True:
             try:
                 return self.endpoint.recv(decode_request, POLL_S)
-            except TimeoutError:
+            except ChannelTimeout:
                 self._check_parent()
 
     # ---- threads: input thread -> busy loop -> output thread --------------------------------
@@ -278,7 +281,7 @@ class EngineCoreProc:
             while True:
                 try:
                     inputs.put(recv(decode_request, POLL_S))
-                except TimeoutError:
+                except ChannelTimeout:
                     self._check_parent()
         except FrontendGoneError as exc:
             inputs.put(exc)

@@ -82,11 +82,35 @@ def test_1_the_engine_refuses_logprobs_above_its_limit_sent_past_the_frontend(ll
         sampling_params=SamplingParams(max_tokens=2, logprobs=100000),
     )
     client.add_request(request)
-    errors = []
-    deadline = time.monotonic() + 30
-    while not errors and time.monotonic() < deadline:
-        errors = [o for o in client.get_output(timeout=30).outputs if o.request_id == "raw-logprobs"]
-    assert errors and errors[0].finish_reason == FinishReason.ERROR and "max_logprobs" in errors[0].error
+    output = collect_output(client, "raw-logprobs")
+    assert output.finish_reason == FinishReason.ERROR and "max_logprobs" in output.error
+    assert_serving(llm)
+
+
+def collect_output(client, request_id: str, timeout: float = 30.0):
+    """The engine's first output for `request_id`, read straight off the client."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for output in client.get_output(timeout=timeout).outputs:
+            if output.request_id == request_id:
+                return output
+    raise AssertionError(f"no output for {request_id}")
+
+
+def test_a_request_the_engine_cannot_decode_finishes_with_error(llm):
+    """Defence in depth: params the engine's own validation refuses on decoding (here n=0,
+    forced past the frontend's) fail that request, not the busy loop."""
+    from shmvllm.engine.messages import EngineCoreRequest, FinishReason
+    from shmvllm.sampling_params import _set_field
+
+    params = SamplingParams(max_tokens=2)
+    _set_field(params, "n", 0)
+    client = llm.llm_engine.engine_core
+    client.add_request(EngineCoreRequest(
+        request_id="undecodable", prompt_token_ids=EngineCoreRequest.pack_token_ids([1, 2, 3]), sampling_params=params,
+    ))
+    output = collect_output(client, "undecodable")
+    assert output.finish_reason == FinishReason.ERROR and "could not decode" in output.error and "n must" in output.error
     assert_serving(llm)
 
 

@@ -80,12 +80,14 @@ class EngineCore:
         except Exception as exc:  # a malformed message: still only this request's failure
             error = f"invalid request: {exc!r}"
         if error is not None:
-            logger.warning("request %r rejected: %s", request.request_id, error)
-            self._rejected.append(
-                EngineCoreOutput(request_id=request.request_id, finish_reason=FinishReason.ERROR, error=error)
-            )
+            self.reject(request.request_id, error)
             return
         self.scheduler.add_request(engine_request)
+
+    def reject(self, request_id: str, error: str) -> None:
+        """Finishes a request that never reached the scheduler with ERROR (in the next step's outputs)."""
+        logger.warning("request %r rejected: %s", request_id, error)
+        self._rejected.append(EngineCoreOutput(request_id=request_id, finish_reason=FinishReason.ERROR, error=error))
 
     def _validate(self, request: Request) -> Optional[str]:
         """Why this engine cannot serve the request, or None."""

@@ -389,3 +389,21 @@ def test_10_the_engine_state_is_described():
         busy.wait()
         idle.wait()
     assert describe_process(busy.pid) == "dead"
+
+
+def test_10_request_timeout_bounds_a_send_into_a_full_input_ring(tiny_llama_dir, monkeypatch):
+    """A stopped engine reads no input: with a small input ring, the sends of a large batch find
+    no room, and the call ends after request_timeout_s instead of waiting for ever."""
+    monkeypatch.setenv("SHMVLLM_RING_CAPACITY", str(64 << 10))
+    with LLM(str(tiny_llama_dir), request_timeout_s=1.0, **ENGINE_ARGS) as bounded:
+        pid = bounded.llm_engine.engine_core.engine_pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(TimeoutError, match="took no input.*stopped"):
+                call_within(60, bounded.generate, ["Hi"] * 3000, SamplingParams(max_tokens=1), use_tqdm=False)
+            assert time.monotonic() - started < 30
+            assert not bounded.llm_engine.has_unfinished_requests()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert_serving(bounded)

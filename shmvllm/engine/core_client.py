@@ -212,6 +212,8 @@ class SyncMPClient(EngineCoreClient):
             self._finalizer()
             raise
         self._pending: collections.deque[EngineCoreOutputs] = collections.deque()
+        # How long a send may wait for room on a full input ring (None: as long as it takes).
+        self.request_timeout_s: Optional[float] = None
         self._call_ids = itertools.count()
         self._dead: Optional[str] = None
 
@@ -234,12 +236,23 @@ class SyncMPClient(EngineCoreClient):
     def _send(self, msg: Any, timeout: Optional[float] = None) -> None:
         """Sends to the engine. While the input ring is full, the engine's outputs are moved
         to `_pending`: the engine stops reading its input while it waits for room on the
-        output ring, so a frontend that only waited would wait for ever."""
+        output ring, so a frontend that only waited would wait for ever. ChannelTimeout after
+        `timeout` s without room; without a `timeout`, EngineTimeoutError after
+        `request_timeout_s` (if set)."""
         self._check_usable()
+        limit = self.request_timeout_s if timeout is None else timeout
         try:
-            self._endpoint.send(msg, timeout=timeout, while_full=self._drain_outputs)
+            self._endpoint.send(msg, timeout=limit, while_full=self._drain_outputs)
         except _PEER_ERRORS as exc:
             raise self._died(str(exc)) from exc
+        except ChannelTimeout:
+            if timeout is not None:
+                raise
+            state = self._manager.state()
+            raise EngineTimeoutError(
+                f"the engine process (pid {self._manager.pid}) took no input for {limit} s (request_timeout_s); "
+                f"it is {state}", state,
+            ) from None
 
     def _drain_outputs(self) -> None:
         for _ in range(_MAX_DRAIN):

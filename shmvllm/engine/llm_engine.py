@@ -172,6 +172,12 @@ class LLMEngine:
                 "embed() / encode(), or load a generation model for generate() / chat()."
             )
 
+    def set_request_timeout(self, seconds: Optional[float]) -> None:
+        """How long a send may wait for room in a full input channel (step() takes its own
+        timeout); EngineTimeoutError after that."""
+        if hasattr(self.engine_core, "request_timeout_s"):
+            self.engine_core.request_timeout_s = seconds
+
     def step(self, timeout: Optional[float] = None) -> list[Union[RequestOutput, PoolingRequestOutput]]:
         """One batch of engine outputs -> RequestOutputs; aborts in the engine what stop strings
         ended. EngineTimeoutError when the engine sent nothing for `timeout` s (None: no limit)."""

@@ -82,6 +82,7 @@ class LLM:
         self.request_timeout_s = request_timeout_s
         self.engine_args = EngineArgs(model=model, **engine_args)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args, multiprocess=multiprocess, transport=transport)
+        self.llm_engine.set_request_timeout(request_timeout_s)
         self.model_config = self.llm_engine.model_config
         self.supported_tasks: tuple[str, ...] = ("embed",) if self.model_config.is_embedding else ("generate",)
         self.default_sampling_params: Optional[dict[str, Any]] = None

@@ -133,7 +133,6 @@ class Segment:
         if size <= 0:
             raise ValueError(f"size must be positive, got {size}")
         name = name or new_name()
-        check_free_space(size)
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
         try:
             _allocate(shm.fd, size)

@@ -93,6 +93,8 @@ def decode_request(buf: Any) -> Any:
         except Exception:  # not even msgpack: nothing to answer
             pass
         return UndecodableRequest(request_id, f"the engine could not decode the request: {exc}")
+
+
 decode_handshake = msgspec.msgpack.Decoder(Union[EngineReady, str]).decode  # READY, or a traceback
 decode_outputs = msgspec.msgpack.Decoder(EngineCoreOutputs).decode
 

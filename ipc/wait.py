@@ -86,6 +86,8 @@ class _SignalMask:
         self._held_signals = {
             s for s in signal.valid_signals() if s not in {getattr(signal, n) for n in _NOT_HELD if hasattr(signal, n)}
         }
+        # What `restore` sets should a handler raise before `block` saved the mask: the mask now.
+        self._previous_signals = signal.pthread_sigmask(signal.SIG_BLOCK, ())
         try:
             import ctypes
 
@@ -100,8 +102,10 @@ class _SignalMask:
         for name in _NOT_HELD:
             if hasattr(signal, name):
                 delete(ctypes.byref(self._held), int(getattr(signal, name)))
-        self._ctypes_call = sigmask
         self._held_ref, self._previous_ref = ctypes.byref(self._held), ctypes.byref(self._previous)
+        if sigmask(signal.SIG_BLOCK, None, self._previous_ref) != 0:  # the mask now, as above
+            return
+        self._ctypes_call = sigmask
 
     @property
     def available(self) -> bool:
@@ -173,8 +177,10 @@ class Doorbell:
             except (posix_ipc.BusyError, posix_ipc.SignalError):
                 return False
             return True
-        mask.block()
         try:
+            # Inside the try: a handler of a signal that came before the mask was set may raise
+            # as soon as block() returns, and the mask must not stay set.
+            mask.block()
             self._sem.acquire(timeout)
         except (posix_ipc.BusyError, posix_ipc.SignalError):
             return False

@@ -40,19 +40,24 @@ so whoever sees the peer gone also sees everything it published.
 
 Signals: a Python signal handler that raises (a SIGALRM timeout, say) interrupts a blocked
 wait, as it would `time.sleep`. posix_ipc's `acquire` runs the handler itself on EINTR and
-replaces any exception but KeyboardInterrupt with its own SignalError, so the sleep blocks this
-thread's catchable signals and lasts at most `SIGNAL_SLICE_S`: a signal that arrives meanwhile
-stays pending until the mask is restored, and its handler runs in Python right after (at most a
-slice late). The spin and the nap return to Python at least every nap (the C nap returns early
-on EINTR), where the handler runs too.
+replaces any exception but KeyboardInterrupt with its own SignalError, so the sleep calls libc's
+`sem_clockwait` through ctypes on the same named semaphore instead: a signal makes it return
+EINTR to Python, where the handler runs, and raises from the wait if it raises (nothing is held
+that would need undoing). Where libc has no `sem_clockwait` (glibc < 2.30, not Linux), the
+sleep is posix_ipc's, and only KeyboardInterrupt gets through. The spin and the nap return to
+Python at least every nap (the C nap returns early on EINTR), where the handler runs too.
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
+import errno
+import functools
 import math
-import signal
+import os
 import time
+import weakref
 from typing import Callable, Optional
 
 import posix_ipc
@@ -64,64 +69,55 @@ NAP_FIRST_US = 50.0
 NAP_MAX_US = 1000.0
 RECENT_WAITS = 4  # how many past waits predict the next one (their shortest does)
 EXPECTED_FRACTION = 0.9  # of that shortest wait, napped through in one go
-# The longest semaphore sleep with signals blocked: how late a signal handler may run.
-SIGNAL_SLICE_S = 0.05
-# Signals a sleeping thread holds back: all but those that cannot be blocked and the synchronous
-# faults (blocking those is undefined behaviour when they happen).
-_NOT_HELD = ("SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGSYS")
 
 
-class _SignalMask:
-    """Blocks the held signals in the calling thread and restores its mask afterwards, with
-    libc's pthread_sigmask through ctypes and a precomputed set (~1 µs a call), else with
-    `signal.pthread_sigmask` (which converts every signal of both sets to a Python object:
-    ~0.2 ms a sleep). `available` is False where neither exists."""
+class _LibcSemaphore:
+    """A named semaphore opened (again) through libc, to sleep on it with ctypes: the call
+    releases the GIL, and a signal ends it with EINTR back in Python (see the module docstring)."""
 
-    def __init__(self) -> None:
-        self._ctypes_call = None
-        self._held_signals = None
-        self._previous_signals: object = None
-        if not hasattr(signal, "pthread_sigmask"):
-            return
-        self._held_signals = {
-            s for s in signal.valid_signals() if s not in {getattr(signal, n) for n in _NOT_HELD if hasattr(signal, n)}
-        }
-        # What `restore` sets should a handler raise before `block` saved the mask: the mask now.
-        self._previous_signals = signal.pthread_sigmask(signal.SIG_BLOCK, ())
-        try:
-            import ctypes
+    def __init__(self, libc: ctypes.CDLL, handle: int) -> None:
+        self._handle = ctypes.c_void_p(handle)
+        self._clockwait = libc.sem_clockwait
+        self._deadline = (ctypes.c_long * 2)()  # struct timespec
+        self._deadline_ref = ctypes.byref(self._deadline)
+        weakref.finalize(self, libc.sem_close, self._handle)
 
-            libc = ctypes.CDLL(None, use_errno=True)
-            sigmask, fill, delete = libc.pthread_sigmask, libc.sigfillset, libc.sigdelset
-        except (ImportError, OSError, AttributeError):
-            return
-        sigset = ctypes.c_ubyte * 1024  # larger than any libc's sigset_t
-        self._held, self._previous = sigset(), sigset()
-        if fill(ctypes.byref(self._held)) != 0:
-            return
-        for name in _NOT_HELD:
-            if hasattr(signal, name):
-                delete(ctypes.byref(self._held), int(getattr(signal, name)))
-        self._held_ref, self._previous_ref = ctypes.byref(self._held), ctypes.byref(self._previous)
-        if sigmask(signal.SIG_BLOCK, None, self._previous_ref) != 0:  # the mask now, as above
-            return
-        self._ctypes_call = sigmask
+    @classmethod
+    def open(cls, name: str) -> Optional["_LibcSemaphore"]:
+        """The semaphore `name` (which exists) through libc; None where that is not possible."""
+        libc = _libc()
+        if libc is None:
+            return None
+        handle = libc.sem_open(name.encode(), 0)
+        return cls(libc, handle) if handle else None
 
-    @property
-    def available(self) -> bool:
-        return self._held_signals is not None
+    def wait(self, timeout: float) -> bool:
+        """True if acquired within `timeout` s; False on a timeout or a signal (whose handler
+        runs, and may raise, on return)."""
+        end = time.clock_gettime_ns(time.CLOCK_MONOTONIC) + int(timeout * 1e9)
+        self._deadline[0], self._deadline[1] = divmod(end, 1_000_000_000)
+        if self._clockwait(self._handle, time.CLOCK_MONOTONIC, self._deadline_ref) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err in (errno.ETIMEDOUT, errno.EINTR, errno.EAGAIN):
+            return False
+        raise OSError(err, f"sem_clockwait: {os.strerror(err)}")
 
-    def block(self) -> None:
-        if self._ctypes_call is not None:
-            self._ctypes_call(signal.SIG_BLOCK, self._held_ref, self._previous_ref)
-        else:
-            self._previous_signals = signal.pthread_sigmask(signal.SIG_BLOCK, self._held_signals)
 
-    def restore(self) -> None:
-        if self._ctypes_call is not None:
-            self._ctypes_call(signal.SIG_SETMASK, self._previous_ref, None)
-        else:
-            signal.pthread_sigmask(signal.SIG_SETMASK, self._previous_signals)
+@functools.lru_cache(maxsize=1)
+def _libc() -> Optional[ctypes.CDLL]:
+    """libc with sem_open / sem_clockwait / sem_close set up for ctypes, or None."""
+    if not hasattr(time, "CLOCK_MONOTONIC"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.sem_open.restype = ctypes.c_void_p
+        libc.sem_open.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        libc.sem_clockwait.restype = ctypes.c_int
+        libc.sem_close.argtypes = [ctypes.c_void_p]
+    except (OSError, AttributeError):  # no such functions here (glibc < 2.30, macOS)
+        return None
+    return libc
 
 
 class RingTimeoutError(TimeoutError):
@@ -145,10 +141,7 @@ class Doorbell:
     def __init__(self, sem: posix_ipc.Semaphore) -> None:
         self._sem = sem
         self.name = sem.name
-        # One per doorbell: the previous mask it saves is per wait, and a doorbell is waited on
-        # by one thread at a time (one consumer, or one producer).
-        mask = _SignalMask()
-        self._mask: Optional[_SignalMask] = mask if mask.available else None
+        self._sleeper = _LibcSemaphore.open(sem.name)  # None: sleep with posix_ipc
 
     @classmethod
     def create(cls, name: str) -> "Doorbell":
@@ -162,30 +155,20 @@ class Doorbell:
         self._sem.release()
 
     def wait(self, timeout: float) -> bool:
-        """Sleeps until rung or min(`timeout`, SIGNAL_SLICE_S) seconds pass (GIL released);
-        True if rung.
+        """Sleeps until rung or `timeout` seconds pass (GIL released); True if rung.
 
-        Signals are held back during the sleep (see the module docstring); once they are let
-        through, a handler that raises does so from here, and one that returns (SIGCHLD,
-        SIGUSR1, a profiler's timer) leaves the wait going.
+        A signal ends the sleep early (False): its handler runs on return and raises from
+        here if it raises; one that returns (SIGCHLD, SIGUSR1, a profiler's timer) leaves the
+        wait going. (With posix_ipc's sleep only KeyboardInterrupt gets through: see the module
+        docstring.)
         """
-        timeout = min(max(timeout, 0.0), SIGNAL_SLICE_S)
-        mask = self._mask
-        if mask is None:
-            try:
-                self._sem.acquire(timeout)
-            except (posix_ipc.BusyError, posix_ipc.SignalError):
-                return False
-            return True
+        timeout = max(timeout, 0.0)
+        if self._sleeper is not None:
+            return self._sleeper.wait(timeout)
         try:
-            # Inside the try: a handler of a signal that came before the mask was set may raise
-            # as soon as block() returns, and the mask must not stay set.
-            mask.block()
             self._sem.acquire(timeout)
         except (posix_ipc.BusyError, posix_ipc.SignalError):
             return False
-        finally:
-            mask.restore()
         return True
 
 

@@ -407,34 +407,3 @@ def test_10_request_timeout_bounds_a_send_into_a_full_input_ring(tiny_llama_dir,
         finally:
             os.kill(pid, signal.SIGCONT)
         assert_serving(bounded)
-
-
-def test_7_a_raising_handler_never_leaves_signals_blocked():
-    """Handlers that raise at every moment of many short waits: afterwards the thread's signal
-    mask is what it was (a thread-directed signal still reaches its handler)."""
-    from ipc import RingBuffer
-
-    ring = RingBuffer.create(4096, spin_us=0)
-    peer = RingBuffer.attach(ring.name, spin_us=0)
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, ())
-    previous = signal.signal(signal.SIGALRM, _raise_alarm)
-    try:
-        signal.setitimer(signal.ITIMER_REAL, 0.001, 0.0007)
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            try:
-                peer.pop(timeout=0.01)
-            except (Alarm, TimeoutError):
-                pass
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        while True:  # an alarm may still be pending
-            try:
-                time.sleep(0.01)
-                break
-            except Alarm:
-                pass
-        signal.signal(signal.SIGALRM, previous)
-        peer.close()
-        ring.close()
-    assert signal.pthread_sigmask(signal.SIG_BLOCK, ()) == before

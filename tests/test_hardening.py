@@ -206,8 +206,8 @@ def test_6_non_finite_floats_are_value_errors(field, value):
 
 @pytest.mark.parametrize(
     "field, value",
-    [("temperature", math.nan), ("repetition_penalty", math.nan), ("n", 0), ("top_k", 0), ("seed", 2**64),
-     ("logprobs", -1), ("stop", [""]), ("max_tokens", 0), ("min_tokens", 100), ("ignore_eos", "yes")],
+    [("temperature", math.nan), ("repetition_penalty", math.nan), ("n", 0), ("top_k", -2), ("seed", 2**64),
+     ("logprobs", -2), ("stop", [""]), ("max_tokens", 0), ("min_tokens", 100), ("ignore_eos", "yes")],
 )
 def test_6_assigning_an_invalid_value_raises_and_keeps_the_old_one(field, value):
     params = SamplingParams(max_tokens=16, temperature=0.7)

@@ -57,6 +57,9 @@ VALID_FIELDS = {
     "skip_special_tokens": st.booleans(),
     "include_stop_str_in_output": st.booleans(),
     "output_kind": st.sampled_from([0, 1, 2]),
+    "logit_bias": st.dictionaries(st.integers(0, 49151), st.floats(-100, 100), max_size=2),
+    "allowed_token_ids": st.lists(st.integers(0, 49151), min_size=1, max_size=3),
+    "bad_words": st.lists(st.text(min_size=1, max_size=6), max_size=2),
 }
 corruption = st.one_of(st.just({}), st.just({}), st.dictionaries(st.sampled_from(sorted(VALID_FIELDS)), hostile, min_size=1, max_size=2))
 params_kwargs = st.builds(lambda base, bad: {**base, **bad}, st.fixed_dictionaries({}, optional=VALID_FIELDS), corruption)

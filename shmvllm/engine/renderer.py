@@ -152,12 +152,8 @@ def _check_conversation(conversation: Any) -> None:
         content = message["content"]
         if content is None or isinstance(content, str):  # None: an assistant message with tool_calls
             continue
-        if isinstance(content, list) and all(
-            isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-            for part in content
-        ):
-            continue
+        if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+            continue  # which parts are supported: _flatten_content (or the template) says
         raise TypeError(
-            f"messages[{i}]['content'] must be a str, None or a list of {{'type': 'text', 'text': str}} parts, "
-            f"got {content!r}."
+            f"messages[{i}]['content'] must be a str, None or a list of content part dicts, got {content!r}."
         )

@@ -178,6 +178,9 @@ class EngineArgs(VllmArgs):
         return cls(**{name: getattr(args, name) for name in cls.field_names() if hasattr(args, name)})
 
     def create_engine_config(self) -> EngineConfig:
+        from shmvllm.engine.validation import check_engine_args
+
+        check_engine_args(self)
         self._verify()
         from transformers import AutoConfig
 

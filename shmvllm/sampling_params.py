@@ -1,7 +1,9 @@
 """SamplingParams: how to sample one request, validated when it is built.
 
 It is a msgspec Struct so that it crosses the frontend/engine boundary inside
-`EngineCoreRequest` with no conversion.
+`EngineCoreRequest` with no conversion. Assigning a field re-validates the whole object (an
+invalid value raises and leaves the old one in place), so a SamplingParams is valid whenever
+it reaches the engine.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import copy
 import enum
 import json as _json
 import logging
+import math
+import os
 from typing import Any, Optional, Union
 
 import msgspec
@@ -20,6 +24,26 @@ _SAMPLING_EPS = 1e-5
 # vLLM raises a positive temperature below this to it (smaller ones overflow in the softmax).
 _MIN_TEMPERATURE = 1e-2
 _MAX_TEMPERATURE = 2.0
+# Every int crosses the process boundary as a msgpack int64 (and seeds a torch generator).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# vLLM's bound on n (its VLLM_MAX_N_SEQUENCES): the frontend keeps n requests per prompt.
+MAX_N_SEQUENCES_ENV = "SHMVLLM_MAX_N_SEQUENCES"
+DEFAULT_MAX_N_SEQUENCES = 16384
+_set_field = msgspec.Struct.__setattr__  # a field assignment without re-validation
+
+
+def max_n_sequences() -> int:
+    """The largest n: $SHMVLLM_MAX_N_SEQUENCES, else DEFAULT_MAX_N_SEQUENCES."""
+    raw = os.environ.get(MAX_N_SEQUENCES_ENV)
+    if raw is None:
+        return DEFAULT_MAX_N_SEQUENCES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{MAX_N_SEQUENCES_ENV} must be a positive int, got {raw!r}.")
+    return value
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -210,12 +234,31 @@ class SamplingParams(
         if _SAMPLING_EPS <= self.temperature < _MIN_TEMPERATURE:
             logger.warning("temperature %s is below %s, which overflows the softmax: raised to %s",
                            self.temperature, _MIN_TEMPERATURE, _MIN_TEMPERATURE)
-            self.temperature = _MIN_TEMPERATURE
+            _set_field(self, "temperature", _MIN_TEMPERATURE)
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the other truncation knobs are meaningless, and n copies would be equal.
-            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
-            if self.n > 1:
-                raise ValueError(f"n must be 1 when using greedy sampling (temperature=0), got n={self.n}.")
+            _set_field(self, "top_p", 1.0)
+            _set_field(self, "top_k", 0)
+            _set_field(self, "min_p", 0.0)
+            self._check_greedy_n()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Sets a field, then validates everything again; an invalid value is not kept."""
+        old = getattr(self, name)
+        _set_field(self, name, value)
+        try:
+            self._normalize()
+            self._verify()
+            self._verify_v1_fields()
+            if self.temperature < _SAMPLING_EPS:
+                self._check_greedy_n()
+        except BaseException:
+            _set_field(self, name, old)
+            raise
+
+    def _check_greedy_n(self) -> None:
+        if self.n > 1:
+            raise ValueError(f"n must be 1 when using greedy sampling (temperature=0), got n={self.n}.")
 
     @staticmethod
     def from_optional(**kwargs: Any) -> "SamplingParams":
@@ -257,7 +300,7 @@ class SamplingParams(
                 raise ParameterTypeError(f"bad_words must be a list of str, got {self.bad_words!r}.")
             if any(not w.strip() for w in self.bad_words):
                 raise ValueError(f"bad_words cannot contain an empty string, got {self.bad_words!r}.")
-            self.bad_words = list(dict.fromkeys(self.bad_words))
+            _set_field(self, "bad_words", list(dict.fromkeys(self.bad_words)))
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ParameterTypeError(f"extra_args must be a dict, got {self.extra_args!r}.")
         if not isinstance(self.flat_logprobs, bool):
@@ -265,34 +308,37 @@ class SamplingParams(
 
     def _normalize(self) -> None:
         if self.seed == -1:  # vLLM: -1 means no seed
-            self.seed = None
+            _set_field(self, "seed", None)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is True:  # vLLM: True means 1
-                setattr(self, name, 1)
+                _set_field(self, name, 1)
         if self.guided_decoding is not None:
             if self.structured_outputs is not None and self.structured_outputs != self.guided_decoding:
                 raise ValueError(
                     "structured_outputs and guided_decoding (its older name) are both set, to different values: "
                     f"{self.structured_outputs!r} and {self.guided_decoding!r}."
                 )
-            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+            _set_field(self, "structured_outputs", self.guided_decoding)
+            _set_field(self, "guided_decoding", None)
         if isinstance(self.stop, str):
-            self.stop = [self.stop]
+            _set_field(self, "stop", [self.stop])
         elif isinstance(self.stop, tuple):
-            self.stop = list(self.stop)
+            _set_field(self, "stop", list(self.stop))
         if self.stop is None:
-            self.stop = []
+            _set_field(self, "stop", [])
         if self.stop_token_ids is None:
-            self.stop_token_ids = []
-        if isinstance(self.output_kind, int) and not isinstance(self.output_kind, RequestOutputKind):
+            _set_field(self, "stop_token_ids", [])
+        if isinstance(self.output_kind, int) and not isinstance(self.output_kind, (bool, RequestOutputKind)):
             if self.output_kind not in set(RequestOutputKind):
                 raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
-            self.output_kind = RequestOutputKind(self.output_kind)
+            _set_field(self, "output_kind", RequestOutputKind(self.output_kind))
 
     def _verify(self) -> None:
         _check_int("n", self.n)
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
+        if self.n > max_n_sequences():
+            raise ValueError(f"n must be at most {max_n_sequences()} (${MAX_N_SEQUENCES_ENV}), got {self.n}.")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check_number(name, value)
@@ -340,8 +386,8 @@ class SamplingParams(
             isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids
         ):
             raise ParameterTypeError(f"stop_token_ids must be a list of int, got {self.stop_token_ids!r}.")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids!r}.")
+        if any(not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative 64-bit ints, got {self.stop_token_ids!r}.")
         for name in ("ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
                      "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
@@ -401,8 +447,16 @@ class BeamSearchParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # typ
 def _check_int(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise ParameterTypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{name} must fit in 64 bits ([{INT64_MIN}, {INT64_MAX}]), got {value}.")
 
 
 def _check_number(name: str, value: object) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ParameterTypeError(f"{name} must be a number, got {value!r} ({type(value).__name__}).")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int beyond every float
+        finite = False
+    if not finite:
+        raise ValueError(f"{name} must be a finite number, got {value!r}.")

@@ -131,9 +131,9 @@ def test_requests_in_flight_stay_capped(tiny_bert_dir, embedding_texts):
         seen = []
         engine_step = llm.llm_engine.step
 
-        def step():
+        def step(*args):
             seen.append(llm.llm_engine.get_num_unfinished_requests())
-            return engine_step()
+            return engine_step(*args)
 
         llm.llm_engine.step = step
         got = np.stack([o.outputs.numpy() for o in llm.embed(texts, use_tqdm=False)])

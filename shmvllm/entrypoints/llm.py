@@ -18,6 +18,7 @@ from shmvllm.engine.llm_engine import LLMEngine
 from shmvllm.engine.renderer import Conversation
 from shmvllm.lora import check_no_lora
 from shmvllm.metrics import Metric
+from shmvllm.engine.validation import as_conversations, as_prompt_list
 from shmvllm.model.registry import DEFAULT_MODEL
 from shmvllm.outputs import (
     ClassificationRequestOutput,
@@ -55,15 +56,33 @@ class LLM:
     ValueError naming them where they ask for what shmvllm lacks (README, "Porting from vLLM").
     An argument vLLM does not have either is a TypeError. multiprocess: run the engine in its
     own process (the default) or in this one. transport: the channel to the engine process
-    ("shm": shared-memory rings; "zmq": ZeroMQ sockets).
+    ("shm": shared-memory rings; "zmq": ZeroMQ sockets). request_timeout_s: a call that gets no
+    output from the engine for this long raises EngineTimeoutError (a TimeoutError naming the
+    engine's state) and aborts its requests (None: wait as long as it takes; the engine's death
+    is noticed either way).
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, *, multiprocess: bool = True, transport: str = "shm", **engine_args: Any):
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        multiprocess: bool = True,
+        transport: str = "shm",
+        request_timeout_s: Optional[float] = None,
+        **engine_args: Any,
+    ):
         unknown = sorted(set(engine_args) - EngineArgs.field_names())
         if unknown:
             raise TypeError(f"LLM() got unexpected engine arguments {unknown}; known: {sorted(EngineArgs.field_names())}.")
+        if request_timeout_s is not None and (
+            isinstance(request_timeout_s, bool) or not isinstance(request_timeout_s, (int, float))
+            or not request_timeout_s > 0 or request_timeout_s == float("inf")
+        ):
+            raise ValueError(f"request_timeout_s must be a positive number of seconds or None, got {request_timeout_s!r}.")
+        self.request_timeout_s = request_timeout_s
         self.engine_args = EngineArgs(model=model, **engine_args)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args, multiprocess=multiprocess, transport=transport)
+        self.llm_engine.set_request_timeout(request_timeout_s)
         self.model_config = self.llm_engine.model_config
         self.supported_tasks: tuple[str, ...] = ("embed",) if self.model_config.is_embedding else ("generate",)
         self.default_sampling_params: Optional[dict[str, Any]] = None
@@ -105,7 +124,7 @@ class LLM:
         check_no_lora(lora_request)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        prompt_list = _prompt_list(prompts)
+        prompt_list = as_prompt_list(prompts)
         params_list = _params_per_prompt(sampling_params, len(prompt_list))
         return self._run(self._prepare(prompt_list, params_list, tokenization_kwargs), params_list, use_tqdm, priority)
 
@@ -134,7 +153,7 @@ class LLM:
             raise ValueError(f"mm_processor_kwargs={mm_processor_kwargs!r} is not supported: shmvllm serves text-only models.")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = as_conversations(messages)
         renderer = self.llm_engine.renderer
         prompts: list[dict[str, Any]] = []
         for conversation in conversations:
@@ -162,7 +181,7 @@ class LLM:
         """vLLM's beam search (shmvllm.beam_search): the beam_width best sequences per prompt."""
         check_no_lora(lora_request)
         self.llm_engine.check_task(SamplingParams())
-        prompt_ids = beam_prompt_ids(self, _prompt_list(prompts))
+        prompt_ids = beam_prompt_ids(self, as_prompt_list(prompts))
         step = concurrency_limit or len(prompt_ids)
         results: list[BeamSearchOutput] = []
         for start in range(0, len(prompt_ids), step):
@@ -254,8 +273,8 @@ class LLM:
             raise ValueError("LLM.score() is only supported for pooling models; this one generates.")
         if chat_template is not None:
             raise ValueError("chat_template is only supported for cross-encoder models.")
-        first = _prompt_list(data_1)
-        second = _prompt_list(data_2)
+        first = as_prompt_list(data_1)
+        second = as_prompt_list(data_2)
         if len(first) == 1:
             first = first * len(second)
         if len(first) != len(second):
@@ -288,7 +307,7 @@ class LLM:
         """Validates everything, then tokenizes chunk by chunk while the engine embeds what was
         sent before; returns the outputs in prompt order."""
         engine = self.llm_engine
-        prompt_list = _prompt_list(prompts)
+        prompt_list = as_prompt_list(prompts)
         if not prompt_list:
             raise ValueError("prompts is empty.")
         params_list = _pooling_params_per_prompt(pooling_params, len(prompt_list))
@@ -303,7 +322,7 @@ class LLM:
         for prompt in prompt_list:
             self._check_pooling_prompt(prompt, tokenization_kwargs)
         request_ids = [str(next(self.request_counter)) for _ in prompt_list]
-        tracker = _PoolingTracker(engine, len(prompt_list), use_tqdm)
+        tracker = _PoolingTracker(engine, len(prompt_list), use_tqdm, self.request_timeout_s)
         max_in_flight = POOLING_MAX_IN_FLIGHT_STEPS * engine.config.scheduler_config.max_num_seqs
         sent = 0
         try:
@@ -392,7 +411,7 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         prompt_tokens = output_tokens = 0
         while self.llm_engine.has_unfinished_requests():
-            for output in self.llm_engine.step():
+            for output in self.llm_engine.step(self.request_timeout_s):
                 if not output.finished or not isinstance(output, RequestOutput):
                     continue
                 finished[output.request_id] = output
@@ -435,6 +454,10 @@ def _params_per_prompt(sampling_params: ParamsArg, num_prompts: int) -> list[Sam
         return [SamplingParams()] * num_prompts
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num_prompts
+    if not isinstance(sampling_params, (list, tuple)):
+        raise TypeError(
+            f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}."
+        )
     params = list(sampling_params)
     if len(params) != num_prompts:
         raise ValueError(f"sampling_params has {len(params)} entries for {num_prompts} prompts; give one or one per prompt.")
@@ -448,8 +471,9 @@ class _PoolingTracker:
     """The finished pooling outputs of one embed/encode call, what is still in flight, and the
     progress bar."""
 
-    def __init__(self, engine: LLMEngine, total: int, use_tqdm: UseTqdm) -> None:
+    def __init__(self, engine: LLMEngine, total: int, use_tqdm: UseTqdm, timeout: Optional[float] = None) -> None:
         self.engine = engine
+        self.timeout = timeout
         self.finished: dict[str, PoolingRequestOutput] = {}
         self.in_flight = 0
         self.started = time.perf_counter()
@@ -459,7 +483,7 @@ class _PoolingTracker:
     def collect(self) -> None:
         """Takes one batch of engine outputs (blocks until it comes)."""
         done = 0
-        for output in self.engine.step():
+        for output in self.engine.step(self.timeout):
             if not isinstance(output, PoolingRequestOutput):
                 continue
             self.finished[output.request_id] = output
@@ -506,18 +530,6 @@ def _progress_bar(total: int, use_tqdm: UseTqdm = True) -> Any:
 
     make = use_tqdm if callable(use_tqdm) else tqdm
     return make(total=total, desc="Processed prompts", dynamic_ncols=True)
-
-
-def _prompt_list(prompts: Any) -> list[Any]:
-    """One prompt (text, a prompt dict, or a bare list of token ids) as a list of one; a list of
-    prompts as it is."""
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompts
-    ):
-        return [list(prompts)]
-    return list(prompts)
 
 
 def _with_truncation(tokenization_kwargs: Optional[dict[str, Any]], truncate_prompt_tokens: Optional[int]) -> Optional[dict[str, Any]]:

@@ -45,8 +45,28 @@ SHIPPED_MODELS: dict[str, ShippedModel] = {
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
+CACHE_ENV = "SHMVLLM_CACHE"
+
+
 def cache_dir() -> Path:
-    return Path(os.environ.get("SHMVLLM_CACHE", Path.home() / ".cache" / "shmvllm"))
+    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "shmvllm"))
+
+
+def writable_cache_dir() -> Path:
+    """cache_dir(), created if need be; an OSError naming SHMVLLM_CACHE when it cannot be
+    written (a read-only HOME), found before a conversion spends its time."""
+    directory = cache_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=directory).close()
+    except OSError as exc:
+        source = f"${CACHE_ENV}" if CACHE_ENV in os.environ else f"the default (${CACHE_ENV} is not set)"
+        raise OSError(
+            exc.errno,
+            f"the model cache {str(directory)!r} ({source}) is not writable: {exc.strerror or exc}; "
+            f"set {CACHE_ENV} to a writable directory (the converted model is cached there)",
+        ) from exc
+    return directory
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -85,6 +105,7 @@ def _converted_gguf_dir(gguf_path: Path) -> Path:
     target = cache_dir() / f"{gguf_path.stem}-{key}"
     if (target / "config.json").exists():
         return target
+    writable_cache_dir()
     for module in ("gguf", "accelerate"):
         if importlib.util.find_spec(module) is None:
             raise ValueError(f"loading the GGUF file {str(gguf_path)!r} needs the package {module!r}: pip install {module}")

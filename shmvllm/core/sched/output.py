@@ -77,13 +77,15 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     """sampled_token_ids[i]: the token(s) sampled for req_ids[i] this step ([] for a partial
     prefill chunk or a pooling request). logprobs / prompt_logprobs: per request, only for
-    requests that asked. pooler_output: per finished pooling request, the float32 vector."""
+    requests that asked. pooler_output: per finished pooling request, the float32 vector.
+    errors: per request whose processing failed in this step, why (it finishes with ERROR)."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)
     pooler_output: dict[str, np.ndarray] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

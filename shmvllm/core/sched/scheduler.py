@@ -35,7 +35,7 @@ from shmvllm.core.sched.output import (
     SchedulerOutput,
 )
 from shmvllm.core.sched.request_queue import RequestQueue
-from shmvllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats, now
+from shmvllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats, now
 
 if TYPE_CHECKING:
     from shmvllm.structured_output.manager import StructuredOutputManager
@@ -268,8 +268,11 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
-        """Appends the sampled tokens, finishes requests that stopped, and makes the outputs."""
+        """Appends the sampled tokens, finishes requests that stopped, and makes the outputs.
+
+        A request whose processing failed (in the runner, or here) finishes alone with ERROR."""
         index = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
+        errors = model_runner_output.errors
         outputs: list[EngineCoreOutput] = []
         finished: list[str] = []
         if self._grammar_failures:
@@ -279,9 +282,19 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or preempted since it was scheduled
-            i = index.get(req_id)
-            sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
-            output = self._update_request(request, sampled, model_runner_output)
+            error = errors.get(req_id)
+            output = None
+            if error is None:
+                i = index.get(req_id)
+                sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
+                try:
+                    output = self._update_request(request, sampled, model_runner_output)
+                except Exception as exc:
+                    logger.exception("request %r failed in update_from_output", req_id)
+                    error = f"{type(exc).__name__}: {exc}"
+            if error is not None:
+                request.status = RequestStatus.FINISHED_ERROR
+                output = EngineCoreOutput(request_id=req_id, finish_reason=FinishReason.ERROR, error=error)
             if output is not None:
                 outputs.append(output)
             if request.is_finished:

@@ -18,7 +18,7 @@ from torch import nn
 
 from shmvllm.model.attention import AttentionMetadata, PagedAttention
 from shmvllm.model.kernels import kernels_for
-from shmvllm.model.linear import Linear
+from shmvllm.model.linear import Linear, VocabEmbedding
 from shmvllm.model.rotary import RotaryEmbedding, RotaryStep
 
 logger = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, max_position: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(config, head_dim, max_position)  # shared by all layers
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
@@ -154,6 +154,12 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states of the sampled rows -> float32 logits [rows, vocab_size]."""
         return self.lm_head(hidden).float()
+
+    def tie_blocks(self) -> None:
+        """A tied lm_head runs on the embedding's blocks when the embedding has them."""
+        blocks = self.model.embed_tokens.blocks
+        if self.tie_word_embeddings and blocks is not None:
+            self.lm_head.set_blocks([(0, blocks)])
 
     def process_weights_after_loading(self) -> None:
         """Packs every linear layer's weight for the device's fastest GEMM (see linear.py)."""

@@ -19,6 +19,9 @@
  * a 4 x 4 register tile of dot products runs over all activation rows, so the dequantization
  * is paid once per weight row, not once per activation row.
  */
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -43,6 +46,9 @@ enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_
 #define PARALLEL_MIN_WORK (1 << 16)
 
 static inline float fp16_to_fp32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
     uint32_t bits;
     if (exp == 0) {
@@ -79,8 +85,42 @@ static inline float hsum(vf v) {
     return s;
 }
 
-static inline vf bytes_to_float(vb b) { return __builtin_convertvector(__builtin_convertvector(b, vi), vf); }
-static inline vf sbytes_to_float(vsb b) { return __builtin_convertvector(__builtin_convertvector(b, vi), vf); }
+/* VW bytes -> VW floats. GCC 12 scalarizes __builtin_convertvector from bytes to 32-bit lanes,
+ * so the ISA builds widen with the instruction meant for it. */
+#if VW == 16 && defined(__AVX512F__)
+static inline vf bytes_to_float(vb b) {
+    __m128i v;
+    memcpy(&v, &b, 16);
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+}
+static inline vf sbytes_to_float(vsb b) {
+    __m128i v;
+    memcpy(&v, &b, 16);
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+}
+#elif VW == 8 && defined(__AVX2__)
+static inline vf bytes_to_float(vb b) {
+    int64_t bits;
+    memcpy(&bits, &b, 8);
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bits)));
+}
+static inline vf sbytes_to_float(vsb b) {
+    int64_t bits;
+    memcpy(&bits, &b, 8);
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(bits)));
+}
+#else
+static inline vf bytes_to_float(vb b) {
+    vf out;
+    for (int i = 0; i < VW; i++) out[i] = (float)b[i];
+    return out;
+}
+static inline vf sbytes_to_float(vsb b) {
+    vf out;
+    for (int i = 0; i < VW; i++) out[i] = (float)b[i];
+    return out;
+}
+#endif
 
 /* Values per block and bytes per block of each format. */
 static int block_values(int type) {
@@ -112,9 +152,9 @@ static inline void deq_q4_0(const uint8_t *blk, vf *w) {
     for (int c = 0; c < 16 / VW; c++) {
         vb q;
         memcpy(&q, qs + c * VW, VW);
-        const vi lo = __builtin_convertvector(q & 0x0f, vi) - 8, hi = __builtin_convertvector(q >> 4, vi) - 8;
-        w[c] = d * __builtin_convertvector(lo, vf);
-        w[16 / VW + c] = d * __builtin_convertvector(hi, vf);
+        /* q - 8 is exact in fp32, as in the reference's int8 arithmetic */
+        w[c] = d * (bytes_to_float(q & 0x0f) - 8.0f);
+        w[16 / VW + c] = d * (bytes_to_float(q >> 4) - 8.0f);
     }
 }
 
@@ -200,7 +240,7 @@ static inline void deq_q6_k(const uint8_t *blk, vf *w) {
                 const vb q = ((l >> (4 * (c / 2))) & 0x0f) | (((hb >> (2 * c)) & 3) << 4);
                 const int e = 128 * h + 32 * c + i;
                 const vf ds = splat(d * (float)scales[e / 16]);
-                w[e / VW] = ds * __builtin_convertvector(__builtin_convertvector(q, vi) - 32, vf);
+                w[e / VW] = ds * (bytes_to_float(q) - 32.0f);
             }
         }
     }
@@ -227,35 +267,37 @@ static inline void deq_f32(const uint8_t *blk, vf *w) { memcpy(w, blk, 128); }
 
 /* ---- kernels, instantiated per format ---- */
 
-/* out[m, j] (+)= x[m] . w[j] for up to four rows, each weight block dequantized once. */
+/* out[m, j] (+)= x[m] . w[j] for up to four rows, each weight block dequantized once. The
+ * per-row body is inlined with M a constant (so the accumulators live in registers) inside the
+ * OpenMP loop: an outlined parallel body would see M as a variable. */
 #define DEFINE_FEW_ROWS(NAME, DEQ, QK, BB)                                                                     \
-    static inline __attribute__((always_inline)) void NAME##_rows(                                           \
-        const int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes, \
-        const float *bias, const float *residual, int64_t ldr, int64_t n, int64_t k) {                          \
-        const int64_t blocks = k / QK;                                                                          \
-        _Pragma("omp parallel for schedule(static) if (n * k * M >= PARALLEL_MIN_WORK)")                       \
-        for (int64_t j = 0; j < n; j++) {                                                                       \
-            const uint8_t *row = w + j * row_bytes;                                                             \
-            vf acc[FEW_ROWS] = {{0}};                                                                           \
-            for (int64_t b = 0; b < blocks; b++) {                                                              \
-                vf wv[QK / VW];                                                                                 \
-                DEQ(row + b * BB, wv);                                                                          \
-                for (int t = 0; t < QK / VW; t++)                                                               \
-                    for (int m = 0; m < M; m++) acc[m] += wv[t] * loadf(x + m * ldx + b * QK + t * VW);         \
-            }                                                                                                   \
-            const float add = bias != NULL ? bias[j] : 0.0f;                                                    \
-            for (int m = 0; m < M; m++)                                                                         \
-                out[m * ldo + j] = hsum(acc[m]) + add + (residual != NULL ? residual[m * ldr + j] : 0.0f);      \
+    static inline __attribute__((always_inline)) void NAME##_row(                                            \
+        const int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *row, const float *bias, \
+        const float *residual, int64_t ldr, int64_t j, int64_t k) {                                             \
+        vf acc[M];                                                                                              \
+        for (int m = 0; m < M; m++) acc[m] = (vf){0};                                                           \
+        for (int64_t b = 0; b < k / QK; b++) {                                                                  \
+            vf wv[QK / VW];                                                                                     \
+            DEQ(row + b * BB, wv);                                                                              \
+            for (int t = 0; t < QK / VW; t++)                                                                   \
+                for (int m = 0; m < M; m++) acc[m] += wv[t] * loadf(x + m * ldx + b * QK + t * VW);             \
         }                                                                                                       \
+        const float add = bias != NULL ? bias[j] : 0.0f;                                                        \
+        for (int m = 0; m < M; m++)                                                                             \
+            out[m * ldo + j] = hsum(acc[m]) + add + (residual != NULL ? residual[m * ldr + j] : 0.0f);          \
     }                                                                                                           \
     static void NAME##_few(int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *w,        \
                            int64_t row_bytes, const float *bias, const float *residual, int64_t ldr, int64_t n,  \
                            int64_t k) {                                                                         \
-        switch (M) {                                                                                            \
-        case 1: NAME##_rows(1, out, ldo, x, ldx, w, row_bytes, bias, residual, ldr, n, k); break;               \
-        case 2: NAME##_rows(2, out, ldo, x, ldx, w, row_bytes, bias, residual, ldr, n, k); break;               \
-        case 3: NAME##_rows(3, out, ldo, x, ldx, w, row_bytes, bias, residual, ldr, n, k); break;               \
-        default: NAME##_rows(4, out, ldo, x, ldx, w, row_bytes, bias, residual, ldr, n, k); break;              \
+        _Pragma("omp parallel for schedule(static) if (n * k * M >= PARALLEL_MIN_WORK)")                       \
+        for (int64_t j = 0; j < n; j++) {                                                                       \
+            const uint8_t *row = w + j * row_bytes;                                                             \
+            switch (M) {                                                                                        \
+            case 1: NAME##_row(1, out, ldo, x, ldx, row, bias, residual, ldr, j, k); break;                     \
+            case 2: NAME##_row(2, out, ldo, x, ldx, row, bias, residual, ldr, j, k); break;                     \
+            case 3: NAME##_row(3, out, ldo, x, ldx, row, bias, residual, ldr, j, k); break;                     \
+            default: NAME##_row(4, out, ldo, x, ldx, row, bias, residual, ldr, j, k); break;                    \
+            }                                                                                                   \
         }                                                                                                       \
     }                                                                                                           \
     static void NAME##_deq_row(const uint8_t *row, float *dst, int64_t k) {                                     \

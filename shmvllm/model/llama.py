@@ -11,12 +11,14 @@ hidden states; `compute_logits` runs the lm_head only on the rows that are sampl
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from shmvllm.model.attention import AttentionMetadata, PagedAttention
+from shmvllm.model.decode_step import DecodeStep
+from shmvllm.model.decode_step import enabled as decode_step_enabled
 from shmvllm.model.kernels import kernels_for
 from shmvllm.model.linear import Linear, VocabEmbedding
 from shmvllm.model.rotary import RotaryEmbedding, RotaryStep
@@ -115,9 +117,14 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config, head_dim, max_position)  # shared by all layers
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.decode_step: Optional[DecodeStep] = None  # set by process_weights_after_loading
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if self.decode_step is not None:
+            out = self.decode_step.run(hidden, positions, meta)
+            if out is not None:
+                return out
         rope = self.rotary_emb(positions, hidden.dtype)  # looked up once for all layers
         for layer in self.layers:
             hidden = layer(rope, hidden, meta)
@@ -166,6 +173,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
+        step = DecodeStep(self.model) if decode_step_enabled() else None
+        self.model.decode_step = step if step is not None and step.usable() else None
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]

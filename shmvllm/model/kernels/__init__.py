@@ -64,6 +64,7 @@ def _cache_dirs() -> list[Path]:
 
 
 def _compile(cc: str, target: Path, source: Path = SOURCE, cflags: list[str] = _CFLAGS) -> None:
+    cflags = [*cflags, f"-I{source.parent}"]
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
     os.close(fd)
     obj = tmp + ".o"
@@ -93,16 +94,17 @@ def kernels_for(*tensors: torch.Tensor) -> Optional[ctypes.CDLL]:
     return cpu_kernels()
 
 
-def _build(stem: str, source: Path, cflags: list[str], signatures: dict) -> Optional[ctypes.CDLL]:
-    """Compiles `source` with `cflags` into the private cache (once per source, flags and CPU) and
-    loads it; None, with a warning, when there is no compiler or the build fails."""
+def _build(stem: str, source: Path, cflags: list[str], signatures: dict, includes: tuple[Path, ...] = ()) -> Optional[ctypes.CDLL]:
+    """Compiles `source` (which #includes `includes`) with `cflags` into the private cache (once
+    per sources, flags and CPU) and loads it; None, with a warning, when there is no compiler or
+    the build fails."""
     if os.environ.get("SHMVLLM_NATIVE_KERNELS", "1") == "0" or platform.machine() not in ("x86_64", "aarch64"):
         return None
     cc = find_compiler()
     if cc is None:
         warnings.warn("shmvllm: no C compiler found; the model runs in plain torch (slower)", RuntimeWarning, stacklevel=3)
         return None
-    key = hashlib.sha256(source.read_bytes() + cc.encode() + " ".join(cflags + _LDFLAGS + _LIBS).encode() + _cpu_identity())
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in (source, *includes)) + cc.encode() + " ".join(cflags + _LDFLAGS + _LIBS).encode() + _cpu_identity())
     filename = f"{stem}-{key.hexdigest()[:16]}-{platform.machine()}.so"
     problems = []
     for base in _cache_dirs():
@@ -127,7 +129,11 @@ def cpu_kernels() -> Optional[ctypes.CDLL]:
 
 
 QUANT_SOURCE = Path(__file__).with_name("quant_kernels.c")
+# decode_step.c includes quant_kernels.c: one library per ISA holds both.
+STEP_SOURCE = Path(__file__).with_name("decode_step.c")
 _QUANT_SIGNATURES = {
+    "shm_decode_step": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]),
+    "shm_decode_scratch_floats": (_i64, [_ptr, _i64]),
     "shm_qgemm": (ctypes.c_int, [_ptr, _i64, _ptr, _i64, _ptr, _i64, ctypes.c_int, _ptr, _ptr, _i64, _i64, _i64, _i64]),
     "shm_qdequant_rows": (ctypes.c_int, [_ptr, _ptr, _i64, ctypes.c_int, _ptr, _i64, _i64, _i64]),
     "shm_qblock_bytes": (ctypes.c_int, [ctypes.c_int]),
@@ -150,7 +156,7 @@ _QUANT_BASE_FLAGS = ["-O3", "-mtune=native", "-fopenmp", "-fPIC", "-std=gnu11", 
 @functools.lru_cache(maxsize=None)
 def _quant_build(isa: str) -> Optional[ctypes.CDLL]:
     flags = next(f for name, _, f in QUANT_ISAS if name == isa)
-    return _build(f"quant_kernels-{isa}", QUANT_SOURCE, _QUANT_BASE_FLAGS + flags, _QUANT_SIGNATURES)
+    return _build(f"quant_kernels-{isa}", STEP_SOURCE, _QUANT_BASE_FLAGS + flags, _QUANT_SIGNATURES, (QUANT_SOURCE,))
 
 
 def quant_isas_supported() -> list[str]:

@@ -77,12 +77,21 @@ static inline vf loadf(const float *p) {
     return v;
 }
 
-static inline vf splat(float s) { return (vf){0} + s; }
+/* s in every lane (s - 0 is s for every s, so unlike 0 + s it folds to a broadcast) */
+static inline vf splat(float s) { return s - (vf){0}; }
 
+/* Sum of the lanes, as a tree of halves (a sequential sum is VW dependent scalar adds). */
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
 static inline float hsum(vf v) {
-    float s = 0.0f;
-    for (int i = 0; i < VW; i++) s += v[i];
-    return s;
+#if VW == 16
+    const vf8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    const vf8 h8 = v;
+#endif
+    const vf4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+    return (h4[0] + h4[2]) + (h4[1] + h4[3]);
 }
 
 /* VW bytes -> VW floats. GCC 12 scalarizes __builtin_convertvector from bytes to 32-bit lanes,
@@ -274,17 +283,36 @@ static inline void deq_f32(const uint8_t *blk, vf *w) { memcpy(w, blk, 128); }
     static inline __attribute__((always_inline)) void NAME##_row(                                            \
         const int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *row, const float *bias, \
         const float *residual, int64_t ldr, int64_t j, int64_t k) {                                             \
-        vf acc[M];                                                                                              \
-        for (int m = 0; m < M; m++) acc[m] = (vf){0};                                                           \
-        for (int64_t b = 0; b < k / QK; b++) {                                                                  \
+        /* independent accumulator chains (the FMA latency, not its throughput, bounds one row) */ \
+        const int NA = M <= 2 ? 4 : 2;                                                                          \
+        vf acc[FEW_ROWS][4];                                                                                    \
+        for (int m = 0; m < M; m++)                                                                             \
+            for (int a = 0; a < NA; a++) acc[m][a] = (vf){0};                                                   \
+        const int64_t blocks = k / QK;                                                                          \
+        int64_t b = 0;                                                                                          \
+        for (; b + 2 <= blocks; b += 2) {                                                                       \
+            vf w0[QK / VW], w1[QK / VW];                                                                        \
+            DEQ(row + b * BB, w0);                                                                              \
+            DEQ(row + (b + 1) * BB, w1);                                                                        \
+            for (int t = 0; t < QK / VW; t++)                                                                   \
+                for (int m = 0; m < M; m++) {                                                                   \
+                    const float *xm = x + m * ldx + b * QK + t * VW;                                            \
+                    acc[m][(t & 1) % NA] += w0[t] * loadf(xm);                                                  \
+                    acc[m][(2 + (t & 1)) % NA] += w1[t] * loadf(xm + QK);                                       \
+                }                                                                                               \
+        }                                                                                                       \
+        for (; b < blocks; b++) {                                                                               \
             vf wv[QK / VW];                                                                                     \
             DEQ(row + b * BB, wv);                                                                              \
             for (int t = 0; t < QK / VW; t++)                                                                   \
-                for (int m = 0; m < M; m++) acc[m] += wv[t] * loadf(x + m * ldx + b * QK + t * VW);             \
+                for (int m = 0; m < M; m++) acc[m][(t & 1) % NA] += wv[t] * loadf(x + m * ldx + b * QK + t * VW); \
         }                                                                                                       \
         const float add = bias != NULL ? bias[j] : 0.0f;                                                        \
-        for (int m = 0; m < M; m++)                                                                             \
-            out[m * ldo + j] = hsum(acc[m]) + add + (residual != NULL ? residual[m * ldr + j] : 0.0f);          \
+        for (int m = 0; m < M; m++) {                                                                           \
+            vf sum = acc[m][0];                                                                                 \
+            for (int a = 1; a < NA; a++) sum += acc[m][a];                                                      \
+            out[m * ldo + j] = hsum(sum) + add + (residual != NULL ? residual[m * ldr + j] : 0.0f);             \
+        }                                                                                                       \
     }                                                                                                           \
     static void NAME##_few(int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *w,        \
                            int64_t row_bytes, const float *bias, const float *residual, int64_t ldr, int64_t n,  \

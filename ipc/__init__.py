@@ -15,7 +15,8 @@ from ipc.ring import (
     RingError,
     native_available,
 )
-from ipc.segment import sweep_stale_segments
+from ipc.segment import SharedMemoryFullError, sweep_stale_segments
+from ipc.wait import RingTimeoutError
 
 __all__ = [
     "Channel",
@@ -25,6 +26,8 @@ __all__ = [
     "RingBuffer",
     "RingCorruptedError",
     "RingError",
+    "RingTimeoutError",
+    "SharedMemoryFullError",
     "native_available",
     "sweep_stale_segments",
 ]

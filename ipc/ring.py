@@ -42,8 +42,8 @@ import posix_ipc
 from ipc import _native
 from ipc import layout as L
 from ipc._pyops import PythonOps
-from ipc.segment import Segment, pid_alive, process_start_time, unlink_quietly
-from ipc.wait import Doorbell, Waiter, check_wait_params
+from ipc.segment import SEMAPHORE_BYTES, Segment, check_free_space, pid_alive, process_start_time, unlink_quietly
+from ipc.wait import Doorbell, RingTimeoutError, Waiter, check_wait_params
 
 T = TypeVar("T")
 
@@ -221,6 +221,7 @@ class RingBuffer:
                 f"capacity must be a multiple of 8 in [{L.MIN_CAPACITY}, {L.MAX_CAPACITY}], got {capacity!r}"
             )
         check_wait_params(spin_us, nap_window_s, poll_interval)
+        check_free_space(L.HEADER_SIZE + capacity + 2 * SEMAPHORE_BYTES, f"a ring of capacity {capacity}")
         segment = Segment.create(L.HEADER_SIZE + capacity)
         finalizer = weakref.finalize(segment, _unlink_ring, segment.name, os.getpid())
         try:
@@ -364,7 +365,7 @@ class RingBuffer:
     def push(self, data: "bytes | bytearray | memoryview", timeout: Optional[float] = None) -> None:
         """Appends one message (any size, any bytes-like object); blocks while the ring is full.
 
-        Raises TimeoutError (nothing was delivered), PeerDeadError / PeerClosedError, or
+        Raises RingTimeoutError, a TimeoutError (nothing was delivered), PeerDeadError / PeerClosedError, or
         ValueError once this end is closed.
         """
         if self._fast_push:
@@ -432,7 +433,7 @@ class RingBuffer:
     def pop(self, timeout: Optional[float] = None) -> bytes:
         """Removes and returns the next message; blocks while the ring is empty.
 
-        Raises TimeoutError, PeerDeadError, PeerClosedError (once the closed peer's messages
+        Raises RingTimeoutError, PeerDeadError, PeerClosedError (once the closed peer's messages
         are all popped), or RingCorruptedError on a malformed frame.
         """
         r = self._op_peek()
@@ -474,7 +475,7 @@ class RingBuffer:
             return None
         try:
             return self._consume_slow(fn, r, time.monotonic())
-        except TimeoutError:
+        except RingTimeoutError:
             return None
 
     def wait_readable(self, timeout: Optional[float] = None) -> bool:
@@ -487,7 +488,7 @@ class RingBuffer:
             return True
         try:
             self._data_waiter.wait(_deadline(timeout))
-        except TimeoutError:
+        except RingTimeoutError:
             return False
         return True
 
@@ -568,7 +569,7 @@ class RingBuffer:
             raise RuntimeError("the cache-line floor needs the C helper")
         elapsed = self._ops.floor_pingpong(L.OFF_FLOOR, iters, role, int(timeout * 1e9))
         if elapsed < 0:
-            raise TimeoutError(f"floor_pingpong role {role}: no answer from the other side for {timeout} s")
+            raise RingTimeoutError(f"floor_pingpong role {role}: no answer from the other side for {timeout} s")
         return elapsed / iters
 
 

@@ -37,13 +37,27 @@ message and then closes (or dies) between our look at the counter and our look a
 would otherwise be reported gone with that message unread. The peer's close follows its last
 publish, and our look at its state (an acquire load) precedes that second look at the counter,
 so whoever sees the peer gone also sees everything it published.
+
+Signals: a Python signal handler that raises (a SIGALRM timeout, say) interrupts a blocked
+wait, as it would `time.sleep`. posix_ipc's `acquire` runs the handler itself on EINTR and
+replaces any exception but KeyboardInterrupt with its own SignalError, so the sleep calls libc's
+`sem_clockwait` through ctypes on the same named semaphore instead: a signal makes it return
+EINTR to Python, where the handler runs, and raises from the wait if it raises (nothing is held
+that would need undoing). Where libc has no `sem_clockwait` (glibc < 2.30, not Linux), the
+sleep is posix_ipc's, and only KeyboardInterrupt gets through. The spin and the nap return to
+Python at least every nap (the C nap returns early on EINTR), where the handler runs too.
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
+import errno
+import functools
 import math
+import os
 import time
+import weakref
 from typing import Callable, Optional
 
 import posix_ipc
@@ -55,6 +69,60 @@ NAP_FIRST_US = 50.0
 NAP_MAX_US = 1000.0
 RECENT_WAITS = 4  # how many past waits predict the next one (their shortest does)
 EXPECTED_FRACTION = 0.9  # of that shortest wait, napped through in one go
+
+
+class _LibcSemaphore:
+    """A named semaphore opened (again) through libc, to sleep on it with ctypes: the call
+    releases the GIL, and a signal ends it with EINTR back in Python (see the module docstring)."""
+
+    def __init__(self, libc: ctypes.CDLL, handle: int) -> None:
+        self._handle = ctypes.c_void_p(handle)
+        self._clockwait = libc.sem_clockwait
+        self._deadline = (ctypes.c_long * 2)()  # struct timespec
+        self._deadline_ref = ctypes.byref(self._deadline)
+        weakref.finalize(self, libc.sem_close, self._handle)
+
+    @classmethod
+    def open(cls, name: str) -> Optional["_LibcSemaphore"]:
+        """The semaphore `name` (which exists) through libc; None where that is not possible."""
+        libc = _libc()
+        if libc is None:
+            return None
+        handle = libc.sem_open(name.encode(), 0)
+        return cls(libc, handle) if handle else None
+
+    def wait(self, timeout: float) -> bool:
+        """True if acquired within `timeout` s; False on a timeout or a signal (whose handler
+        runs, and may raise, on return)."""
+        end = time.clock_gettime_ns(time.CLOCK_MONOTONIC) + int(timeout * 1e9)
+        self._deadline[0], self._deadline[1] = divmod(end, 1_000_000_000)
+        if self._clockwait(self._handle, time.CLOCK_MONOTONIC, self._deadline_ref) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err in (errno.ETIMEDOUT, errno.EINTR, errno.EAGAIN):
+            return False
+        raise OSError(err, f"sem_clockwait: {os.strerror(err)}")
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> Optional[ctypes.CDLL]:
+    """libc with sem_open / sem_clockwait / sem_close set up for ctypes, or None."""
+    if not hasattr(time, "CLOCK_MONOTONIC"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.sem_open.restype = ctypes.c_void_p
+        libc.sem_open.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        libc.sem_clockwait.restype = ctypes.c_int
+        libc.sem_close.argtypes = [ctypes.c_void_p]
+    except (OSError, AttributeError):  # no such functions here (glibc < 2.30, macOS)
+        return None
+    return libc
+
+
+class RingTimeoutError(TimeoutError):
+    """A wait on a ring ran out of time (a TimeoutError of the ring's own, so that a caller can
+    tell it from a TimeoutError that a signal handler raised during the wait)."""
 
 
 def check_wait_params(spin_us: float, nap_window_s: float, poll_interval: float) -> None:
@@ -73,6 +141,7 @@ class Doorbell:
     def __init__(self, sem: posix_ipc.Semaphore) -> None:
         self._sem = sem
         self.name = sem.name
+        self._sleeper = _LibcSemaphore.open(sem.name)  # None: sleep with posix_ipc
 
     @classmethod
     def create(cls, name: str) -> "Doorbell":
@@ -88,13 +157,16 @@ class Doorbell:
     def wait(self, timeout: float) -> bool:
         """Sleeps until rung or `timeout` seconds pass (GIL released); True if rung.
 
-        A signal interrupts the sleep (EINTR, posix_ipc.SignalError): that is a spurious
-        wake-up, not an error. The Python handler runs as soon as we are back in bytecode and
-        raises from there if it wants to (KeyboardInterrupt); a handler that returns (SIGCHLD,
-        SIGUSR1, a profiler's timer) must not turn a blocked pop or push into an exception.
+        A signal ends the sleep early (False): its handler runs on return and raises from
+        here if it raises; one that returns (SIGCHLD, SIGUSR1, a profiler's timer) leaves the
+        wait going. (With posix_ipc's sleep only KeyboardInterrupt gets through: see the module
+        docstring.)
         """
+        timeout = max(timeout, 0.0)
+        if self._sleeper is not None:
+            return self._sleeper.wait(timeout)
         try:
-            self._sem.acquire(max(timeout, 0.0))
+            self._sem.acquire(timeout)
         except (posix_ipc.BusyError, posix_ipc.SignalError):
             return False
         return True
@@ -157,7 +229,7 @@ class Waiter:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     self._disarm()
-                    raise TimeoutError("timed out waiting on the ring")
+                    raise RingTimeoutError("timed out waiting on the ring")
                 step = min(step, remaining)
             try:
                 self._bell.wait(step)

@@ -23,6 +23,13 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 _TASK_ALIASES = {"embedding": "embed"}
 
+QUANTIZATIONS = (None, "gguf", "none", "q8_0")
+"""EngineArgs.quantization: None (default) runs a GGUF file's weights as its GGML blocks (on
+the CPU with fp32 activations; elsewhere dequantized) and a safetensors model as stored;
+"gguf" insists on the blocks (error for a non-GGUF model); "none" dequantizes a GGUF file to
+`dtype` at load (a full-precision copy of the weights, as before blocks were kept);
+"q8_0" quantizes a safetensors model's linear weights to Q8_0 blocks at load."""
+
 
 @dataclass
 class ModelConfig:
@@ -40,6 +47,7 @@ class ModelConfig:
     tokenizer_mode: str = "auto"  # "auto": the fast tokenizer; "slow": the Python one
     generation_config: str = "auto"  # where default sampling params come from ("vllm": none)
     override_generation_config: dict[str, Any] = field(default_factory=dict)
+    quantization: Optional[str] = None  # see QUANTIZATIONS
 
     @property
     def vocab_size(self) -> int:
@@ -133,6 +141,7 @@ class EngineArgs(VllmArgs):
     runner: str = "auto"  # "auto" | "generate" | "pooling"
     convert: str = "auto"  # "auto" | "none" | "embed" (only for a model that embeds already)
     dtype: str = "auto"  # also vLLM's "half", "float"
+    quantization: Optional[str] = None  # see QUANTIZATIONS
     device: str = "auto"
     seed: Optional[int] = 0
     max_model_len: Optional[int] = None
@@ -178,6 +187,9 @@ class EngineArgs(VllmArgs):
         return cls(**{name: getattr(args, name) for name in cls.field_names() if hasattr(args, name)})
 
     def create_engine_config(self) -> EngineConfig:
+        from shmvllm.engine.validation import check_engine_args
+
+        check_engine_args(self)
         self._verify()
         from transformers import AutoConfig
 
@@ -205,7 +217,9 @@ class EngineArgs(VllmArgs):
             tokenizer_mode=self.tokenizer_mode,
             generation_config=self.generation_config,
             override_generation_config=dict(self.override_generation_config or {}),
+            quantization=self.quantization,
         )
+        _verify_quantization(self.quantization, model_dir, task)
         chunked_prefill = self.enable_chunked_prefill is not False
         max_batched, max_num_seqs = _scheduler_limits(
             self.max_num_batched_tokens, self.max_num_seqs, task, max_model_len, chunked_prefill
@@ -266,6 +280,8 @@ class EngineArgs(VllmArgs):
             )
         if _DTYPE_ALIASES.get(self.dtype, self.dtype) not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES + tuple(_DTYPE_ALIASES)}, got {self.dtype!r}.")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}.")
         if self.tokenizer_mode not in ("auto", "hf", "slow"):
             raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r} is not supported: 'auto', 'hf' or 'slow'.")
         if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
@@ -292,6 +308,19 @@ class EngineArgs(VllmArgs):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
         if self.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} is not supported: shmvllm runs on one device.")
+
+
+def _verify_quantization(quantization: Optional[str], model_dir: Path, task: Task) -> None:
+    from shmvllm.model.registry import gguf_source
+
+    is_gguf = gguf_source(model_dir) is not None
+    if quantization == "gguf" and not is_gguf:
+        raise ValueError(f"quantization='gguf' needs a .gguf model; {str(model_dir)!r} is not one.")
+    if quantization == "q8_0" and (is_gguf or task != "generate"):
+        raise ValueError(
+            f"quantization='q8_0' quantizes a safetensors decoder at load; {str(model_dir)!r} is "
+            f"{'a GGUF file, already in blocks' if is_gguf else 'not a generative model'}."
+        )
 
 
 # Embedding steps are one whole pass over short prompts with no KV cache kept: larger steps mean

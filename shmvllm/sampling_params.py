@@ -1,14 +1,19 @@
 """SamplingParams: how to sample one request, validated when it is built.
 
 It is a msgspec Struct so that it crosses the frontend/engine boundary inside
-`EngineCoreRequest` with no conversion.
+`EngineCoreRequest` with no conversion. Assigning a field re-validates the whole object (an
+invalid value raises and leaves the old one in place), so a SamplingParams is valid whenever
+it reaches the engine.
 """
 
 from __future__ import annotations
 
 import copy
 import enum
+import json as _json
 import logging
+import math
+import os
 from typing import Any, Optional, Union
 
 import msgspec
@@ -19,6 +24,26 @@ _SAMPLING_EPS = 1e-5
 # vLLM raises a positive temperature below this to it (smaller ones overflow in the softmax).
 _MIN_TEMPERATURE = 1e-2
 _MAX_TEMPERATURE = 2.0
+# Every int crosses the process boundary as a msgpack int64 (and seeds a torch generator).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# vLLM's bound on n (its VLLM_MAX_N_SEQUENCES): the frontend keeps n requests per prompt.
+MAX_N_SEQUENCES_ENV = "SHMVLLM_MAX_N_SEQUENCES"
+DEFAULT_MAX_N_SEQUENCES = 16384
+_set_field = msgspec.Struct.__setattr__  # a field assignment without re-validation
+
+
+def max_n_sequences() -> int:
+    """The largest n: $SHMVLLM_MAX_N_SEQUENCES, else DEFAULT_MAX_N_SEQUENCES."""
+    raw = os.environ.get(MAX_N_SEQUENCES_ENV)
+    if raw is None:
+        return DEFAULT_MAX_N_SEQUENCES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{MAX_N_SEQUENCES_ENV} must be a positive int, got {raw!r}.")
+    return value
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -31,6 +56,126 @@ class RequestOutputKind(enum.IntEnum):
 
 class ParameterTypeError(TypeError, ValueError):
     """A parameter of the wrong type: a TypeError, and a ValueError like every other invalid parameter."""
+
+
+_CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+class StructuredOutputsParams(
+    msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True
+):  # type: ignore[call-arg]
+    """A constraint on the output, with vLLM's fields: exactly one of `json` (a JSON schema as a
+    dict, a JSON string, or a pydantic model class), `regex`, `choice` (a list of strings),
+    `grammar` (EBNF / GBNF, or Lark), `json_object` (any JSON object) and `structural_tag` (an
+    xgrammar structural tag, as JSON text or a dict).
+
+    Options: `disable_any_whitespace` (JSON without free whitespace), `disable_additional_properties`
+    (objects of the schema that do not say otherwise get additionalProperties false),
+    `whitespace_pattern` (refused when set: xgrammar has no such knob, as in vLLM's xgrammar
+    backend), `disable_fallback` (accepted at any value: there is one backend, never a fallback).
+
+    Whether the constraint itself is valid (a schema xgrammar can compile, a regex that parses)
+    is checked by the frontend's input processor, which has the grammar library.
+    """
+
+    json: Union[str, dict[str, Any], None] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Union[str, dict[str, Any], None] = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: Optional[str] = None
+    disable_fallback: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, type) or _is_pydantic_model(self.json):
+            self.json = _pydantic_schema(self.json)
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        if self.json_object is False:
+            self.json_object = None  # vLLM counts only True as a constraint
+        given = [name for name in _CONSTRAINT_FIELDS if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one constraint of "
+                f"{list(_CONSTRAINT_FIELDS)}, got {len(given)}: {given or 'none'}."
+            )
+        self._verify()
+
+    def _verify(self) -> None:
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ParameterTypeError(
+                "structured_outputs.json must be a JSON schema (dict or str) or a pydantic model class, "
+                f"got {self.json!r} ({type(self.json).__name__})."
+            )
+        if isinstance(self.json, str):
+            try:
+                schema = _json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}; got {self.json!r}.") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"structured_outputs.json must be a JSON schema object, got {self.json!r}.")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ParameterTypeError(f"structured_outputs.{name} must be a str, got {value!r}.")
+            if value is not None and "\x00" in value:
+                raise ValueError(f"structured_outputs.{name} must not contain a NUL character, got {value!r}.")
+        if self.grammar is not None and not self.grammar.strip():
+            raise ValueError(f"structured_outputs.grammar is empty, got {self.grammar!r}.")
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not all(isinstance(c, str) for c in self.choice):
+                raise ParameterTypeError(f"structured_outputs.choice must be a list of str, got {self.choice!r}.")
+            if not self.choice:
+                raise ValueError("structured_outputs.choice must hold at least one string, got [].")
+        if self.json_object is not None and self.json_object is not True:
+            raise ParameterTypeError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}.")
+        if self.structural_tag is not None:
+            if not isinstance(self.structural_tag, (str, dict)):
+                raise ParameterTypeError(
+                    f"structured_outputs.structural_tag must be JSON text or a dict, got {self.structural_tag!r}."
+                )
+            if isinstance(self.structural_tag, str):
+                try:
+                    _json.loads(self.structural_tag)
+                except ValueError as exc:
+                    raise ValueError(
+                        f"structured_outputs.structural_tag is not valid JSON: {exc}; got {self.structural_tag!r}."
+                    ) from None
+        for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+            if not isinstance(getattr(self, name), bool):
+                raise ParameterTypeError(f"structured_outputs.{name} must be a bool, got {getattr(self, name)!r}.")
+        if self.whitespace_pattern is not None:
+            raise ValueError(
+                "structured_outputs.whitespace_pattern is not supported by the xgrammar backend "
+                f"(use disable_any_whitespace=True for compact JSON), got {self.whitespace_pattern!r}."
+            )
+
+    @property
+    def kind(self) -> str:
+        """The name of the one constraint field that is set."""
+        return next(name for name in _CONSTRAINT_FIELDS if getattr(self, name) is not None)
+
+    def all_constraints_none(self) -> bool:
+        return all(getattr(self, name) is None for name in _CONSTRAINT_FIELDS)
+
+
+# vLLM's older name for the same parameters.
+GuidedDecodingParams = StructuredOutputsParams
+
+
+def _is_pydantic_model(value: object) -> bool:
+    return hasattr(value, "model_json_schema") and callable(value.model_json_schema)
+
+
+def _pydantic_schema(model: Any) -> Any:
+    if not _is_pydantic_model(model):
+        raise ParameterTypeError(
+            f"structured_outputs.json must be a JSON schema (dict or str) or a pydantic model class, got {model!r}."
+        )
+    return model.model_json_schema()
 
 
 class SamplingType(enum.IntEnum):
@@ -76,6 +221,8 @@ class SamplingParams(
     bad_words: Optional[list[str]] = None  # a word's last token is banned after the rest of it
     extra_args: Optional[dict[str, Any]] = None  # carried for custom code; no in-tree use (as in vLLM)
     flat_logprobs: bool = False  # logprobs as one FlatLogprobs per completion (fewer objects)
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    guided_decoding: Optional[StructuredOutputsParams] = None  # vLLM's older name: moved to structured_outputs
     # Set by the input processor from the tokenizer / generation config, not by users.
     eos_token_id: Optional[int] = None
     bad_words_token_ids: Optional[list[list[int]]] = None  # bad_words, tokenized
@@ -87,12 +234,31 @@ class SamplingParams(
         if _SAMPLING_EPS <= self.temperature < _MIN_TEMPERATURE:
             logger.warning("temperature %s is below %s, which overflows the softmax: raised to %s",
                            self.temperature, _MIN_TEMPERATURE, _MIN_TEMPERATURE)
-            self.temperature = _MIN_TEMPERATURE
+            _set_field(self, "temperature", _MIN_TEMPERATURE)
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the other truncation knobs are meaningless, and n copies would be equal.
-            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
-            if self.n > 1:
-                raise ValueError(f"n must be 1 when using greedy sampling (temperature=0), got n={self.n}.")
+            _set_field(self, "top_p", 1.0)
+            _set_field(self, "top_k", 0)
+            _set_field(self, "min_p", 0.0)
+            self._check_greedy_n()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Sets a field, then validates everything again; an invalid value is not kept."""
+        old = getattr(self, name)
+        _set_field(self, name, value)
+        try:
+            self._normalize()
+            self._verify()
+            self._verify_v1_fields()
+            if self.temperature < _SAMPLING_EPS:
+                self._check_greedy_n()
+        except BaseException:
+            _set_field(self, name, old)
+            raise
+
+    def _check_greedy_n(self) -> None:
+        if self.n > 1:
+            raise ValueError(f"n must be 1 when using greedy sampling (temperature=0), got n={self.n}.")
 
     @staticmethod
     def from_optional(**kwargs: Any) -> "SamplingParams":
@@ -134,7 +300,7 @@ class SamplingParams(
                 raise ParameterTypeError(f"bad_words must be a list of str, got {self.bad_words!r}.")
             if any(not w.strip() for w in self.bad_words):
                 raise ValueError(f"bad_words cannot contain an empty string, got {self.bad_words!r}.")
-            self.bad_words = list(dict.fromkeys(self.bad_words))
+            _set_field(self, "bad_words", list(dict.fromkeys(self.bad_words)))
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ParameterTypeError(f"extra_args must be a dict, got {self.extra_args!r}.")
         if not isinstance(self.flat_logprobs, bool):
@@ -142,27 +308,37 @@ class SamplingParams(
 
     def _normalize(self) -> None:
         if self.seed == -1:  # vLLM: -1 means no seed
-            self.seed = None
+            _set_field(self, "seed", None)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is True:  # vLLM: True means 1
-                setattr(self, name, 1)
+                _set_field(self, name, 1)
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None and self.structured_outputs != self.guided_decoding:
+                raise ValueError(
+                    "structured_outputs and guided_decoding (its older name) are both set, to different values: "
+                    f"{self.structured_outputs!r} and {self.guided_decoding!r}."
+                )
+            _set_field(self, "structured_outputs", self.guided_decoding)
+            _set_field(self, "guided_decoding", None)
         if isinstance(self.stop, str):
-            self.stop = [self.stop]
+            _set_field(self, "stop", [self.stop])
         elif isinstance(self.stop, tuple):
-            self.stop = list(self.stop)
+            _set_field(self, "stop", list(self.stop))
         if self.stop is None:
-            self.stop = []
+            _set_field(self, "stop", [])
         if self.stop_token_ids is None:
-            self.stop_token_ids = []
-        if isinstance(self.output_kind, int) and not isinstance(self.output_kind, RequestOutputKind):
+            _set_field(self, "stop_token_ids", [])
+        if isinstance(self.output_kind, int) and not isinstance(self.output_kind, (bool, RequestOutputKind)):
             if self.output_kind not in set(RequestOutputKind):
                 raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
-            self.output_kind = RequestOutputKind(self.output_kind)
+            _set_field(self, "output_kind", RequestOutputKind(self.output_kind))
 
     def _verify(self) -> None:
         _check_int("n", self.n)
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
+        if self.n > max_n_sequences():
+            raise ValueError(f"n must be at most {max_n_sequences()} (${MAX_N_SEQUENCES_ENV}), got {self.n}.")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check_number(name, value)
@@ -210,14 +386,18 @@ class SamplingParams(
             isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids
         ):
             raise ParameterTypeError(f"stop_token_ids must be a list of int, got {self.stop_token_ids!r}.")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids!r}.")
+        if any(not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative 64-bit ints, got {self.stop_token_ids!r}.")
         for name in ("ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
                      "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ParameterTypeError(f"{name} must be a bool, got {getattr(self, name)!r}.")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ParameterTypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ParameterTypeError(
+                f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}."
+            )
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are only supported when detokenize is True.")
 
@@ -267,8 +447,16 @@ class BeamSearchParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # typ
 def _check_int(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise ParameterTypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{name} must fit in 64 bits ([{INT64_MIN}, {INT64_MAX}]), got {value}.")
 
 
 def _check_number(name: str, value: object) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ParameterTypeError(f"{name} must be a number, got {value!r} ({type(value).__name__}).")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int beyond every float
+        finite = False
+    if not finite:
+        raise ValueError(f"{name} must be a finite number, got {value!r}.")

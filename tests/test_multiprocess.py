@@ -168,13 +168,18 @@ def test_a_forked_child_exiting_leaves_the_engine_alone(tiny_llama_dir):
         client.shutdown()
 
 
+class EngineFailure(BaseException):
+    """Not an Exception: what a step cannot recover from (the engine reports it and exits)."""
+
+
 class FailingExecutor(UniProcExecutor):
-    """Raises in the third model step: an engine failure in the middle of serving."""
+    """Fails fatally in the third model step: an engine failure in the middle of serving. (An
+    Exception there only fails that step's requests: see test_engine_fault_isolation.)"""
 
     def execute_model(self, scheduler_output):
         self.calls = getattr(self, "calls", 0) + 1
         if self.calls == 3:
-            raise RuntimeError("boom in execute_model")
+            raise EngineFailure("boom in execute_model")
         return super().execute_model(scheduler_output)
 
 

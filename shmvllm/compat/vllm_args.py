@@ -120,7 +120,6 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     _ignored("additional_config", None, "platform plugins' settings; shmvllm has no plugins"),
     _ignored("ignore_patterns", None, "which files of a hub download to skip: " + _NO_DOWNLOAD),
     # ---- accepted only at the values listed: anything else asks for what shmvllm lacks ------
-    _only("quantization", None, "weights run as fp32/fp16/bf16; a .gguf file is dequantized on load", "gguf"),
     _only("kv_cache_dtype", "auto", "the KV cache has the model's dtype"),
     _only("load_format", "auto", "weights load from safetensors or a .gguf file", "safetensors", "gguf"),
     _only("config_format", "auto", "configs are Hugging Face config.json files", "hf"),

@@ -3,23 +3,28 @@
 from __future__ import annotations
 
 import enum
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from shmvllm.engine.messages import EngineCoreRequest, FinishReason
 from shmvllm.pooling_params import PoolingParams
 from shmvllm.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from shmvllm.structured_output.request import StructuredOutputRequest
+
 
 class RequestStatus(enum.IntEnum):
-    """Where a request is. Every status from FINISHED_STOPPED on is final."""
+    """Where a request is. Every status from FINISHED_STOPPED on is final. WAITING_FOR_FSM: its
+    structured-output grammar is still compiling."""
 
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    WAITING_FOR_FSM = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
@@ -71,6 +76,7 @@ class Request:
         self.stop_reason: Optional[int] = None
         self.block_hashes: list[bytes] = []
         self.sched_key: tuple[int, int] = (0, 0)  # set by the scheduler: its policy's order
+        self.structured_output_request: Optional["StructuredOutputRequest"] = None  # set by the scheduler
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> "Request":

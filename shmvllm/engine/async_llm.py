@@ -21,7 +21,7 @@ from typing import Any, AsyncGenerator, Optional, Union
 
 from shmvllm.config import EngineArgs, EngineConfig
 from shmvllm.engine.core_proc import POLL_S
-from shmvllm.engine.exceptions import EngineDeadError
+from shmvllm.engine.exceptions import EngineDeadError, EngineTimeoutError
 from shmvllm.engine.input_processor import PromptType
 from shmvllm.engine.llm_engine import LLMEngine
 from shmvllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
@@ -85,11 +85,11 @@ class _OutputReader:
         while not self._stopping.is_set():
             try:
                 outputs = engine.engine_core.get_output(POLL_S)
+            except EngineTimeoutError:
+                continue  # nothing in POLL_S: look at the stop flag, wait again
             except EngineDeadError as exc:
                 self._fail_all(exc)
                 return
-            if outputs is None:
-                continue
             try:
                 self._dispatch(outputs)
             except Exception as exc:  # a stream must never wait for a reader that is gone

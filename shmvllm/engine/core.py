@@ -3,7 +3,9 @@
 `step()` = `Scheduler.schedule()` -> `executor.execute_model()` -> `update_from_output()`.
 A request the engine cannot serve never raises out of `add_request`: it finishes with
 finish_reason ERROR (and an `error` text) in the next step's outputs, so one bad request
-cannot stop an engine that others share.
+cannot stop an engine that others share. Likewise in a step: a request whose sampling or
+output processing raises finishes alone with ERROR; if the model step itself raises, the
+requests of that step do. A failure in `schedule()` (the scheduler's own state) stops the engine.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any, Optional
 
 from shmvllm.config import EngineConfig
 from shmvllm.core.request import Request, RequestStatus
-from shmvllm.core.sched.output import EMPTY_MODEL_RUNNER_OUTPUT
+from shmvllm.core.sched.output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from shmvllm.core.sched.scheduler import Scheduler
 from shmvllm.engine.messages import (
     EngineCoreOutput,
@@ -24,6 +26,7 @@ from shmvllm.engine.messages import (
     SchedulerStats,
     now,
 )
+from shmvllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +47,14 @@ class EngineCore:
         self.num_kv_blocks = int(self.executor.determine_num_kv_blocks())
         self.executor.initialize_kv_cache(self.num_kv_blocks)
         self.block_size = config.cache_config.block_size
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_kv_blocks)
+        self.structured_output_manager = None if self.model_config.is_embedding else StructuredOutputManager(
+            self.model_config.tokenizer_dir or self.model_config.model_dir,
+            self.model_config.vocab_size,
+            config.scheduler_config.max_num_seqs,
+        )
+        self.scheduler = Scheduler(
+            config.scheduler_config, config.cache_config, self.num_kv_blocks, self.structured_output_manager
+        )
         self._rejected: list[EngineCoreOutput] = []
         self._totals = {"num_steps": 0, "num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         self._last_stats = SchedulerStats()
@@ -55,6 +65,14 @@ class EngineCore:
             self._kv_cache_bytes() / 2**20, self.max_concurrency, self.scheduler.max_model_len,
             time.perf_counter() - loaded,
         )
+
+    @property
+    def max_logprobs(self) -> int:
+        """The most logprobs a request may ask for: max_logprobs (-1: the vocabulary size),
+        never more than the vocabulary holds."""
+        vocab = self.model_config.vocab_size
+        limit = self.model_config.max_logprobs
+        return vocab if limit < 0 else min(limit, vocab)
 
     @property
     def max_concurrency(self) -> float:
@@ -70,12 +88,14 @@ class EngineCore:
         except Exception as exc:  # a malformed message: still only this request's failure
             error = f"invalid request: {exc!r}"
         if error is not None:
-            logger.warning("request %r rejected: %s", request.request_id, error)
-            self._rejected.append(
-                EngineCoreOutput(request_id=request.request_id, finish_reason=FinishReason.ERROR, error=error)
-            )
+            self.reject(request.request_id, error)
             return
         self.scheduler.add_request(engine_request)
+
+    def reject(self, request_id: str, error: str) -> None:
+        """Finishes a request that never reached the scheduler with ERROR (in the next step's outputs)."""
+        logger.warning("request %r rejected: %s", request_id, error)
+        self._rejected.append(EngineCoreOutput(request_id=request_id, finish_reason=FinishReason.ERROR, error=error))
 
     def _validate(self, request: Request) -> Optional[str]:
         """Why this engine cannot serve the request, or None."""
@@ -97,6 +117,12 @@ class EngineCore:
         if low < 0 or high >= self.model_config.vocab_size:
             bad = low if low < 0 else high
             return f"prompt token id {bad} is outside the vocabulary [0, {self.model_config.vocab_size})"
+        params = request.sampling_params
+        if params is not None:
+            for name in ("logprobs", "prompt_logprobs"):
+                value = getattr(params, name)
+                if value is not None and value > self.max_logprobs:
+                    return f"{name}={value} is more than this engine's max_logprobs={self.max_logprobs}"
         budget = self.config.scheduler_config.max_num_batched_tokens
         if request.is_pooling and num_prompt > budget:
             return f"the prompt has {num_prompt} tokens, more than max_num_batched_tokens={budget} for pooling"
@@ -119,7 +145,18 @@ class EngineCore:
             return EngineCoreOutputs(outputs=rejected, timestamp=now()) if rejected else EngineCoreOutputs()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens > 0:
-            runner_output = self.executor.execute_model(scheduler_output)
+            try:
+                runner_output = self.executor.execute_model(scheduler_output)
+            except Exception as exc:
+                # Which request is to blame is unknown here (the sampler isolates its own rows):
+                # the requests of this step finish with the error, the engine serves the rest.
+                logger.exception("the model step failed; its %d requests finish with an error",
+                                 len(scheduler_output.num_scheduled_tokens))
+                error = f"the engine's model step failed: {type(exc).__name__}: {exc}"
+                runner_output = ModelRunnerOutput(
+                    req_ids=[], sampled_token_ids=[],
+                    errors=dict.fromkeys(scheduler_output.num_scheduled_tokens, error),
+                )
         else:
             runner_output = EMPTY_MODEL_RUNNER_OUTPUT
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -155,9 +192,12 @@ class EngineCore:
             "num_running_reqs": len(self.scheduler.running),
             "num_waiting_reqs": len(self.scheduler.waiting),
             **self._totals,
+            **({"structured_output": self.structured_output_manager.stats()} if self.structured_output_manager else {}),
         }
 
     def shutdown(self) -> None:
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.shutdown()
         self.executor.shutdown()
 
     def _kv_cache_bytes(self) -> int:

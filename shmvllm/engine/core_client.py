@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import multiprocessing.util
 import os
 import threading
@@ -19,7 +20,7 @@ from typing import Any, Optional
 from ipc import PeerGoneError
 from shmvllm.config import EngineConfig
 from shmvllm.engine.core_proc import ENGINE_FAILED_CALL_ID, POLL_S, decode_outputs
-from shmvllm.engine.exceptions import EngineDeadError
+from shmvllm.engine.exceptions import EngineDeadError, EngineTimeoutError
 from shmvllm.engine.messages import (
     EngineCoreAbort,
     EngineCoreOutputs,
@@ -28,7 +29,9 @@ from shmvllm.engine.messages import (
     EngineCoreUtility,
 )
 from shmvllm.engine.proc_manager import DEFAULT_READY_TIMEOUT_S, CoreEngineProcManager
-from shmvllm.engine.transport import TRANSPORTS, Endpoint, PeerMissingError, open_frontend
+from shmvllm.engine.transport import TRANSPORTS, ChannelTimeout, Endpoint, PeerMissingError, open_frontend
+
+logger = logging.getLogger(__name__)
 
 
 class EngineCoreClient(ABC):
@@ -43,10 +46,10 @@ class EngineCoreClient(ABC):
     def add_request(self, request: EngineCoreRequest) -> None: ...
 
     @abstractmethod
-    def get_output(self, timeout: Optional[float] = None) -> Optional[EngineCoreOutputs]:
-        """The next step's outputs (may be empty); None if `timeout` seconds passed without any.
-
-        Safe to call from one thread while others add and abort requests."""
+    def get_output(self, timeout: Optional[float] = None) -> EngineCoreOutputs:
+        """The next step's outputs (may be empty); EngineTimeoutError when none came within
+        `timeout` seconds (None: no limit). Safe to call from one thread while others add and
+        abort requests."""
 
     @abstractmethod
     def abort_requests(self, request_ids: list[str]) -> None: ...
@@ -68,6 +71,16 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def block_size(self) -> int: ...
 
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """The engine's vocabulary size: token ids and logprobs stay below it."""
+
+    @property
+    @abstractmethod
+    def max_logprobs(self) -> int:
+        """The most (prompt) logprobs a request may ask of this engine."""
+
 
 class InprocClient(EngineCoreClient):
     """Holds the EngineCore in this process: `get_output` runs one engine step."""
@@ -82,7 +95,8 @@ class InprocClient(EngineCoreClient):
         with self._lock:
             self.engine_core.add_request(request)
 
-    def get_output(self, timeout: Optional[float] = None) -> Optional[EngineCoreOutputs]:
+    def get_output(self, timeout: Optional[float] = None) -> EngineCoreOutputs:
+        """Runs one step here and now: `timeout` cannot interrupt it, and does not apply."""
         with self._lock:
             if not self.engine_core.has_unfinished_requests():
                 return EngineCoreOutputs()
@@ -110,6 +124,14 @@ class InprocClient(EngineCoreClient):
     def block_size(self) -> int:
         return self.engine_core.block_size
 
+    @property
+    def vocab_size(self) -> int:
+        return self.engine_core.model_config.vocab_size
+
+    @property
+    def max_logprobs(self) -> int:
+        return self.engine_core.max_logprobs
+
 
 class EngineUtilityError(RuntimeError):
     """A UTILITY call raised in the engine; the message carries the engine's exception text."""
@@ -117,6 +139,7 @@ class EngineUtilityError(RuntimeError):
 
 _PEER_ERRORS = (PeerGoneError, PeerMissingError)
 _MAX_DRAIN = 4096  # messages taken off the output channel in one go while waiting for something else
+ABORT_SEND_TIMEOUT_S = 1.0  # an abort waits this long for room on a full input ring, then gives up
 
 
 class _EngineResources:
@@ -198,6 +221,8 @@ class SyncMPClient(EngineCoreClient):
         # The output channel has one reader at a time: get_output, a utility call waiting for
         # its reply, or a send that drains outputs while the input ring is full.
         self._recv_lock = threading.RLock()
+        # How long a send may wait for room on a full input ring (None: as long as it takes).
+        self.request_timeout_s: Optional[float] = None
         self._call_ids = itertools.count()
         self._dead: Optional[str] = None
 
@@ -217,15 +242,26 @@ class SyncMPClient(EngineCoreClient):
         self._dead = f"the engine process (pid {self._manager.pid}) is dead: {why}"
         return EngineDeadError(self._dead)
 
-    def _send(self, msg: Any) -> None:
+    def _send(self, msg: Any, timeout: Optional[float] = None) -> None:
         """Sends to the engine. While the input ring is full, the engine's outputs are moved
         to `_pending`: the engine stops reading its input while it waits for room on the
-        output ring, so a frontend that only waited would wait for ever."""
+        output ring, so a frontend that only waited would wait for ever. ChannelTimeout after
+        `timeout` s without room; without a `timeout`, EngineTimeoutError after
+        `request_timeout_s` (if set)."""
         self._check_usable()
+        limit = self.request_timeout_s if timeout is None else timeout
         try:
-            self._endpoint.send(msg, while_full=self._drain_outputs)
+            self._endpoint.send(msg, timeout=limit, while_full=self._drain_outputs)
         except _PEER_ERRORS as exc:
             raise self._died(str(exc)) from exc
+        except ChannelTimeout:
+            if timeout is not None:
+                raise
+            state = self._manager.state()
+            raise EngineTimeoutError(
+                f"the engine process (pid {self._manager.pid}) took no input for {limit} s (request_timeout_s); "
+                f"it is {state}", state,
+            ) from None
 
     def _drain_outputs(self) -> None:
         if not self._recv_lock.acquire(blocking=False):
@@ -245,23 +281,29 @@ class SyncMPClient(EngineCoreClient):
             raise self._died(f"it failed:\n{utility.failure_message}")
         return outputs
 
-    def _recv(self, timeout: Optional[float] = None) -> Optional[EngineCoreOutputs]:
-        """The engine's next message (None after `timeout` s); EngineDeadError within ~POLL_S of its death."""
+    def _recv(self, timeout: Optional[float] = None) -> EngineCoreOutputs:
+        """The engine's next message; EngineDeadError within ~POLL_S of its death,
+        EngineTimeoutError (naming the engine's state) when nothing came within `timeout` s."""
         self._check_usable()
         endpoint = self._endpoint
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            wait = POLL_S if deadline is None else max(min(POLL_S, deadline - time.monotonic()), 0.0)
             try:
-                wait = POLL_S if deadline is None else max(min(POLL_S, deadline - time.monotonic()), 0.0)
                 outputs = endpoint.recv(decode_outputs, wait)
-            except TimeoutError:
-                if self._manager.is_alive():
-                    if deadline is not None and time.monotonic() >= deadline:
-                        return None
+            except ChannelTimeout:
+                if not self._manager.is_alive():
+                    outputs = endpoint.try_recv(decode_outputs)  # what it said before it died
+                    if outputs is None:
+                        raise self._died(f"it exited with code {self._manager.exitcode}") from None
+                elif deadline is not None and time.monotonic() >= deadline:
+                    state = self._manager.state()
+                    raise EngineTimeoutError(
+                        f"no output from the engine process (pid {self._manager.pid}) for {timeout} s "
+                        f"(request_timeout_s); it is {state}", state,
+                    ) from None
+                else:
                     continue
-                outputs = endpoint.try_recv(decode_outputs)  # what it said before it died
-                if outputs is None:
-                    raise self._died(f"it exited with code {self._manager.exitcode}") from None
             except _PEER_ERRORS as exc:
                 raise self._died(str(exc)) from exc
             return self._checked(outputs)
@@ -271,16 +313,21 @@ class SyncMPClient(EngineCoreClient):
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(request)
 
-    def get_output(self, timeout: Optional[float] = None) -> Optional[EngineCoreOutputs]:
+    def get_output(self, timeout: Optional[float] = None) -> EngineCoreOutputs:
         with self._recv_lock:
             if self._pending:
                 return self._pending.popleft()
             return self._recv(timeout)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        """A dead engine holds no requests: then there is nothing to abort, and no error."""
+        """A dead engine holds no requests: then there is nothing to abort, and no error. An
+        engine that does not read its input (stopped, stuck) within ABORT_SEND_TIMEOUT_S on a
+        full ring keeps them: logged, not raised (the caller is usually unwinding already)."""
         if request_ids and self._dead is None and self._finalizer.still_active():
-            self._send(EngineCoreAbort(list(request_ids)))
+            try:
+                self._send(EngineCoreAbort(list(request_ids)), timeout=ABORT_SEND_TIMEOUT_S)
+            except ChannelTimeout:
+                logger.warning("could not abort %d requests: the engine's input ring stays full", len(request_ids))
 
     def call_utility(self, method: str, *args: Any) -> Any:
         """Calls `EngineCore.<method>(*args)` in the engine; EngineUtilityError if it raised there."""
@@ -320,3 +367,11 @@ class SyncMPClient(EngineCoreClient):
     @property
     def max_concurrency(self) -> float:
         return self._ready.max_concurrency
+
+    @property
+    def vocab_size(self) -> int:
+        return self._ready.vocab_size
+
+    @property
+    def max_logprobs(self) -> int:
+        return self._ready.max_logprobs

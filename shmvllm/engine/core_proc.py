@@ -54,19 +54,47 @@ from shmvllm.engine.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestMsg,
+    EngineCoreRequestType,
     EngineCoreShutdown,
     EngineCoreUtility,
     EngineReady,
     UtilityOutput,
 )
-from shmvllm.engine.transport import Addresses, Endpoint, PeerMissingError, open_engine, remove_orphaned
+from shmvllm.engine.transport import Addresses, ChannelTimeout, Endpoint, PeerMissingError, open_engine, remove_orphaned
 
 logger = logging.getLogger(__name__)
 
 ENGINE_FAILED_CALL_ID = -1
 POLL_S = 0.25  # how often a blocked side looks at its peer
 
-decode_request = msgspec.msgpack.Decoder(EngineCoreRequestMsg).decode
+_decode_request = msgspec.msgpack.Decoder(EngineCoreRequestMsg).decode
+_decode_any = msgspec.msgpack.Decoder().decode
+
+
+class UndecodableRequest(msgspec.Struct, gc=False):
+    """A message the engine could not decode (a field its own validation refuses, say): an
+    ADD whose request id could still be read finishes with ERROR; anything else is logged."""
+
+    request_id: Optional[str]
+    error: str
+
+
+def decode_request(buf: Any) -> Any:
+    """The frontend's next message; an UndecodableRequest instead of an exception, so that one
+    malformed message cannot stop the busy loop."""
+    try:
+        return _decode_request(buf)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        request_id = None
+        try:
+            raw = _decode_any(buf)
+            if isinstance(raw, list) and len(raw) > 1 and raw[0] == int(EngineCoreRequestType.ADD):
+                request_id = raw[1] if isinstance(raw[1], str) else None
+        except Exception:  # not even msgpack: nothing to answer
+            pass
+        return UndecodableRequest(request_id, f"the engine could not decode the request: {exc}")
+
+
 decode_handshake = msgspec.msgpack.Decoder(Union[EngineReady, str]).decode  # READY, or a traceback
 decode_outputs = msgspec.msgpack.Decoder(EngineCoreOutputs).decode
 
@@ -106,7 +134,10 @@ class EngineCoreProc:
             raise
         core = self.engine_core
         self.endpoint.send(
-            EngineReady(core.num_kv_blocks, core.block_size, core.max_concurrency, core.scheduler.max_model_len)
+            EngineReady(
+                core.num_kv_blocks, core.block_size, core.max_concurrency, core.scheduler.max_model_len,
+                core.model_config.vocab_size, core.max_logprobs,
+            )
         )
 
     # ---- the process ---------------------------------------------------------------------
@@ -185,6 +216,10 @@ class EngineCoreProc:
             return EngineCoreOutputs(utility_output=self._call_utility(msg))
         elif kind is EngineCoreShutdown:
             raise _Shutdown
+        elif kind is UndecodableRequest:
+            logger.warning("dropped a message from the frontend: %s", msg.error)
+            if msg.request_id is not None:
+                self.engine_core.reject(msg.request_id, msg.error)
         else:
             raise TypeError(f"unexpected message type {kind.__name__}")
         return None
@@ -238,7 +273,7 @@ class EngineCoreProc:
         while True:
             try:
                 return self.endpoint.recv(decode_request, POLL_S)
-            except TimeoutError:
+            except ChannelTimeout:
                 self._check_parent()
 
     # ---- threads: input thread -> busy loop -> output thread --------------------------------
@@ -278,7 +313,7 @@ class EngineCoreProc:
             while True:
                 try:
                     inputs.put(recv(decode_request, POLL_S))
-                except TimeoutError:
+                except ChannelTimeout:
                     self._check_parent()
         except FrontendGoneError as exc:
             inputs.put(exc)

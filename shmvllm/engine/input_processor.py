@@ -2,7 +2,7 @@
 
 Everything that can be wrong with a request is found here, as a ValueError, before anything is
 queued in the engine: an empty prompt, token ids outside the vocabulary, a prompt that leaves no
-room to generate within max_model_len.
+room to generate within max_model_len, a structured-output constraint that does not parse.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from shmvllm.engine.messages import EngineCoreRequest, now
 from shmvllm.engine.renderer import Renderer
 from shmvllm.pooling_params import PoolingParams
 from shmvllm.sampling_params import SamplingParams
+from shmvllm.structured_output.validator import StructuredOutputValidator
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +53,15 @@ class InputProcessor:
         self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
         self.eos_token_id: Optional[int] = None
         self.extra_eos_token_ids: list[int] = []
+        self.structured_output_validator = StructuredOutputValidator()
         if generates:
             self.eos_token_id, self.extra_eos_token_ids = _eos_token_ids(renderer.tokenizer, model_dir)
+
+    def set_engine_limits(self, vocab_size: int, max_logprobs: int) -> None:
+        """The running engine's vocabulary size and max_logprobs (from its READY: resolved, and
+        never above the vocabulary)."""
+        self.vocab_size = vocab_size
+        self.max_logprobs = max_logprobs
 
     def process_inputs(
         self,
@@ -67,9 +75,9 @@ class InputProcessor:
         """Returns the request for the engine, the prompt text (None if given as ids) and its ids."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise TypeError(f"priority must be an int, got {priority!r}.")
+        check_priority(priority)
         self.verify_sampling_params(params)
+        self.verify_structured_outputs(params)
         prompt_text, prompt_ids = self.tokenize_prompt(prompt, tokenization_kwargs)
         prompt_ids = self.truncate(prompt_ids, params.truncate_prompt_tokens)
         self.validate_prompt(prompt_ids)
@@ -81,6 +89,11 @@ class InputProcessor:
             priority=priority,
         )
         return request, prompt_text, prompt_ids
+
+    def verify_structured_outputs(self, params: SamplingParams) -> None:
+        """A ValueError naming the field if the constraint does not parse (results are cached)."""
+        if params.structured_outputs is not None:
+            self.structured_output_validator.validate(params.structured_outputs)
 
     def tokenize_prompt(
         self, prompt: PromptType, tokenization_kwargs: Optional[dict[str, Any]] = None
@@ -141,6 +154,9 @@ class InputProcessor:
             raise ValueError("stop strings and bad_words need a tokenizer: this engine has skip_tokenizer_init=True.")
         if params.bad_words:
             self.bad_words_token_ids(params.bad_words)
+        bad = [t for t in params.stop_token_ids or () if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}.")
 
     def bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
         """Each bad word's tokens, alone and after a space (as vLLM: a word at the start of the
@@ -258,6 +274,14 @@ def parse_tokenization_kwargs(tokenization_kwargs: Optional[dict[str, Any]]) -> 
     if not isinstance(add_special_tokens, bool):
         raise ValueError(f"tokenization_kwargs['add_special_tokens'] must be a bool, got {add_special_tokens!r}.")
     return truncate, add_special_tokens
+
+
+def check_priority(priority: object) -> None:
+    """TypeError / ValueError unless `priority` is an int that fits the message's int64."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise TypeError(f"priority must be an int, got {priority!r}.")
+    if not -(2**63) <= priority < 2**63:
+        raise ValueError(f"priority must fit in 64 bits, got {priority}.")
 
 
 def _eos_token_ids(tokenizer: Any, model_dir: Optional[Path]) -> tuple[Optional[int], list[int]]:

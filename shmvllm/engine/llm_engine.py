@@ -1,20 +1,22 @@
 """LLMEngine: renderer + input processor + output processor + engine core client.
 
 `add_request` turns a prompt into EngineCoreRequests (n of them for n > 1), registers them with
-the output processor, then sends them to the engine; `step` takes one batch of engine outputs
-and returns the RequestOutputs they make.
+the output processor, then sends them to the engine, as one step: if a send fails, nothing of
+the request stays registered (and what was sent is aborted). `step` takes one batch of engine
+outputs and returns the RequestOutputs they make.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import msgspec
 
 from shmvllm.config import EngineArgs, EngineConfig
 from shmvllm.engine.core_client import EngineCoreClient
-from shmvllm.engine.input_processor import InputProcessor, PromptType
+from shmvllm.engine.input_processor import InputProcessor, PromptType, check_priority
 from shmvllm.engine.messages import EngineCoreOutputs, EngineCoreRequest, now
 from shmvllm.engine.output_processor import OutputProcessor, ParentRequest
 from shmvllm.engine.renderer import Renderer, load_tokenizer
@@ -42,6 +44,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = FrontendStats()
         self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess, transport=transport)
+        # The engine's own limits (READY carries them), which requests are validated against.
+        self.input_processor.set_engine_limits(self.engine_core.vocab_size, self.engine_core.max_logprobs)
 
     @property
     def model_config(self) -> Any:
@@ -80,14 +84,35 @@ class LLMEngine:
         if request_id in self.output_processor.request_states or request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         if params.n == 1:
-            self.output_processor.add_request(request, prompt_text, prompt_ids)
-            self.engine_core.add_request(request)
+            with self._undone_on_failure(request_id) as sent:
+                self.output_processor.add_request(request, prompt_text, prompt_ids)
+                self.engine_core.add_request(request)
+                sent.append(request_id)
             return
         parent = ParentRequest(request_id, request.sampling_params)
-        for index, child_id in enumerate(parent.child_ids):
-            child = msgspec.structs.replace(request, request_id=child_id, sampling_params=parent.child_params(index))
-            self.output_processor.add_request(child, prompt_text, prompt_ids, parent=parent, index=index)
-            self.engine_core.add_request(child)
+        with self._undone_on_failure(request_id) as sent:
+            for index, child_id in enumerate(parent.child_ids):
+                child = msgspec.structs.replace(request, request_id=child_id, sampling_params=parent.child_params(index))
+                self.output_processor.add_request(child, prompt_text, prompt_ids, parent=parent, index=index)
+                self.engine_core.add_request(child)
+                sent.append(child_id)
+
+    @contextlib.contextmanager
+    def _undone_on_failure(self, request_id: str) -> Iterator[list[str]]:
+        """Registration and sending as one step: if the block raises, the output processor
+        forgets `request_id` (and its children) and the engine aborts the ids the block put in
+        the yielded list (those already sent)."""
+        sent: list[str] = []
+        try:
+            yield sent
+        except BaseException:
+            self.output_processor.abort_requests([request_id])
+            if sent:
+                try:
+                    self.engine_core.abort_requests(sent)
+                except Exception:  # the engine is gone: it holds nothing any more
+                    logger.warning("could not abort %d requests in the engine", len(sent), exc_info=True)
+            raise
 
     def _add_pooling_request(
         self,
@@ -114,8 +139,7 @@ class LLMEngine:
         """A pooling request whose prompt `tokenize_for_pooling` already tokenized, and whose params
         the caller verified (LLM.embed tokenizes its prompts in batches)."""
         self.check_task(params)
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise TypeError(f"priority must be an int, got {priority!r}.")
+        check_priority(priority)
         self.input_processor.validate_pooling_prompt(prompt_ids)
         request = EngineCoreRequest(
             request_id=request_id,
@@ -129,8 +153,10 @@ class LLMEngine:
     def _queue_pooling_request(self, request: EngineCoreRequest, prompt_text: Optional[str], prompt_ids: list[int]) -> None:
         if request.request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request.request_id!r} is already in use.")
-        self.output_processor.add_pooling_request(request.request_id, prompt_text, prompt_ids)
-        self.engine_core.add_request(request)
+        with self._undone_on_failure(request.request_id) as sent:
+            self.output_processor.add_pooling_request(request.request_id, prompt_text, prompt_ids)
+            self.engine_core.add_request(request)
+            sent.append(request.request_id)
 
     def check_task(self, params: Any) -> None:
         """A clear ValueError for a request of the wrong kind for this model."""
@@ -146,9 +172,16 @@ class LLMEngine:
                 "embed() / encode(), or load a generation model for generate() / chat()."
             )
 
-    def step(self) -> list[Union[RequestOutput, PoolingRequestOutput]]:
-        """One batch of engine outputs -> RequestOutputs; aborts in the engine what stop strings ended."""
-        return self.process_engine_outputs(self.engine_core.get_output())
+    def set_request_timeout(self, seconds: Optional[float]) -> None:
+        """How long a send may wait for room in a full input channel (step() takes its own
+        timeout); EngineTimeoutError after that."""
+        if hasattr(self.engine_core, "request_timeout_s"):
+            self.engine_core.request_timeout_s = seconds
+
+    def step(self, timeout: Optional[float] = None) -> list[Union[RequestOutput, PoolingRequestOutput]]:
+        """One batch of engine outputs -> RequestOutputs; aborts in the engine what stop strings
+        ended. EngineTimeoutError when the engine sent nothing for `timeout` s (None: no limit)."""
+        return self.process_engine_outputs(self.engine_core.get_output(timeout))
 
     def process_engine_outputs(self, outputs: EngineCoreOutputs) -> list[Union[RequestOutput, PoolingRequestOutput]]:
         """`step` after the wait: what one batch of engine outputs makes (threads that share the

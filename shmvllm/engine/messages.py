@@ -178,12 +178,15 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
 
 class EngineReady(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
-    """The engine's first message on the output ring: it is loaded and serving."""
+    """The engine's first message on the output ring: it is loaded and serving, with these
+    limits (the frontend validates requests against them)."""
 
     num_kv_blocks: int
     block_size: int
     max_concurrency: float
     max_model_len: int
+    vocab_size: int
+    max_logprobs: int  # resolved: never -1, never above vocab_size
 
 
 def now() -> float:

@@ -50,8 +50,9 @@ class ParentRequest:
         return f"{index}_{self.request_id}"
 
     def child_params(self, index: int) -> SamplingParams:
-        """n=1, and a seed of its own (seed + index) so that seeded children differ yet repeat."""
-        seed = None if self.params.seed is None else self.params.seed + index
+        """n=1, and a seed of its own (seed + index, wrapped to int64) so that seeded children
+        differ yet repeat."""
+        seed = None if self.params.seed is None else (self.params.seed + index + 2**63) % 2**64 - 2**63
         return msgspec.structs.replace(self.params, n=1, seed=seed)
 
     def merge(self, child_id: str, completion: Optional[CompletionOutput]) -> Optional[list[CompletionOutput]]:

@@ -14,16 +14,35 @@ import os
 import time
 from typing import Any, Callable, Optional
 
+from ipc.segment import pid_alive
 from shmvllm.config import EngineConfig
 from shmvllm.engine.core_proc import POLL_S, EngineCoreProc, decode_handshake
 from shmvllm.engine.exceptions import EngineStartupError
 from shmvllm.engine.messages import EngineReady
-from shmvllm.engine.transport import Addresses, Endpoint
+from shmvllm.engine.transport import Addresses, ChannelTimeout, Endpoint
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_READY_TIMEOUT_S = 600.0
 _DRAIN_EVERY_S = 0.02
+
+
+def describe_process(pid: int) -> str:
+    """A process's scheduler state in words: "alive, busy" (running: a long step, or stuck in a
+    kernel), "alive, waiting" (asleep: blocked on something), "stopped" (SIGSTOP, a debugger),
+    or "dead"."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "alive (its state is unknown here)" if pid_alive(pid) else "dead"
+    if state == "R":
+        return "alive, busy (running: a long step, or stuck in a kernel)"
+    if state in ("S", "D", "I"):
+        return f"alive, waiting (asleep in state {state}: blocked on a lock, a device or I/O)"
+    if state in ("T", "t"):
+        return "stopped (SIGSTOP or a debugger; SIGCONT resumes it)"
+    return f"dead (state {state})"
 
 
 class CoreEngineProcManager:
@@ -54,6 +73,12 @@ class CoreEngineProcManager:
     def pid(self) -> Optional[int]:
         return self.proc.pid
 
+    def state(self) -> str:
+        """What the engine process is doing, in words (see `describe_process`)."""
+        if not self.is_alive():
+            return f"dead (exit code {self.exitcode})"
+        return describe_process(self.proc.pid)
+
     @property
     def exitcode(self) -> Optional[int]:
         return self.proc.exitcode
@@ -68,7 +93,7 @@ class CoreEngineProcManager:
             try:
                 answer = endpoint.recv(decode_handshake, POLL_S)
                 break
-            except TimeoutError:
+            except ChannelTimeout:
                 pass
             except Exception as exc:  # the ring reports a dead peer before the sentinel does
                 raise self._startup_error(endpoint, f"the channel failed: {exc}") from exc

@@ -113,7 +113,12 @@ class Renderer:
         }
         if tools is not None:
             kwargs["tools"] = tools
-        return self.tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False, **kwargs)
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise TypeError(f"chat_template must be a str, got {type(chat_template).__name__}.")
+        try:
+            return self.tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False, **kwargs)
+        except Exception as exc:  # the template refused the conversation (raise_exception), or choked on it
+            raise ValueError(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}") from exc
 
     def render_chat(self, conversation: Conversation, **kwargs: Any) -> tuple[str, list[int]]:
         """(rendered text, its token ids) for one conversation."""
@@ -136,8 +141,19 @@ def _flatten_content(message: ChatMessage) -> ChatMessage:
 
 
 def _check_conversation(conversation: Any) -> None:
+    """ValueError / TypeError naming the message and the field a chat template would choke on."""
     if not isinstance(conversation, list) or not conversation:
         raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {conversation!r}.")
-    for message in conversation:
+    for i, message in enumerate(conversation):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise ValueError(f"each chat message must be a dict with 'role' and 'content', got {message!r}.")
+        if not isinstance(message["role"], str) or not message["role"]:
+            raise TypeError(f"messages[{i}]['role'] must be a non-empty str, got {message['role']!r}.")
+        content = message["content"]
+        if content is None or isinstance(content, str):  # None: an assistant message with tool_calls
+            continue
+        if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+            continue  # which parts are supported: _flatten_content (or the template) says
+        raise TypeError(
+            f"messages[{i}]['content'] must be a str, None or a list of content part dicts, got {content!r}."
+        )

@@ -28,8 +28,14 @@ from typing import Any, Callable, Optional
 
 import msgspec
 
+from ipc import RingTimeoutError
+
 TRANSPORTS = ("shm", "zmq")
-RING_CAPACITY = 4 << 20
+RING_CAPACITY = 4 << 20  # bytes per ring; SHMVLLM_RING_CAPACITY overrides it
+RING_CAPACITY_ENV = "SHMVLLM_RING_CAPACITY"
+# A receive that found nothing in time: the channel's own TimeoutError (a TimeoutError raised by
+# a signal handler during the wait is not one, and goes up to the caller).
+ChannelTimeout = RingTimeoutError
 FULL_RETRY_S = 0.005  # how long a send with `while_full` waits for room between two calls of it
 # The frontend waits for each step's outputs by napping through this window before it sleeps
 # on the ring's semaphore (see ipc.wait). While it naps, the engine's send is a copy and a
@@ -49,6 +55,43 @@ FRONTEND_NAP_WINDOW_S = 0.02
 FRONTEND_SPIN_US = 0.0
 
 Decode = Callable[[Any], Any]
+
+
+def ring_capacity() -> int:
+    """The rings' capacity: $SHMVLLM_RING_CAPACITY (bytes, a multiple of 8 in [256, 512 MiB]),
+    else RING_CAPACITY."""
+    from ipc import layout
+
+    raw = os.environ.get(RING_CAPACITY_ENV)
+    if raw is None:
+        return RING_CAPACITY
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value % 8 or not layout.MIN_CAPACITY <= value <= layout.MAX_CAPACITY:
+        raise ValueError(
+            f"{RING_CAPACITY_ENV} must be a multiple of 8 in [{layout.MIN_CAPACITY}, {layout.MAX_CAPACITY}] "
+            f"bytes, got {raw!r}."
+        )
+    return value
+
+
+def _check_shm_space(capacity: int) -> None:
+    """A clear error, before anything is created, when /dev/shm cannot hold both rings."""
+    from ipc import SharedMemoryFullError, layout
+    from ipc.segment import SEMAPHORE_BYTES, SHM_DIR, free_bytes
+
+    needed = 2 * (layout.HEADER_SIZE + capacity + 2 * SEMAPHORE_BYTES)
+    free = free_bytes()
+    if free is not None and free < needed:
+        raise SharedMemoryFullError(
+            needed, free, SHM_DIR,
+            f"the two frontend<->engine rings ({RING_CAPACITY_ENV}={capacity} bytes each)",
+        ).with_hint(
+            f"free space in {SHM_DIR}, set {RING_CAPACITY_ENV} to fewer bytes (messages longer than "
+            "a quarter of it travel in fragments), or pass transport='zmq'"
+        )
 
 
 def frontend_nap_window() -> float:
@@ -82,7 +125,7 @@ class Endpoint(ABC):
 
     @abstractmethod
     def send(self, msg: Any, timeout: Optional[float] = None, while_full: Optional[Callable[[], None]] = None) -> None:
-        """Encodes and sends; TimeoutError if it could not within `timeout` s (a full ring).
+        """Encodes and sends; ChannelTimeout if it could not within `timeout` s (a full ring).
 
         while_full: called over and over while the message waits for room (the frontend drains
         the engine's outputs there: the engine may be waiting for room on the other ring).
@@ -90,7 +133,7 @@ class Endpoint(ABC):
 
     @abstractmethod
     def recv(self, decode: Decode, timeout: Optional[float]) -> Any:
-        """The next message passed through `decode`; TimeoutError when none came in `timeout` s."""
+        """The next message passed through `decode`; ChannelTimeout when none came in `timeout` s."""
 
     @abstractmethod
     def try_recv(self, decode: Decode) -> Any:
@@ -124,7 +167,7 @@ class ShmEndpoint(Endpoint):
             try:
                 self._push(buf, wait if deadline is None else max(min(wait, deadline - time.monotonic()), 0.0))
                 return
-            except TimeoutError:
+            except ChannelTimeout:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
             while_full()
@@ -162,7 +205,7 @@ class ZmqEndpoint(Endpoint):
         except self._zmq.Again:
             pass
         if not self._pull.poll(None if timeout is None else int(timeout * 1000)):
-            raise TimeoutError("nothing received on the zmq socket")
+            raise ChannelTimeout("nothing received on the zmq socket")
         return decode(self._pull.recv())
 
     def try_recv(self, decode: Decode) -> Any:
@@ -197,10 +240,12 @@ def open_frontend(kind: str) -> tuple[Endpoint, Addresses]:
         from ipc import RingBuffer, sweep_stale_segments
 
         sweep_stale_segments()  # what runs killed with kill -9 (both processes) left behind
-        to_engine = RingBuffer.create(RING_CAPACITY, prefault=True)
+        capacity = ring_capacity()
+        _check_shm_space(capacity)
+        to_engine = RingBuffer.create(capacity, prefault=True)
         try:
             to_frontend = RingBuffer.create(
-                RING_CAPACITY, prefault=True, spin_us=FRONTEND_SPIN_US, nap_window_s=frontend_nap_window()
+                capacity, prefault=True, spin_us=FRONTEND_SPIN_US, nap_window_s=frontend_nap_window()
             )
         except BaseException:
             to_engine.close()

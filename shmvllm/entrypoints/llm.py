@@ -19,6 +19,7 @@ from shmvllm.engine.renderer import Conversation
 from shmvllm.entrypoints.output_router import OutputRouter, Sink
 from shmvllm.lora import check_no_lora
 from shmvllm.metrics import Metric
+from shmvllm.engine.validation import as_conversations, as_prompt_list
 from shmvllm.model.registry import DEFAULT_MODEL
 from shmvllm.outputs import (
     ClassificationRequestOutput,
@@ -56,7 +57,10 @@ class LLM:
     ValueError naming them where they ask for what shmvllm lacks (README, "Porting from vLLM").
     An argument vLLM does not have either is a TypeError. multiprocess: run the engine in its
     own process (the default) or in this one. transport: the channel to the engine process
-    ("shm": shared-memory rings; "zmq": ZeroMQ sockets).
+    ("shm": shared-memory rings; "zmq": ZeroMQ sockets). request_timeout_s: a call that gets no
+    output from the engine for this long raises EngineTimeoutError (a TimeoutError naming the
+    engine's state) and aborts its requests (None: wait as long as it takes; the engine's death
+    is noticed either way).
 
     Threads: one LLM may be called from many threads at once (generate, chat, embed, encode,
     score, beam_search, get_metrics). Each call returns exactly its own outputs, the requests of
@@ -65,12 +69,27 @@ class LLM:
     raises EngineDeadError.
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, *, multiprocess: bool = True, transport: str = "shm", **engine_args: Any):
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        multiprocess: bool = True,
+        transport: str = "shm",
+        request_timeout_s: Optional[float] = None,
+        **engine_args: Any,
+    ):
         unknown = sorted(set(engine_args) - EngineArgs.field_names())
         if unknown:
             raise TypeError(f"LLM() got unexpected engine arguments {unknown}; known: {sorted(EngineArgs.field_names())}.")
+        if request_timeout_s is not None and (
+            isinstance(request_timeout_s, bool) or not isinstance(request_timeout_s, (int, float))
+            or not request_timeout_s > 0 or request_timeout_s == float("inf")
+        ):
+            raise ValueError(f"request_timeout_s must be a positive number of seconds or None, got {request_timeout_s!r}.")
+        self.request_timeout_s = request_timeout_s
         self.engine_args = EngineArgs(model=model, **engine_args)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args, multiprocess=multiprocess, transport=transport)
+        self.llm_engine.set_request_timeout(request_timeout_s)
         self.model_config = self.llm_engine.model_config
         self.supported_tasks: tuple[str, ...] = ("embed",) if self.model_config.is_embedding else ("generate",)
         self.default_sampling_params: Optional[dict[str, Any]] = None
@@ -113,7 +132,7 @@ class LLM:
         check_no_lora(lora_request)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        prompt_list = _prompt_list(prompts)
+        prompt_list = as_prompt_list(prompts)
         params_list = _params_per_prompt(sampling_params, len(prompt_list))
         return self._run(self._prepare(prompt_list, params_list, tokenization_kwargs), params_list, use_tqdm, priority)
 
@@ -142,7 +161,7 @@ class LLM:
             raise ValueError(f"mm_processor_kwargs={mm_processor_kwargs!r} is not supported: shmvllm serves text-only models.")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = as_conversations(messages)
         renderer = self.llm_engine.renderer
         prompts: list[dict[str, Any]] = []
         for conversation in conversations:
@@ -170,7 +189,7 @@ class LLM:
         """vLLM's beam search (shmvllm.beam_search): the beam_width best sequences per prompt."""
         check_no_lora(lora_request)
         self.llm_engine.check_task(SamplingParams())
-        prompt_ids = beam_prompt_ids(self, _prompt_list(prompts))
+        prompt_ids = beam_prompt_ids(self, as_prompt_list(prompts))
         step = concurrency_limit or len(prompt_ids)
         results: list[BeamSearchOutput] = []
         for start in range(0, len(prompt_ids), step):
@@ -262,8 +281,8 @@ class LLM:
             raise ValueError("LLM.score() is only supported for pooling models; this one generates.")
         if chat_template is not None:
             raise ValueError("chat_template is only supported for cross-encoder models.")
-        first = _prompt_list(data_1)
-        second = _prompt_list(data_2)
+        first = as_prompt_list(data_1)
+        second = as_prompt_list(data_2)
         if len(first) == 1:
             first = first * len(second)
         if len(first) != len(second):
@@ -296,7 +315,7 @@ class LLM:
         """Validates everything, then tokenizes chunk by chunk while the engine embeds what was
         sent before; returns the outputs in prompt order."""
         engine = self.llm_engine
-        prompt_list = _prompt_list(prompts)
+        prompt_list = as_prompt_list(prompts)
         if not prompt_list:
             raise ValueError("prompts is empty.")
         params_list = _pooling_params_per_prompt(pooling_params, len(prompt_list))
@@ -312,7 +331,7 @@ class LLM:
             self._check_pooling_prompt(prompt, tokenization_kwargs)
         request_ids = [str(next(self.request_counter)) for _ in prompt_list]
         router, sink = self._router, Sink()
-        tracker = _PoolingTracker(router, sink, len(prompt_list), use_tqdm)
+        tracker = _PoolingTracker(router, sink, len(prompt_list), use_tqdm, self.request_timeout_s)
         max_in_flight = POOLING_MAX_IN_FLIGHT_STEPS * engine.config.scheduler_config.max_num_seqs
         sent = 0
         try:
@@ -379,6 +398,8 @@ class LLM:
     ) -> list[RequestOutput]:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts.")
+        for params in {id(p): p for p in params_list}.values():  # a bad constraint fails before any is queued
+            self.llm_engine.input_processor.verify_structured_outputs(params)
         request_ids: list[str] = []
         router, sink = self._router, Sink()
         try:
@@ -412,7 +433,7 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         prompt_tokens = output_tokens = 0
         while sink.pending:
-            for output in self._router.next_outputs(sink):
+            for output in self._router.next_outputs(sink, self.request_timeout_s):
                 if not output.finished or not isinstance(output, RequestOutput):
                     continue
                 finished[output.request_id] = output
@@ -455,6 +476,10 @@ def _params_per_prompt(sampling_params: ParamsArg, num_prompts: int) -> list[Sam
         return [SamplingParams()] * num_prompts
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num_prompts
+    if not isinstance(sampling_params, (list, tuple)):
+        raise TypeError(
+            f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}."
+        )
     params = list(sampling_params)
     if len(params) != num_prompts:
         raise ValueError(f"sampling_params has {len(params)} entries for {num_prompts} prompts; give one or one per prompt.")
@@ -468,9 +493,10 @@ class _PoolingTracker:
     """The finished pooling outputs of one embed/encode call, what is still in flight, and the
     progress bar."""
 
-    def __init__(self, router: OutputRouter, sink: Sink, total: int, use_tqdm: UseTqdm) -> None:
+    def __init__(self, router: OutputRouter, sink: Sink, total: int, use_tqdm: UseTqdm, timeout: Optional[float] = None) -> None:
         self.router = router
         self.sink = sink
+        self.timeout = timeout
         self.finished: dict[str, PoolingRequestOutput] = {}
         self.in_flight = 0
         self.started = time.perf_counter()
@@ -480,7 +506,7 @@ class _PoolingTracker:
     def collect(self) -> None:
         """Takes one batch of engine outputs (blocks until it comes)."""
         done = 0
-        for output in self.router.next_outputs(self.sink):
+        for output in self.router.next_outputs(self.sink, self.timeout):
             if not isinstance(output, PoolingRequestOutput):
                 continue
             self.finished[output.request_id] = output
@@ -527,18 +553,6 @@ def _progress_bar(total: int, use_tqdm: UseTqdm = True) -> Any:
 
     make = use_tqdm if callable(use_tqdm) else tqdm
     return make(total=total, desc="Processed prompts", dynamic_ncols=True)
-
-
-def _prompt_list(prompts: Any) -> list[Any]:
-    """One prompt (text, a prompt dict, or a bare list of token ids) as a list of one; a list of
-    prompts as it is."""
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompts
-    ):
-        return [list(prompts)]
-    return list(prompts)
 
 
 def _with_truncation(tokenization_kwargs: Optional[dict[str, Any]], truncate_prompt_tokens: Optional[int]) -> Optional[dict[str, Any]]:

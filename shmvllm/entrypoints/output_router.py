@@ -59,8 +59,9 @@ class OutputRouter:
                 self._owners.pop(request_id, None)
             sink.pending.clear()
 
-    def next_outputs(self, sink: Sink) -> list[Any]:
-        """Blocks until `sink` has outputs (or nothing is pending) and takes them all."""
+    def next_outputs(self, sink: Sink, timeout: Optional[float] = None) -> list[Any]:
+        """Blocks until `sink` has outputs (or nothing is pending) and takes them all;
+        EngineTimeoutError when this caller, driving, got nothing from the engine for `timeout` s."""
         while True:
             with self._cond:
                 if sink.outputs or not sink.pending:
@@ -72,7 +73,7 @@ class OutputRouter:
                 generation = self._generation
             if self._driver_lock.acquire(blocking=False):
                 try:
-                    self._drive_once(sink)
+                    self._drive_once(sink, timeout)
                 finally:
                     self._driver_lock.release()
                     with self._cond:
@@ -83,12 +84,12 @@ class OutputRouter:
                     # A driver is stepping: wait for it to let go (it notifies), then look again.
                     self._cond.wait_for(lambda: self._generation != generation or self._failure is not None)
 
-    def _drive_once(self, sink: Sink) -> None:
+    def _drive_once(self, sink: Sink, timeout: Optional[float]) -> None:
         with self._cond:
             if sink.outputs or not sink.pending:
                 return  # the previous driver brought what this caller waited for
         try:
-            outputs = self.engine.engine_core.get_output()
+            outputs = self.engine.engine_core.get_output(timeout)
         except EngineDeadError as exc:  # every caller learns it
             with self._cond:
                 self._failure = exc

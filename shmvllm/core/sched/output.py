@@ -52,6 +52,9 @@ class SchedulerOutput:
     finished_req_ids: requests finished or aborted since the last step (the runner drops them).
     preempted_req_ids: requests preempted this step (the runner drops them; they come back later
     as NewRequestData).
+    structured_output_request_ids / grammar_bitmask: the constrained requests that sample in this
+    step, and their allowed next tokens, row i for structured_output_request_ids[i] (int32
+    [rows, ceil(vocab / 32)], a view of the scheduler's buffer, valid until the next schedule()).
 
     A request's num_computed_tokens may count prefix-cache blocks that another request writes in
     this same step (both share a prompt prefix and were scheduled together): the runner must
@@ -66,19 +69,23 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Optional[np.ndarray] = None
 
 
 @dataclass
 class ModelRunnerOutput:
     """sampled_token_ids[i]: the token(s) sampled for req_ids[i] this step ([] for a partial
     prefill chunk or a pooling request). logprobs / prompt_logprobs: per request, only for
-    requests that asked. pooler_output: per finished pooling request, the float32 vector."""
+    requests that asked. pooler_output: per finished pooling request, the float32 vector.
+    errors: per request whose processing failed in this step, why (it finishes with ERROR)."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)
     pooler_output: dict[str, np.ndarray] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

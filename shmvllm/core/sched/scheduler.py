@@ -10,6 +10,10 @@ its blocks are freed and it is recomputed later, from its prefix-cache hits on.
 
 `running` is kept sorted in that same order, so the victim is always its last element and
 never one already scheduled in this step.
+
+A request with structured outputs waits (WAITING_FOR_FSM, outside the waiting queue) until its
+grammar has compiled, then joins the queue at its place; each step carries the token bitmask of
+the constrained requests that sample, and their sampled tokens advance their matchers.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import numpy as np
 
@@ -31,13 +35,27 @@ from shmvllm.core.sched.output import (
     SchedulerOutput,
 )
 from shmvllm.core.sched.request_queue import RequestQueue
-from shmvllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats, now
+from shmvllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats, now
+
+if TYPE_CHECKING:
+    from shmvllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
 
+# How long an idle schedule() waits for a compiling grammar before it returns an empty plan
+# (the engine loop then looks at its input channel, and comes back).
+GRAMMAR_WAIT_S = 0.01
+
+
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        structured_output_manager: Optional["StructuredOutputManager"] = None,
+    ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, cache_config.enable_prefix_caching)
@@ -56,6 +74,10 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._num_preemptions_step = 0
         self.num_preemptions_total = 0
+        self.structured_output_manager = structured_output_manager
+        self.waiting_for_grammar: list[Request] = []
+        self._num_structured = 0  # unfinished requests with a grammar
+        self._grammar_failures: list[EngineCoreOutput] = []  # reported by the next update_from_output
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -64,6 +86,16 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in the scheduler.")
         priority = request.priority if self.config.policy == "priority" else 0
         request.sched_key = (priority, next(self._arrivals))
+        params = request.sampling_params
+        if params is not None and params.structured_outputs is not None:
+            if self.structured_output_manager is None:
+                raise ValueError(f"request {request.request_id!r} has structured_outputs, which this engine does not serve.")
+            request.structured_output_request = self.structured_output_manager.new_request(params)
+            request.status = RequestStatus.WAITING_FOR_FSM
+            self.requests[request.request_id] = request
+            self.waiting_for_grammar.append(request)
+            self._num_structured += 1
+            return
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)
@@ -78,6 +110,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_FSM:
+                self.waiting_for_grammar.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -92,6 +126,8 @@ class Scheduler:
     # ---- schedule ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if self.waiting_for_grammar:
+            self._admit_compiled()
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         cached = CachedRequestData()
@@ -128,9 +164,48 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             preempted_req_ids=preempted,
         )
+        if self._num_structured:
+            self._add_grammar_bitmask(output)
         if total > 0:  # a step with no tokens does not reach the runner; keep the news for later
             output.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         return output
+
+    def _admit_compiled(self) -> None:
+        """Moves requests whose grammar is compiled into the waiting queue (at their place in the
+        policy's order); one whose compile failed finishes with an error. With nothing else to
+        run, first waits a little for a compile, so that the engine loop does not spin."""
+        pending = [r.structured_output_request for r in self.waiting_for_grammar]
+        if not self.running and not self.waiting:
+            self.structured_output_manager.wait_for_any(pending, GRAMMAR_WAIT_S)
+        still_waiting = []
+        for request, so_request in zip(self.waiting_for_grammar, pending):
+            if not so_request.poll():
+                still_waiting.append(request)
+            elif so_request.error is not None:
+                logger.warning("request %r failed: %s", request.request_id, so_request.error)
+                request.status = RequestStatus.FINISHED_ERROR
+                self._grammar_failures.append(EngineCoreOutput(
+                    request_id=request.request_id, finish_reason=request.get_finish_reason(), error=so_request.error
+                ))
+                self._free_request(request)
+            else:
+                request.status = RequestStatus.WAITING
+                self.waiting.add(request)
+        self.waiting_for_grammar = still_waiting
+
+    def _add_grammar_bitmask(self, output: SchedulerOutput) -> None:
+        """The bitmask rows of the constrained requests that sample in this step (their scheduled
+        tokens reach the end of their known tokens)."""
+        sampling = []
+        for req_id in output.num_scheduled_tokens:
+            request = self.requests[req_id]
+            if request.structured_output_request is not None and request.num_computed_tokens == request.num_tokens:
+                sampling.append(request)
+        if sampling:
+            output.structured_output_request_ids = [r.request_id for r in sampling]
+            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
+                [r.structured_output_request for r in sampling]
+            )
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: set[str]):
         """Blocks for `request`, preempting from the end of `running` until they fit; None if
@@ -193,17 +268,33 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
-        """Appends the sampled tokens, finishes requests that stopped, and makes the outputs."""
+        """Appends the sampled tokens, finishes requests that stopped, and makes the outputs.
+
+        A request whose processing failed (in the runner, or here) finishes alone with ERROR."""
         index = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
+        errors = model_runner_output.errors
         outputs: list[EngineCoreOutput] = []
         finished: list[str] = []
+        if self._grammar_failures:
+            outputs, self._grammar_failures = self._grammar_failures, []
+            finished = [o.request_id for o in outputs]
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or preempted since it was scheduled
-            i = index.get(req_id)
-            sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
-            output = self._update_request(request, sampled, model_runner_output)
+            error = errors.get(req_id)
+            output = None
+            if error is None:
+                i = index.get(req_id)
+                sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
+                try:
+                    output = self._update_request(request, sampled, model_runner_output)
+                except Exception as exc:
+                    logger.exception("request %r failed in update_from_output", req_id)
+                    error = f"{type(exc).__name__}: {exc}"
+            if error is not None:
+                request.status = RequestStatus.FINISHED_ERROR
+                output = EngineCoreOutput(request_id=req_id, finish_reason=FinishReason.ERROR, error=error)
             if output is not None:
                 outputs.append(output)
             if request.is_finished:
@@ -229,10 +320,17 @@ class Scheduler:
                 pooling_output = np.ascontiguousarray(pooled, dtype="<f4").tobytes()
                 request.status = RequestStatus.FINISHED_STOPPED
         else:
+            so_request = request.structured_output_request
             for token_id in sampled:
                 request.append_output_token_ids(token_id)
                 new_token_ids.append(token_id)
+                if so_request is not None and not self.structured_output_manager.accept(so_request, token_id):
+                    request.status = RequestStatus.FINISHED_ERROR
+                    break
                 if self._check_stop(request):
+                    break
+                if so_request is not None and so_request.is_terminated:
+                    request.status = RequestStatus.FINISHED_STOPPED  # the grammar has ended
                     break
         prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
         if not new_token_ids and pooling_output is None and prompt_logprobs is None:
@@ -246,6 +344,7 @@ class Scheduler:
             stop_reason=request.stop_reason,
             pooling_output=pooling_output,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            error=request.structured_output_request.error if request.structured_output_request is not None else None,
         )
 
     def _check_stop(self, request: Request) -> bool:
@@ -269,6 +368,8 @@ class Scheduler:
         return False
 
     def _free_request(self, request: Request) -> None:
+        if request.structured_output_request is not None:
+            self._num_structured -= 1
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)

@@ -63,12 +63,13 @@ def _cache_dirs() -> list[Path]:
     return [Path.home() / ".cache" / "shmvllm" / "kernels", Path(tempfile.gettempdir()) / f"shmvllm-kernels-{os.getuid()}"]
 
 
-def _compile(cc: str, target: Path) -> None:
+def _compile(cc: str, target: Path, source: Path = SOURCE, cflags: list[str] = _CFLAGS) -> None:
+    cflags = [*cflags, f"-I{source.parent}"]
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
     os.close(fd)
     obj = tmp + ".o"
     try:
-        subprocess.run([cc, *_CFLAGS, "-o", obj, str(SOURCE)], check=True, capture_output=True, timeout=120)
+        subprocess.run([cc, *cflags, "-o", obj, str(source)], check=True, capture_output=True, timeout=120)
         subprocess.run([cc, *_LDFLAGS, "-o", tmp, obj, *_LIBS], check=True, capture_output=True, timeout=120)
         os.replace(tmp, target)
     finally:
@@ -77,9 +78,9 @@ def _compile(cc: str, target: Path) -> None:
                 os.unlink(leftover)
 
 
-def _load(path: Path) -> ctypes.CDLL:
+def _load(path: Path, signatures: dict = _SIGNATURES) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))  # CDLL: calls release the GIL
-    for name, (restype, argtypes) in _SIGNATURES.items():
+    for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
     return lib
@@ -93,28 +94,93 @@ def kernels_for(*tensors: torch.Tensor) -> Optional[ctypes.CDLL]:
     return cpu_kernels()
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_kernels() -> Optional[ctypes.CDLL]:
-    """The compiled kernels, built on first use; None when disabled or when building fails."""
+def _build(stem: str, source: Path, cflags: list[str], signatures: dict, includes: tuple[Path, ...] = ()) -> Optional[ctypes.CDLL]:
+    """Compiles `source` (which #includes `includes`) with `cflags` into the private cache (once
+    per sources, flags and CPU) and loads it; None, with a warning, when there is no compiler or
+    the build fails."""
     if os.environ.get("SHMVLLM_NATIVE_KERNELS", "1") == "0" or platform.machine() not in ("x86_64", "aarch64"):
         return None
     cc = find_compiler()
     if cc is None:
-        warnings.warn("shmvllm: no C compiler found; the model runs in plain torch (slower)", RuntimeWarning, stacklevel=2)
+        warnings.warn("shmvllm: no C compiler found; the model runs in plain torch (slower)", RuntimeWarning, stacklevel=3)
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + cc.encode() + " ".join(_CFLAGS + _LDFLAGS + _LIBS).encode() + _cpu_identity())
-    filename = f"cpu_kernels-{key.hexdigest()[:16]}-{platform.machine()}.so"
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in (source, *includes)) + cc.encode() + " ".join(cflags + _LDFLAGS + _LIBS).encode() + _cpu_identity())
+    filename = f"{stem}-{key.hexdigest()[:16]}-{platform.machine()}.so"
     problems = []
     for base in _cache_dirs():
         try:
             target = private_dir(base) / filename
             if not target.exists():
-                _compile(cc, target)
-            return _load(target)
+                _compile(cc, target, source, cflags)
+            return _load(target, signatures)
         except subprocess.CalledProcessError as exc:
             problems.append(f"{cc} failed: {exc.stderr.decode(errors='replace')[:500]}")
             break
         except (OSError, subprocess.SubprocessError) as exc:
             problems.append(f"{base}: {exc}")
-    warnings.warn(f"shmvllm: could not build the CPU kernels ({'; '.join(problems)}); using plain torch", RuntimeWarning, stacklevel=2)
+    warnings.warn(f"shmvllm: could not build {source.name} ({'; '.join(problems)}); using plain torch", RuntimeWarning, stacklevel=3)
     return None
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_kernels() -> Optional[ctypes.CDLL]:
+    """The compiled kernels, built on first use; None when disabled or when building fails."""
+    return _build("cpu_kernels", SOURCE, _CFLAGS, _SIGNATURES)
+
+
+QUANT_SOURCE = Path(__file__).with_name("quant_kernels.c")
+# decode_step.c includes quant_kernels.c: one library per ISA holds both.
+STEP_SOURCE = Path(__file__).with_name("decode_step.c")
+_QUANT_SIGNATURES = {
+    "shm_decode_step": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]),
+    "shm_decode_scratch_floats": (_i64, [_ptr, _i64]),
+    "shm_qgemm": (ctypes.c_int, [_ptr, _i64, _ptr, _i64, _ptr, _i64, ctypes.c_int, _ptr, _ptr, _i64, _i64, _i64, _i64]),
+    "shm_qdequant_rows": (ctypes.c_int, [_ptr, _ptr, _i64, ctypes.c_int, _ptr, _i64, _i64, _i64]),
+    "shm_qblock_bytes": (ctypes.c_int, [ctypes.c_int]),
+    "shm_qblock_values": (ctypes.c_int, [ctypes.c_int]),
+    "shm_qvector_width": (ctypes.c_int, []),
+    "shm_quant_cpu_supports": (ctypes.c_int, [ctypes.c_int]),
+}
+# The quantized kernels' builds, best first: (name, id for shm_quant_cpu_supports, flags). No
+# -march=native and no -ffast-math: the ISA is chosen here, and no reassociation may touch the
+# dequantization arithmetic (see quant_kernels.c).
+_X86 = platform.machine() in ("x86_64", "i686")
+QUANT_ISAS: list[tuple[str, int, list[str]]] = [
+    ("avx512", 2, ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c", "-DVW=16"]),
+    ("avx2", 1, ["-mavx2", "-mfma", "-mf16c", "-DVW=8"]),
+    ("portable", 0, ["-DVW=8"]),
+] if _X86 else [("portable", 0, ["-DVW=8"])]
+_QUANT_BASE_FLAGS = ["-O3", "-mtune=native", "-fopenmp", "-fPIC", "-std=gnu11", "-c"]
+
+
+@functools.lru_cache(maxsize=None)
+def _quant_build(isa: str) -> Optional[ctypes.CDLL]:
+    flags = next(f for name, _, f in QUANT_ISAS if name == isa)
+    return _build(f"quant_kernels-{isa}", STEP_SOURCE, _QUANT_BASE_FLAGS + flags, _QUANT_SIGNATURES, (QUANT_SOURCE,))
+
+
+def quant_isas_supported() -> list[str]:
+    """The quantized-kernel builds this CPU can run, best first (the portable one always)."""
+    portable = _quant_build("portable")
+    if portable is None:
+        return []
+    return [name for name, ident, _ in QUANT_ISAS if portable.shm_quant_cpu_supports(ident)]
+
+
+@functools.lru_cache(maxsize=None)
+def quant_kernels(isa: Optional[str] = None) -> Optional[ctypes.CDLL]:
+    """The block-quantized GEMM kernels (quant_kernels.c) for `isa`, default the best this CPU
+    runs, or ``$SHMVLLM_QUANT_ISA`` (avx512 | avx2 | portable) when set; None when they cannot be
+    built. Asking for a build the CPU cannot run is a ValueError."""
+    isa = isa or os.environ.get("SHMVLLM_QUANT_ISA") or None
+    names = [name for name, _, _ in QUANT_ISAS]
+    if isa is not None and isa not in names:
+        raise ValueError(f"SHMVLLM_QUANT_ISA / isa must be one of {names}, got {isa!r}.")
+    supported = quant_isas_supported()
+    if not supported:
+        return None
+    if isa is None:
+        isa = supported[0]
+    elif isa not in supported:
+        raise ValueError(f"quantized kernel build {isa!r} needs instructions this CPU lacks; it runs {supported}.")
+    return _quant_build(isa)

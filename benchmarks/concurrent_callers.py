@@ -15,28 +15,22 @@ shmvllm serial, and llama-cpp-python behind a lock (streaming, in its own venv's
 by --llama-python; left out without it). Reported: requests/s (and tokens/s), latency p50/p99,
 TTFT p50/p99 where the API streams.
 
-    flock /tmp/shmvllm-cpu.lock python benchmarks/concurrent.py --llama-python .venv-llamacpp/bin/python \\
+    flock /tmp/shmvllm-cpu.lock python benchmarks/concurrent_callers.py --llama-python .venv-llamacpp/bin/python \\
         --json benchmarks/results/concurrent.json --plot benchmarks/results/concurrent.png
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
 import os
+import subprocess
 import sys
-
-# Run as a script, this file's folder comes first on sys.path, and this file (`concurrent`)
-# would hide the standard library's `concurrent` package that asyncio imports.
-if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
-    del sys.path[0]
-
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import subprocess  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any, Awaitable, Callable, Optional  # noqa: E402
+import threading
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Optional
 
 CALLERS = (1, 4, 16, 64)
 GEN_TOKENS = 16

@@ -1,0 +1,416 @@
+/* GEMM / GEMV on GGUF block-quantized weights with fp32 activations, and row dequantization.
+ *
+ * A weight is [n, k] as nn.Linear keeps it, each row a run of GGML blocks (Q4_0, Q4_1, Q8_0:
+ * 32 values; Q4_K, Q5_K, Q6_K: 256; F16 / BF16 rows are handled as blocks of 32). A block is
+ * dequantized in registers to the exact fp32 values gguf.quants.dequantize (transformers' GGUF
+ * loader) produces: the scale products are exact in fp32 (an fp16 scale has 11 significant
+ * bits, the integer factors at most 13 together), so the only rounding is the one the
+ * reference does too (Q4_1's "+ m", the K formats' "- dmin * m"), and contracting that into an
+ * FMA rounds identically. The dot products accumulate in fp32 vectors; activations stay fp32.
+ *
+ * Built three times from this one file (kernels/__init__.py): with AVX-512 (VW = 16), with AVX2
+ * + FMA (VW = 8) and for the baseline ISA (portable), through GCC's vector extensions, and
+ * picked at run time by what the CPU reports (shm_quant_cpu_supports). Compiled without
+ * -ffast-math: no reassociation may touch the dequantization arithmetic.
+ *
+ * The GEMV takes up to FEW_ROWS activation rows (decoding), where the kernel is bound by reading
+ * the weights: each weight block is dequantized once into registers and multiplied into every
+ * row. More rows (prefill, batched decode) go through shm_qdequant_rows into a scratch buffer
+ * and the fp32 GEMM (linear.py): a tiled quantized GEMM here measured ~2.5x slower than that.
+ */
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifndef VW
+#define VW 8
+#endif
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+typedef uint8_t vb __attribute__((vector_size(VW)));
+typedef int8_t vsb __attribute__((vector_size(VW)));
+typedef uint16_t vh __attribute__((vector_size(VW * 2)));
+
+/* GGML type ids (ggml.h). */
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+
+#define FEW_ROWS 4
+#define PARALLEL_MIN_WORK (1 << 16)
+
+static inline float fp16_to_fp32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0) {
+        const float v = (float)mant * 5.9604644775390625e-08f; /* 2^-24: subnormals, exact */
+        memcpy(&bits, &v, 4);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    }
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+}
+
+static inline uint16_t load_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+static inline vf loadf(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* s in every lane (s - 0 is s for every s, so unlike 0 + s it folds to a broadcast) */
+static inline vf splat(float s) { return s - (vf){0}; }
+
+/* Sum of the lanes, as a tree of halves (a sequential sum is VW dependent scalar adds). */
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+static inline float hsum(vf v) {
+#if VW == 16
+    const vf8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    const vf8 h8 = v;
+#endif
+    const vf4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+    return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+/* VW bytes -> VW floats. GCC 12 scalarizes __builtin_convertvector from bytes to 32-bit lanes,
+ * so the ISA builds widen with the instruction meant for it. */
+#if VW == 16 && defined(__AVX512F__)
+static inline vf bytes_to_float(vb b) {
+    __m128i v;
+    memcpy(&v, &b, 16);
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+}
+static inline vf sbytes_to_float(vsb b) {
+    __m128i v;
+    memcpy(&v, &b, 16);
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+}
+#elif VW == 8 && defined(__AVX2__)
+static inline vf bytes_to_float(vb b) {
+    int64_t bits;
+    memcpy(&bits, &b, 8);
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bits)));
+}
+static inline vf sbytes_to_float(vsb b) {
+    int64_t bits;
+    memcpy(&bits, &b, 8);
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(bits)));
+}
+#else
+static inline vf bytes_to_float(vb b) {
+    vf out;
+    for (int i = 0; i < VW; i++) out[i] = (float)b[i];
+    return out;
+}
+static inline vf sbytes_to_float(vsb b) {
+    vf out;
+    for (int i = 0; i < VW; i++) out[i] = (float)b[i];
+    return out;
+}
+#endif
+
+/* Values per block and bytes per block of each format. */
+static int block_values(int type) {
+    switch (type) {
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: return 256;
+    default: return 32;
+    }
+}
+
+static int block_bytes(int type) {
+    switch (type) {
+    case T_F32: return 128;
+    case T_F16: case T_BF16: return 64;
+    case T_Q4_0: return 18;
+    case T_Q4_1: return 20;
+    case T_Q8_0: return 34;
+    case T_Q4_K: return 144;
+    case T_Q5_K: return 176;
+    case T_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+/* ---- one block -> QK / VW vectors of fp32 weights ---- */
+
+static inline void deq_q4_0(const uint8_t *blk, vf *w) {
+    const vf d = splat(fp16_to_fp32(load_u16(blk)));
+    const uint8_t *qs = blk + 2;
+    for (int c = 0; c < 16 / VW; c++) {
+        vb q;
+        memcpy(&q, qs + c * VW, VW);
+        /* q - 8 is exact in fp32, as in the reference's int8 arithmetic */
+        w[c] = d * (bytes_to_float(q & 0x0f) - 8.0f);
+        w[16 / VW + c] = d * (bytes_to_float(q >> 4) - 8.0f);
+    }
+}
+
+static inline void deq_q4_1(const uint8_t *blk, vf *w) {
+    const vf d = splat(fp16_to_fp32(load_u16(blk))), m = splat(fp16_to_fp32(load_u16(blk + 2)));
+    const uint8_t *qs = blk + 4;
+    for (int c = 0; c < 16 / VW; c++) {
+        vb q;
+        memcpy(&q, qs + c * VW, VW);
+        w[c] = d * bytes_to_float(q & 0x0f) + m;
+        w[16 / VW + c] = d * bytes_to_float(q >> 4) + m;
+    }
+}
+
+static inline void deq_q8_0(const uint8_t *blk, vf *w) {
+    const vf d = splat(fp16_to_fp32(load_u16(blk)));
+    for (int c = 0; c < 32 / VW; c++) {
+        vsb q;
+        memcpy(&q, blk + 2 + c * VW, VW);
+        w[c] = sbytes_to_float(q) * d;
+    }
+}
+
+/* Q4_K / Q5_K: eight 6-bit scales and mins packed into 12 bytes. */
+static inline void k_scale_min(const uint8_t *s, int j, uint8_t *sc, uint8_t *mn) {
+    if (j < 4) {
+        *sc = s[j] & 0x3f;
+        *mn = s[j + 4] & 0x3f;
+    } else {
+        *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 2) & 0x30);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+    }
+}
+
+static inline void deq_q4_k(const uint8_t *blk, vf *w) {
+    const float d = fp16_to_fp32(load_u16(blk)), dmin = fp16_to_fp32(load_u16(blk + 2));
+    const uint8_t *scales = blk + 4, *qs = blk + 16;
+    for (int g = 0; g < 4; g++) {
+        uint8_t sc0, m0, sc1, m1;
+        k_scale_min(scales, 2 * g, &sc0, &m0);
+        k_scale_min(scales, 2 * g + 1, &sc1, &m1);
+        const vf d0 = splat(d * (float)sc0), dm0 = splat(dmin * (float)m0);
+        const vf d1 = splat(d * (float)sc1), dm1 = splat(dmin * (float)m1);
+        for (int c = 0; c < 32 / VW; c++) {
+            vb q;
+            memcpy(&q, qs + 32 * g + c * VW, VW);
+            w[(64 * g) / VW + c] = d0 * bytes_to_float(q & 0x0f) - dm0;
+            w[(64 * g + 32) / VW + c] = d1 * bytes_to_float(q >> 4) - dm1;
+        }
+    }
+}
+
+static inline void deq_q5_k(const uint8_t *blk, vf *w) {
+    const float d = fp16_to_fp32(load_u16(blk)), dmin = fp16_to_fp32(load_u16(blk + 2));
+    const uint8_t *scales = blk + 4, *qh = blk + 16, *qs = blk + 48;
+    for (int g = 0; g < 4; g++) {
+        uint8_t sc0, m0, sc1, m1;
+        k_scale_min(scales, 2 * g, &sc0, &m0);
+        k_scale_min(scales, 2 * g + 1, &sc1, &m1);
+        const vf d0 = splat(d * (float)sc0), dm0 = splat(dmin * (float)m0);
+        const vf d1 = splat(d * (float)sc1), dm1 = splat(dmin * (float)m1);
+        for (int c = 0; c < 32 / VW; c++) {
+            vb q, h;
+            memcpy(&q, qs + 32 * g + c * VW, VW);
+            memcpy(&h, qh + c * VW, VW);
+            const vb h0 = ((h >> (2 * g)) & 1) << 4, h1 = ((h >> (2 * g + 1)) & 1) << 4;
+            w[(64 * g) / VW + c] = d0 * bytes_to_float((q & 0x0f) | h0) - dm0;
+            w[(64 * g + 32) / VW + c] = d1 * bytes_to_float((q >> 4) | h1) - dm1;
+        }
+    }
+}
+
+static inline void deq_q6_k(const uint8_t *blk, vf *w) {
+    const uint8_t *ql = blk, *qh = blk + 128;
+    const int8_t *scales = (const int8_t *)(blk + 192);
+    const float d = fp16_to_fp32(load_u16(blk + 208));
+    for (int h = 0; h < 2; h++) {
+        for (int c = 0; c < 4; c++) {
+            for (int i = 0; i < 32; i += VW) {
+                vb l, hb;
+                memcpy(&l, ql + 64 * h + 32 * (c % 2) + i, VW);
+                memcpy(&hb, qh + 32 * h + i, VW);
+                const vb q = ((l >> (4 * (c / 2))) & 0x0f) | (((hb >> (2 * c)) & 3) << 4);
+                const int e = 128 * h + 32 * c + i;
+                const vf ds = splat(d * (float)scales[e / 16]);
+                w[e / VW] = ds * (bytes_to_float(q) - 32.0f);
+            }
+        }
+    }
+}
+
+static inline void deq_f16(const uint8_t *blk, vf *w) {
+    for (int c = 0; c < 32 / VW; c++) {
+        vf v;
+        for (int i = 0; i < VW; i++) v[i] = fp16_to_fp32(load_u16(blk + 2 * (c * VW + i)));
+        w[c] = v;
+    }
+}
+
+static inline void deq_bf16(const uint8_t *blk, vf *w) {
+    for (int c = 0; c < 32 / VW; c++) {
+        vh h;
+        memcpy(&h, blk + 2 * c * VW, sizeof h);
+        const vu bits = __builtin_convertvector(h, vu) << 16;
+        memcpy(&w[c], &bits, sizeof bits);
+    }
+}
+
+static inline void deq_f32(const uint8_t *blk, vf *w) { memcpy(w, blk, 128); }
+
+/* ---- kernels, instantiated per format ---- */
+
+/* out[m, j] (+)= x[m] . w[j] for up to four rows, each weight block dequantized once. The
+ * per-row body is inlined with M a constant (so the accumulators live in registers) inside the
+ * OpenMP loop: an outlined parallel body would see M as a variable. */
+#define DEFINE_FEW_ROWS(NAME, DEQ, QK, BB)                                                                     \
+    static inline __attribute__((always_inline)) void NAME##_row(                                            \
+        const int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *row, const float *bias, \
+        const float *residual, int64_t ldr, int64_t j, int64_t k) {                                             \
+        /* independent accumulator chains, so that one row is not one chain of dependent FMAs */ \
+        const int NA = M <= 2 ? 4 : 2;                                                                          \
+        vf acc[FEW_ROWS][4];                                                                                    \
+        for (int m = 0; m < M; m++)                                                                             \
+            for (int a = 0; a < NA; a++) acc[m][a] = (vf){0};                                                   \
+        const int64_t blocks = k / QK;                                                                          \
+        int64_t b = 0;                                                                                          \
+        for (; b + 2 <= blocks; b += 2) {                                                                       \
+            vf w0[QK / VW], w1[QK / VW];                                                                        \
+            DEQ(row + b * BB, w0);                                                                              \
+            DEQ(row + (b + 1) * BB, w1);                                                                        \
+            for (int t = 0; t < QK / VW; t++)                                                                   \
+                for (int m = 0; m < M; m++) {                                                                   \
+                    const float *xm = x + m * ldx + b * QK + t * VW;                                            \
+                    acc[m][(t & 1) % NA] += w0[t] * loadf(xm);                                                  \
+                    acc[m][(2 + (t & 1)) % NA] += w1[t] * loadf(xm + QK);                                       \
+                }                                                                                               \
+        }                                                                                                       \
+        for (; b < blocks; b++) {                                                                               \
+            vf wv[QK / VW];                                                                                     \
+            DEQ(row + b * BB, wv);                                                                              \
+            for (int t = 0; t < QK / VW; t++)                                                                   \
+                for (int m = 0; m < M; m++) acc[m][(t & 1) % NA] += wv[t] * loadf(x + m * ldx + b * QK + t * VW); \
+        }                                                                                                       \
+        const float add = bias != NULL ? bias[j] : 0.0f;                                                        \
+        for (int m = 0; m < M; m++) {                                                                           \
+            vf sum = acc[m][0];                                                                                 \
+            for (int a = 1; a < NA; a++) sum += acc[m][a];                                                      \
+            out[m * ldo + j] = hsum(sum) + add + (residual != NULL ? residual[m * ldr + j] : 0.0f);             \
+        }                                                                                                       \
+    }                                                                                                           \
+    static void NAME##_few(int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *w,        \
+                           int64_t row_bytes, const float *bias, const float *residual, int64_t ldr, int64_t n,  \
+                           int64_t k) {                                                                         \
+        _Pragma("omp parallel for schedule(static) if (n * k * M >= PARALLEL_MIN_WORK)")                       \
+        for (int64_t j = 0; j < n; j++) {                                                                       \
+            const uint8_t *row = w + j * row_bytes;                                                             \
+            switch (M) {                                                                                        \
+            case 1: NAME##_row(1, out, ldo, x, ldx, row, bias, residual, ldr, j, k); break;                     \
+            case 2: NAME##_row(2, out, ldo, x, ldx, row, bias, residual, ldr, j, k); break;                     \
+            case 3: NAME##_row(3, out, ldo, x, ldx, row, bias, residual, ldr, j, k); break;                     \
+            default: NAME##_row(4, out, ldo, x, ldx, row, bias, residual, ldr, j, k); break;                    \
+            }                                                                                                   \
+        }                                                                                                       \
+    }                                                                                                           \
+    static void NAME##_deq_row(const uint8_t *row, float *dst, int64_t k) {                                     \
+        for (int64_t b = 0; b < k / QK; b++) {                                                                  \
+            vf wv[QK / VW];                                                                                     \
+            DEQ(row + b * BB, wv);                                                                              \
+            memcpy(dst + b * QK, wv, sizeof wv);                                                                \
+        }                                                                                                       \
+    }
+
+DEFINE_FEW_ROWS(q4_0, deq_q4_0, 32, 18)
+DEFINE_FEW_ROWS(q4_1, deq_q4_1, 32, 20)
+DEFINE_FEW_ROWS(q8_0, deq_q8_0, 32, 34)
+DEFINE_FEW_ROWS(q4_k, deq_q4_k, 256, 144)
+DEFINE_FEW_ROWS(q5_k, deq_q5_k, 256, 176)
+DEFINE_FEW_ROWS(q6_k, deq_q6_k, 256, 210)
+DEFINE_FEW_ROWS(f16, deq_f16, 32, 64)
+DEFINE_FEW_ROWS(bf16, deq_bf16, 32, 64)
+DEFINE_FEW_ROWS(f32, deq_f32, 32, 128)
+
+typedef void (*few_fn)(int, float *, int64_t, const float *, int64_t, const uint8_t *, int64_t, const float *,
+                       const float *, int64_t, int64_t, int64_t);
+typedef void (*deq_row_fn)(const uint8_t *, float *, int64_t);
+
+static int lookup(int type, few_fn *few, deq_row_fn *deq) {
+    switch (type) {
+    case T_Q4_0: *few = q4_0_few; *deq = q4_0_deq_row; return 0;
+    case T_Q4_1: *few = q4_1_few; *deq = q4_1_deq_row; return 0;
+    case T_Q8_0: *few = q8_0_few; *deq = q8_0_deq_row; return 0;
+    case T_Q4_K: *few = q4_k_few; *deq = q4_k_deq_row; return 0;
+    case T_Q5_K: *few = q5_k_few; *deq = q5_k_deq_row; return 0;
+    case T_Q6_K: *few = q6_k_few; *deq = q6_k_deq_row; return 0;
+    case T_F16: *few = f16_few; *deq = f16_deq_row; return 0;
+    case T_BF16: *few = bf16_few; *deq = bf16_deq_row; return 0;
+    case T_F32: *few = f32_few; *deq = f32_deq_row; return 0;
+    default: return -1;
+    }
+}
+
+/* out[m, :n] = x[m, :k] @ W^T (+ bias) (+ residual[m]) for m < m_rows <= FEW_ROWS, W [n, k] in
+ * GGML `type` blocks, rows `row_bytes` apart; out / x / residual rows `ldo` / `ldx` / `ldr`
+ * floats apart (out may be residual). Returns 0; -1 for an unknown type, k not a multiple of
+ * the block, or more than FEW_ROWS rows. */
+int shm_qgemm(float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes, int type,
+              const float *bias, const float *residual, int64_t ldr, int64_t m_rows, int64_t n, int64_t k) {
+    few_fn few;
+    deq_row_fn deq;
+    if (lookup(type, &few, &deq) != 0 || k % block_values(type) != 0 || k % VW != 0 || m_rows > FEW_ROWS) return -1;
+    if (m_rows <= 0 || n <= 0) return 0;
+    few((int)m_rows, out, ldo, x, ldx, w, row_bytes, bias, residual, ldr, n, k);
+    return 0;
+}
+
+/* out[i, :k] = dequantized row ids[i] of W, [n, k] (ids == NULL: rows 0..count-1). Returns 0,
+ * -1 for an unknown type, -2 for an id outside [0, n) (nothing written then). */
+int shm_qdequant_rows(float *out, const uint8_t *w, int64_t row_bytes, int type, const int64_t *ids, int64_t count,
+                      int64_t n, int64_t k) {
+    few_fn few;
+    deq_row_fn deq;
+    if (lookup(type, &few, &deq) != 0 || k % block_values(type) != 0) return -1;
+    if (ids != NULL)
+        for (int64_t i = 0; i < count; i++)
+            if (ids[i] < 0 || ids[i] >= n) return -2;
+#pragma omp parallel for schedule(static) if (count * k >= PARALLEL_MIN_WORK * 4)
+    for (int64_t i = 0; i < count; i++) deq(w + (ids != NULL ? ids[i] : i) * row_bytes, out + i * k, k);
+    return 0;
+}
+
+/* Bytes of one block and values in it, so Python can check its tables against these. */
+int shm_qblock_bytes(int type) { return block_bytes(type); }
+int shm_qblock_values(int type) { return block_values(type); }
+int shm_qvector_width(void) { return VW; }
+
+/* 1 when this CPU runs the named build: 0 portable, 1 AVX2 + FMA + F16C, 2 AVX-512 F/BW/VL/DQ. */
+int shm_quant_cpu_supports(int isa) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    switch (isa) {
+    case 0: return 1;
+    case 1: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case 2:
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("avx512f") &&
+               __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+               __builtin_cpu_supports("avx512dq");
+    default: return 0;
+    }
+#else
+    return isa == 0;
+#endif
+}

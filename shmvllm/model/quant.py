@@ -1,0 +1,190 @@
+"""Weights in GGML block formats, as GGUF files ship them, and reading them from a GGUF file.
+
+A `QuantizedWeight` is a 2-D weight [n, k] kept as its GGML blocks: a uint8 tensor [n, row_bytes]
+(each row of the weight a run of blocks; row-blocked, so rows can be permuted, sliced and
+concatenated as byte rows). The kernels in kernels/quant_kernels.c multiply fp32 activations
+with it, dequantizing in registers; `dequantize()` (gguf.quants.dequantize, what transformers'
+GGUF loader uses) is the reference those kernels are tested against and the fallback where the
+kernels do not run (no compiler, CUDA).
+
+`read_gguf(path, hf_config)` yields the file's tensors under the checkpoint names transformers
+gives them, with the q/k row permutation transformers applies to llama files (whole rows of
+blocks move), so that the values equal those of transformers' dequantized model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Union
+
+import numpy as np
+import torch
+
+# GGML type id -> (name, values per block, bytes per block): the formats the kernels run.
+FORMATS: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    30: ("BF16", 1, 2),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+}
+FORMAT_IDS = {name: ident for ident, (name, _, _) in FORMATS.items()}
+
+
+def format_name(qtype: int) -> str:
+    return FORMATS[qtype][0] if qtype in FORMATS else f"ggml type {qtype}"
+
+
+@dataclass
+class QuantizedWeight:
+    """A weight [n, k] as GGML blocks of format `qtype`: data is uint8 [n, row_bytes]."""
+
+    data: torch.Tensor
+    qtype: int
+    k: int
+
+    def __post_init__(self) -> None:
+        if self.qtype not in FORMATS:
+            raise ValueError(f"GGML format {format_name(self.qtype)} is not supported; supported: {sorted(FORMAT_IDS)}.")
+        _, values, nbytes = FORMATS[self.qtype]
+        if self.data.dtype != torch.uint8 or self.data.dim() != 2:
+            raise ValueError(f"quantized weight data must be a 2-D uint8 tensor, got {self.data.dtype} {tuple(self.data.shape)}.")
+        if self.k % values != 0 or self.data.shape[1] != self.k // values * nbytes:
+            raise ValueError(
+                f"{format_name(self.qtype)} rows of {self.k} values take {self.k // values * nbytes} bytes, "
+                f"got {self.data.shape[1]} (k must be a multiple of {values})."
+            )
+
+    @property
+    def n(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def name(self) -> str:
+        return format_name(self.qtype)
+
+    def rows(self, start: int, count: int) -> "QuantizedWeight":
+        return QuantizedWeight(self.data[start : start + count], self.qtype, self.k)
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [n, k]: gguf.quants.dequantize, the reference arithmetic."""
+        from gguf.quants import dequantize
+
+        values = dequantize(self.data.numpy(), self.qtype)
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.n, self.k)
+
+
+def concat(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """Stacks weights of one format and width along rows (fused projections)."""
+    first = weights[0]
+    for w in weights[1:]:
+        if w.qtype != first.qtype or w.k != first.k:
+            raise ValueError(f"cannot stack {w.name} [{w.n}, {w.k}] onto {first.name} [{first.n}, {first.k}].")
+    return QuantizedWeight(torch.cat([w.data for w in weights]), first.qtype, first.k)
+
+
+def quantize(weight: torch.Tensor, qtype: int) -> QuantizedWeight:
+    """fp32 [n, k] -> blocks of `qtype` with gguf.quants.quantize (llama.cpp's reference quantizer)."""
+    from gguf.quants import quantize as gguf_quantize
+
+    values = weight.detach().to(torch.float32).cpu().numpy()
+    blocks = gguf_quantize(values, qtype)
+    data = torch.from_numpy(np.ascontiguousarray(blocks).view(np.uint8).reshape(values.shape[0], -1))
+    return QuantizedWeight(data.clone(), qtype, values.shape[1])
+
+
+# GGUF tensor name (after "blk.N.") -> checkpoint name (after "model.layers.N."), llama family.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_ARCHITECTURES = ("llama", "qwen2")
+
+Tensor = Union[torch.Tensor, QuantizedWeight]
+
+
+def gguf_architecture(path: Path) -> str:
+    from gguf import GGUFReader
+
+    return _architecture(GGUFReader(str(path)))
+
+
+def _architecture(reader: Any) -> str:
+    field = reader.fields["general.architecture"]
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def checkpoint_name(gguf_name: str) -> str:
+    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight (ValueError if unknown)."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    if stem.startswith("blk."):
+        _, layer, local = stem.split(".", 2)
+        if local in _LAYER_NAMES:
+            return f"model.layers.{layer}.{_LAYER_NAMES[local]}.{suffix}"
+    elif stem in _TOP_NAMES:
+        return f"{_TOP_NAMES[stem]}.{suffix}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a llama-family model.")
+
+
+def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undoes llama.cpp's q/k row interleave (as transformers' LlamaTensorProcessor does), on
+    whole rows: the same reshape and swap for a row of blocks as for a row of values."""
+    half = rows.shape[0] // heads // 2
+    return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
+
+
+def read_gguf(path: Path, hf_config: Any) -> Iterator[tuple[str, Tensor]]:
+    """(checkpoint name, tensor) for every tensor of the file: 1-D tensors and F32 weights as
+    fp32 tensors, 2-D quantized / half weights as QuantizedWeight (memory-mapped bytes copied
+    once into their own tensor)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    arch = _architecture(reader)
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {list(_ARCHITECTURES)}.")
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    for tensor in reader.tensors:
+        name = checkpoint_name(tensor.name)
+        qtype = int(tensor.tensor_type)
+        if qtype not in FORMATS:
+            raise ValueError(
+                f"GGUF tensor {tensor.name!r} is in GGML format {tensor.tensor_type.name}, which is not "
+                f"supported; supported: {sorted(FORMAT_IDS)}."
+            )
+        data = np.asarray(tensor.data)
+        if arch == "llama" and ".attn_q." in tensor.name:
+            data = _unpermute_rows(data, heads)
+        elif arch == "llama" and ".attn_k." in tensor.name:
+            data = _unpermute_rows(data, kv_heads)
+        k = int(tensor.shape[0])  # GGUF lists dimensions innermost first
+        if qtype == FORMAT_IDS["F32"] or data.ndim == 1:
+            values = data if qtype == FORMAT_IDS["F32"] else _dequantize_np(data, qtype)
+            yield name, torch.from_numpy(np.array(values, dtype=np.float32)).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        else:
+            rows = np.ascontiguousarray(data).view(np.uint8).reshape(data.shape[0], -1)
+            yield name, QuantizedWeight(torch.from_numpy(rows.copy()), qtype, k)
+
+
+def _dequantize_np(data: np.ndarray, qtype: int) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    return dequantize(data, qtype)

@@ -1,0 +1,158 @@
+"""The block-quantized kernels (kernels/quant_kernels.c) against gguf.quants.dequantize + torch.
+
+Every GGML format the kernels run, on every instruction-set build this CPU can run plus the
+portable one: dequantized rows must equal the reference bit for bit (the values the arithmetic
+sees), and the GEMM must equal dequantize-then-matmul (float64) within fp32 accumulation error,
+with bias and residual, odd shapes, 1/2/3/4/5/64 rows and strided outputs (fused parts).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from shmvllm.model.kernels import QUANT_ISAS, quant_isas_supported, quant_kernels
+from shmvllm.model.linear import VocabEmbedding, block_linear, merge_parts
+from shmvllm.model.quant import FORMAT_IDS, FORMATS, QuantizedWeight, quantize
+
+ISAS = quant_isas_supported()
+pytestmark = pytest.mark.skipif(not ISAS, reason="the quantized kernels could not be built")
+
+# Where each format keeps its fp16 scales (byte offsets in a block): random bytes there would be
+# NaN or huge; the rest of a block is any bits.
+_FP16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+def random_weight(name: str, n: int, k: int, rng: np.random.Generator) -> QuantizedWeight:
+    qtype = FORMAT_IDS[name]
+    _, values, nbytes = FORMATS[qtype]
+    if name == "F32":
+        data = rng.standard_normal((n, k)).astype(np.float32).view(np.uint8)
+    elif name == "F16":
+        data = rng.standard_normal((n, k)).astype(np.float16).view(np.uint8)
+    elif name == "BF16":
+        bits = rng.standard_normal((n, k)).astype(np.float32).view(np.uint32) >> 16
+        data = bits.astype(np.uint16).view(np.uint8)
+    else:
+        blocks = rng.integers(0, 256, size=(n * (k // values), nbytes), dtype=np.uint8)
+        for offset in _FP16_FIELDS[name]:
+            scale = (rng.standard_normal(len(blocks)) * 0.05).astype(np.float16)
+            blocks[:, offset : offset + 2] = scale.view(np.uint8).reshape(-1, 2)
+        data = blocks.reshape(n, -1)
+    return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(data).reshape(n, -1)), qtype, k)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias, residual) -> torch.Tensor:
+    out = x.double() @ w.double().T
+    if bias is not None:
+        out += bias.double()
+    if residual is not None:
+        out += residual.double()
+    return out
+
+
+def check_close(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    # fp32 accumulation error bound: ~k * eps * sum |x||w|, with margin
+    scale = (x.double().abs() @ w.double().abs().T) + 1.0
+    err = (got.double() - want).abs() / scale
+    assert float(err.max()) < 1e-5, float(err.max())
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, monkeypatch):
+    monkeypatch.setenv("SHMVLLM_QUANT_ISA", request.param)
+    quant_kernels.cache_clear()
+    yield request.param
+    quant_kernels.cache_clear()
+
+
+@pytest.mark.parametrize("name", sorted(FORMAT_IDS))
+def test_dequantized_rows_equal_gguf_reference(isa, name):
+    rng = np.random.default_rng(1)
+    k = 512 if name.endswith("_K") else 96
+    weight = random_weight(name, 13, k, rng)
+    want = weight.dequantize()
+    table = VocabEmbedding(13, k)
+    table.set_blocks(weight)
+    ids = torch.tensor([[3, 0], [12, 3]])
+    got = table(ids)
+    assert got.shape == (2, 2, k)
+    assert torch.equal(got.view(-1, k), want[ids.view(-1)])  # bit for bit
+
+
+@pytest.mark.parametrize("name", sorted(FORMAT_IDS))
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 64])
+def test_gemm_matches_dequantize_then_matmul(isa, name, rows):
+    rng = np.random.default_rng(rows)
+    n, k = 37, (512 if name.endswith("_K") else 160)
+    weight = random_weight(name, n, k, rng)
+    w = weight.dequantize()
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    residual = torch.from_numpy(rng.standard_normal((rows, n)).astype(np.float32))
+    for b, r in [(None, None), (bias, None), (None, residual), (bias, residual)]:
+        got = block_linear(x, [(0, weight)], n, b, r)
+        check_close(got, reference(x, w, b, r), x, w)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 64])
+def test_mixed_format_parts_fill_their_columns(isa, rows):
+    """A fused projection with shards in different formats: each part writes its own columns."""
+    rng = np.random.default_rng(7)
+    k = 256
+    q, kk, v = random_weight("Q4_K", 24, k, rng), random_weight("Q4_K", 8, k, rng), random_weight("Q6_K", 8, k, rng)
+    parts = merge_parts([(32, v), (0, q), (24, kk)], 40, k)
+    assert [(offset, part.name, part.n) for offset, part in parts] == [(0, "Q4_K", 32), (32, "Q6_K", 8)]
+    w = torch.cat([q.dequantize(), kk.dequantize(), v.dequantize()])
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+    bias = torch.from_numpy(rng.standard_normal(40).astype(np.float32))
+    residual = torch.from_numpy(rng.standard_normal((rows, 40)).astype(np.float32))
+    got = block_linear(x, parts, 40, bias, residual)
+    check_close(got, reference(x, w, bias, residual), x, w)
+
+
+def test_parts_must_tile_the_weight():
+    rng = np.random.default_rng(0)
+    a = random_weight("Q8_0", 4, 64, rng)
+    with pytest.raises(ValueError, match="tile"):
+        merge_parts([(0, a), (5, a)], 9, 64)
+    with pytest.raises(ValueError, match="cover 4"):
+        merge_parts([(0, a)], 9, 64)
+
+
+def test_quantize_q8_0_roundtrip_and_gemm(isa):
+    rng = np.random.default_rng(3)
+    w = torch.from_numpy(rng.standard_normal((19, 96)).astype(np.float32))
+    weight = quantize(w, FORMAT_IDS["Q8_0"])
+    assert weight.shape == (19, 96)
+    deq = weight.dequantize()
+    assert float((deq - w).abs().max()) <= float(w.abs().max()) / 127
+    x = torch.from_numpy(rng.standard_normal((2, 96)).astype(np.float32))
+    check_close(block_linear(x, [(0, weight)], 19), reference(x, deq, None, None), x, deq)
+
+
+def test_bad_inputs_are_refused(isa):
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match="Q4_1 rows of 96 values take 60 bytes"):
+        QuantizedWeight(torch.zeros(2, 61, dtype=torch.uint8), FORMAT_IDS["Q4_1"], 96)
+    with pytest.raises(ValueError, match="not supported"):
+        QuantizedWeight(torch.zeros(2, 60, dtype=torch.uint8), 6, 96)  # Q5_0
+    table = VocabEmbedding(4, 64)
+    table.set_blocks(random_weight("Q8_0", 4, 64, rng))
+    with pytest.raises(IndexError, match=r"\[0, 4\)"):
+        table(torch.tensor([1, 4]))
+    weight = random_weight("Q8_0", 4, 64, rng)
+    with pytest.raises(ValueError, match="fp32 input"):
+        block_linear(torch.zeros(1, 64, dtype=torch.float64), [(0, weight)], 4)
+
+
+def test_isa_override_is_checked(monkeypatch):
+    monkeypatch.setenv("SHMVLLM_QUANT_ISA", "sse9")
+    quant_kernels.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="sse9"):
+            quant_kernels()
+    finally:
+        quant_kernels.cache_clear()
+    assert ISAS[-1] == "portable" and set(ISAS) <= {name for name, _, _ in QUANT_ISAS}

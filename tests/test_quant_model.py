@@ -1,0 +1,193 @@
+"""A model on GGML blocks end to end: the shipped SmolLM2 GGUF (Q4_1 layers, Q8_0 tied
+embedding) against transformers' own dequantization of the same file, the native decode step
+against the layer-by-layer modules, the quantization knob, and Q8_0 at load for safetensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from shmvllm.config import EngineArgs
+from shmvllm.model.kernels import quant_isas_supported
+from shmvllm.model.linear import Linear, VocabEmbedding
+from shmvllm.model.loader import get_model
+from shmvllm.model.quant import FORMAT_IDS, quantize
+from shmvllm.model.registry import gguf_source
+
+from test_engine_core import assert_greedy_matches_hf, make_engine, random_prompts
+from test_model_llama import PagedModel, _tokens
+
+pytestmark = pytest.mark.skipif(not quant_isas_supported(), reason="the quantized kernels could not be built")
+
+
+def _blocks_as_fp32(module) -> torch.Tensor:
+    if isinstance(module, VocabEmbedding):
+        return module.blocks.dequantize()
+    return torch.cat([part.dequantize() for _, part in module.blocks])
+
+
+def test_gguf_blocks_hold_transformers_dequantized_weights(smollm2_dir):
+    """Names, fused shards and the q/k row permutation: every weight the kernels see equals,
+    bit for bit, what transformers' GGUF loader made of the same file (the cached safetensors)."""
+    model = get_model(EngineArgs(model=str(smollm2_dir), max_model_len=64).create_engine_config().model_config)
+    with safe_open(str(smollm2_dir / "model.safetensors"), framework="pt") as f:
+        reference = {name: f.get_tensor(name) for name in f.keys()}
+    layer = model.model.layers[3]
+    attn, mlp = layer.self_attn, layer.mlp
+    prefix = "model.layers.3."
+    expected = {
+        "qkv": torch.cat([reference[prefix + f"self_attn.{p}_proj.weight"] for p in "qkv"]),
+        "o": reference[prefix + "self_attn.o_proj.weight"],
+        "gate_up": torch.cat([reference[prefix + f"mlp.{p}_proj.weight"] for p in ("gate", "up")]),
+        "down": reference[prefix + "mlp.down_proj.weight"],
+        "embed": reference["model.embed_tokens.weight"],
+    }
+    got = {
+        "qkv": _blocks_as_fp32(attn.qkv_proj), "o": _blocks_as_fp32(attn.o_proj),
+        "gate_up": _blocks_as_fp32(mlp.gate_up_proj), "down": _blocks_as_fp32(mlp.down_proj),
+        "embed": _blocks_as_fp32(model.model.embed_tokens),
+    }
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+    assert torch.equal(layer.input_layernorm.weight, reference[prefix + "input_layernorm.weight"])
+    # the tied lm_head runs on the embedding's own blocks, no second copy
+    assert model.lm_head.blocks[0][1] is model.model.embed_tokens.blocks
+
+
+def test_gguf_model_keeps_no_fp32_weights(smollm2_dir):
+    model = get_model(EngineArgs(model=str(smollm2_dir), max_model_len=64).create_engine_config().model_config)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.blocks is not None and m.weight.numel() == 0 for m in linears)
+    block_bytes = sum(
+        part.data.numel() for m in linears if m is not model.lm_head for _, part in m.blocks
+    ) + model.model.embed_tokens.blocks.data.numel()
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    file_bytes = gguf_source(smollm2_dir).stat().st_size
+    assert 0.95 * file_bytes < block_bytes + param_bytes <= file_bytes
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("which", ["smollm2", "tiny_llama", "tiny_qwen2"])  # qwen2: qkv bias, untied
+def test_native_decode_step_equals_the_layer_path(request, which, rows):
+    model_dir = request.getfixturevalue(f"{which}_dir")
+    paged = PagedModel(model_dir)
+    assert paged.model.model.decode_step is not None
+    prompts = [_tokens(9 + 4 * i, i) for i in range(rows)]
+    tables = [paged.blocks_for(len(p) + 3) for p in prompts]
+    paged.step([(p, 0, len(p), t) for p, t in zip(prompts, tables)])  # prefill: the layer path
+    seqs = [(p + [7], len(p), 1, t) for p, t in zip(prompts, tables)]
+    fused = paged.step(seqs)
+    step, paged.model.model.decode_step = paged.model.model.decode_step, None
+    layered = paged.step(seqs)  # rewrites the same cache slots with the same values
+    for a, b in zip(fused, layered):
+        assert torch.equal(a, b)
+
+
+def test_native_decode_step_skips_mixed_steps(tiny_llama_dir):
+    """A step with a prefill in it, or more than 4 decodes, runs the layer path."""
+    from shmvllm.model.attention import build_attention_metadata
+
+    paged = PagedModel(tiny_llama_dir)
+    step = paged.model.model.decode_step
+    hidden = torch.zeros(3, 64)
+    meta = build_attention_metadata(
+        np.array([1, 2]), np.array([4, 0]), np.zeros((2, 4), np.int32), np.arange(3), 4, torch.device("cpu")
+    )
+    assert step.run(hidden, torch.arange(3), meta) is None
+    meta = build_attention_metadata(
+        np.ones(5, int), np.full(5, 3), np.zeros((5, 4), np.int32), np.arange(5), 4, torch.device("cpu")
+    )
+    assert step.run(torch.zeros(5, 64), torch.arange(5), meta) is None
+
+
+# ---- greedy tokens on the blocks against transformers on the same file ----------------------
+
+MIXED = [1, 5, 17, 33, 8, 40, 3, 24]
+
+
+def test_gguf_greedy_mixed_batch_with_preemption(smollm2_dir):
+    engine = make_engine(smollm2_dir, num_kv_blocks=24, block_size=4)
+    assert_greedy_matches_hf(smollm2_dir, engine, random_prompts(MIXED, seed=5), max_tokens=8)
+    assert engine.get_stats()["num_preemptions"] > 0
+    engine.shutdown()
+
+
+def test_gguf_greedy_chunked_prefill(smollm2_dir):
+    prompts = random_prompts(MIXED, seed=6)
+    engine = make_engine(smollm2_dir, num_kv_blocks=128, max_num_batched_tokens=16)
+    assert_greedy_matches_hf(smollm2_dir, engine, prompts, max_tokens=8)
+    engine.shutdown()
+
+
+def test_gguf_greedy_prefix_cache_hits(smollm2_dir):
+    system = random_prompts([40], seed=7)[0]
+    prompts = [system + suffix for suffix in random_prompts([3, 9, 1, 20, 6], seed=8)]
+    engine = make_engine(smollm2_dir, num_kv_blocks=128)
+    outputs = assert_greedy_matches_hf(smollm2_dir, engine, prompts, max_tokens=8)
+    assert all(outs[-1].num_cached_tokens == 32 for outs in list(outputs.values())[1:])
+    engine.shutdown()
+
+
+def test_gguf_single_request_decodes_on_the_native_step(smollm2_dir):
+    """One request alone: its decode steps run the native step, and the tokens still match."""
+    engine = make_engine(smollm2_dir, num_kv_blocks=64)
+    step = engine.executor.worker.model_runner.model.model.decode_step
+    assert step is not None
+    ran, original = [], step.run
+    step.run = lambda *args: ran.append(original(*args)) or ran[-1]
+    outputs = assert_greedy_matches_hf(smollm2_dir, engine, random_prompts([30], seed=9), max_tokens=16)
+    generated = sum(len(o.new_token_ids) for outs in outputs.values() for o in outs)
+    assert [out is not None for out in ran] == [False] + [True] * (generated - 1)  # the prefill, then decodes
+    engine.shutdown()
+
+
+# ---- the knob ---------------------------------------------------------------------------------
+
+def test_quantization_knob_is_checked(tiny_llama_dir, smollm2_dir):
+    with pytest.raises(ValueError, match="quantization must be one of .* got 'int4'"):
+        EngineArgs(model=str(tiny_llama_dir), quantization="int4").create_engine_config()
+    with pytest.raises(ValueError, match="quantization='gguf' needs a .gguf model"):
+        EngineArgs(model=str(tiny_llama_dir), quantization="gguf").create_engine_config()
+    with pytest.raises(ValueError, match="already in blocks"):
+        EngineArgs(model=str(smollm2_dir), quantization="q8_0").create_engine_config()
+    config = EngineArgs(model=str(smollm2_dir), quantization="none", max_model_len=64).create_engine_config()
+    model = get_model(config.model_config)
+    assert all(m.blocks is None for m in model.modules() if isinstance(m, Linear))
+
+
+def test_q8_0_at_load_matches_transformers_on_the_same_values(tiny_llama_dir, tmp_path):
+    """quantization='q8_0' on a safetensors model: greedy tokens equal transformers running
+    the Q8_0-dequantized linear weights (the exact values the blocks hold)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    hf.config.tie_word_embeddings = False
+    with torch.no_grad():
+        hf.lm_head.weight = torch.nn.Parameter(hf.model.embed_tokens.weight.clone())
+        for name, module in hf.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(quantize(module.weight, FORMAT_IDS["Q8_0"]).dequantize())
+    reference_dir = tmp_path / "q8-reference"
+    hf.save_pretrained(reference_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny_llama_dir / name).exists():
+            (reference_dir / name).write_bytes((tiny_llama_dir / name).read_bytes())
+    engine = make_engine(tiny_llama_dir, num_kv_blocks=64, quantization="q8_0")
+    prompts = random_prompts([1, 5, 17, 33, 8], seed=4)
+    requests_outputs = assert_greedy_matches_hf_on(reference_dir, tiny_llama_dir, engine, prompts)
+    assert requests_outputs
+    engine.shutdown()
+
+
+def assert_greedy_matches_hf_on(reference_dir: Path, engine_dir: Path, engine, prompts):
+    """assert_greedy_matches_hf with transformers loaded from another directory."""
+    import test_engine_core as core
+
+    outputs = core.run(engine, [core.make_request(p, core.greedy_params(engine_dir, 10), f"q8-{i}") for i, p in enumerate(prompts)])
+    for i, prompt in enumerate(prompts):
+        assert core.tokens_of(outputs[f"q8-{i}"]) == core.hf_greedy(reference_dir, tuple(prompt), 10)
+    return outputs

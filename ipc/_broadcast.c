@@ -1,0 +1,92 @@
+/* The broadcast ring's atomics (ipc/broadcast.py): loads, stores, the fence, and the spins.
+ *
+ * Built at first use by ipc/broadcast.py (cc -O2 -shared -fPIC, cached like _native.c) and
+ * called through ctypes: the short functions keep the GIL (PyDLL), the spins drop it (CDLL).
+ * Every function takes the base address of the mapped segment; the offsets must match the
+ * layout in broadcast.py. The ordering argument is in broadcast.py's docstring.
+ */
+#include <stdint.h>
+#include <sched.h>
+#include <time.h>
+
+#define OFF_TAIL 64
+#define OFF_READERS 256
+#define READER_STRIDE 128
+#define R_HEAD 0
+#define R_CLOSED 24
+
+#define LOAD_ACQ(p) __atomic_load_n((uint64_t *)(p), __ATOMIC_ACQUIRE)
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+uint64_t bc_load(uint8_t *b, int64_t off) { return LOAD_ACQ(b + off); }
+
+/* A release store followed by a seq_cst fence: the store is ordered after everything before it,
+ * and before any later load (the store-load order the sleep/wake handshake needs). */
+void bc_store(uint8_t *b, int64_t off, uint64_t v) {
+    __atomic_store_n((uint64_t *)(b + off), v, __ATOMIC_RELEASE);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
+
+/* 1 if the flag at `off` was set (and clears it), 0 otherwise: at most one post per sleep. */
+int bc_take(uint8_t *b, int64_t off) {
+    if (!LOAD_ACQ(b + off))
+        return 0;
+    return __atomic_exchange_n((uint64_t *)(b + off), 0, __ATOMIC_SEQ_CST) != 0;
+}
+
+/* The lowest head of the readers that have not closed (UINT64_MAX when all have). */
+uint64_t bc_min_head(uint8_t *b, int64_t n) {
+    uint64_t low = UINT64_MAX;
+    for (int64_t i = 0; i < n; i++) {
+        uint8_t *r = b + OFF_READERS + i * READER_STRIDE;
+        if (LOAD_ACQ(r + R_CLOSED))
+            continue;
+        uint64_t head = LOAD_ACQ(r + R_HEAD);
+        if (head < low)
+            low = head;
+    }
+    return low;
+}
+
+/* Spins (GIL released, yielding every 64 looks) for up to ns: 1 once the tail differs from head. */
+int bc_spin_data(uint8_t *b, uint64_t head, int64_t ns) {
+    int64_t deadline = now_ns() + ns;
+    for (uint32_t i = 1;; i++) {
+        if (LOAD_ACQ(b + OFF_TAIL) != head)
+            return 1;
+        cpu_relax();
+        if ((i & 63) == 0) {
+            if (now_ns() >= deadline)
+                return 0;
+            sched_yield();
+        }
+    }
+}
+
+/* Spins for up to ns: 1 once every open reader's head is at least `need`. */
+int bc_spin_space(uint8_t *b, uint64_t need, int64_t n, int64_t ns) {
+    int64_t deadline = now_ns() + ns;
+    for (uint32_t i = 1;; i++) {
+        if (bc_min_head(b, n) >= need)
+            return 1;
+        cpu_relax();
+        if ((i & 63) == 0) {
+            if (now_ns() >= deadline)
+                return 0;
+            sched_yield();
+        }
+    }
+}

@@ -217,9 +217,11 @@ class EngineArgs(VllmArgs):
             tokenizer_mode=self.tokenizer_mode,
             generation_config=self.generation_config,
             override_generation_config=dict(self.override_generation_config or {}),
-            quantization=self.quantization,
+            # tensor parallelism shards dense weights: a GGUF model is dequantized by default
+            quantization=self.quantization if self.tensor_parallel_size == 1 or self.quantization else "none",
         )
         _verify_quantization(self.quantization, model_dir, task)
+        _verify_tensor_parallel(self.tensor_parallel_size, self.quantization, task, hf_config)
         chunked_prefill = self.enable_chunked_prefill is not False
         max_batched, max_num_seqs = _scheduler_limits(
             self.max_num_batched_tokens, self.max_num_seqs, task, max_model_len, chunked_prefill
@@ -306,8 +308,29 @@ class EngineArgs(VllmArgs):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} is not supported: shmvllm runs on one device.")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {tp!r}.")
+
+
+def _verify_tensor_parallel(size: int, quantization: Optional[str], task: Task, hf_config: Any) -> None:
+    """What tensor parallelism (shmvllm.model.parallel) cannot split, refused by name."""
+    if size == 1:
+        return
+    if task != "generate":
+        raise ValueError(f"tensor_parallel_size={size} is not supported for task {task!r}: only decoders are sharded.")
+    if quantization not in (None, "none"):
+        raise ValueError(
+            f"tensor_parallel_size={size} with quantization={quantization!r} is not supported: "
+            "GGML blocks are not sharded; use quantization=None or 'none'."
+        )
+    heads = getattr(hf_config, "num_attention_heads", 0) or 0
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if kv_heads < size:
+        raise ValueError(
+            f"tensor_parallel_size={size} is more than the model's num_key_value_heads={kv_heads}: "
+            "every rank needs at least one KV head."
+        )
 
 
 def _verify_quantization(quantization: Optional[str], model_dir: Path, task: Task) -> None:

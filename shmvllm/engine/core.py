@@ -18,6 +18,7 @@ from shmvllm.config import EngineConfig
 from shmvllm.core.request import Request, RequestStatus
 from shmvllm.core.sched.output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from shmvllm.core.sched.scheduler import Scheduler
+from shmvllm.executor.errors import WorkerDeadError
 from shmvllm.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -31,7 +32,11 @@ from shmvllm.structured_output.manager import StructuredOutputManager
 logger = logging.getLogger(__name__)
 
 
-def _default_executor_class() -> type:
+def _default_executor_class(config: EngineConfig) -> type:
+    if config.parallel_config.tensor_parallel_size > 1:
+        from shmvllm.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor
     from shmvllm.executor.uniproc import UniProcExecutor
 
     return UniProcExecutor
@@ -42,7 +47,7 @@ class EngineCore:
         started = time.perf_counter()
         self.config = config
         self.model_config = config.model_config
-        self.executor = (executor_class or _default_executor_class())(config)
+        self.executor = (executor_class or _default_executor_class(config))(config)
         loaded = time.perf_counter()
         self.num_kv_blocks = int(self.executor.determine_num_kv_blocks())
         self.executor.initialize_kv_cache(self.num_kv_blocks)
@@ -147,6 +152,8 @@ class EngineCore:
         if scheduler_output.total_num_scheduled_tokens > 0:
             try:
                 runner_output = self.executor.execute_model(scheduler_output)
+            except WorkerDeadError:
+                raise  # the model is gone with its worker: the engine stops
             except Exception as exc:
                 # Which request is to blame is unknown here (the sampler isolates its own rows):
                 # the requests of this step finish with the error, the engine serves the rest.

@@ -1,0 +1,158 @@
+"""MultiprocExecutor: a tensor-parallel group of Workers, rank 0 in the engine's process.
+
+Ranks 1..N-1 are programs of their own (`python -m shmvllm.worker.tp_worker`), started with the
+name of a broadcast ring (`ipc.broadcast`) that this process writes and they read: first the
+engine config, then one command per executor call (the SchedulerOutput of each step,
+pickled). The ranks' collectives (the sharded layers' all-reduces and the logits' gather) run
+over torch.distributed, rendezvoused through a TCPStore that this process hosts on loopback.
+Every rank samples the same tokens (see `shmvllm.worker.tp_worker`), so rank 0's output is
+the step's output and nothing travels back.
+
+Threads: each rank gets cpu_count // N torch threads (at least one).
+
+A worker that dies is found at the next call (its process has exited), or in the middle of a
+step, where rank 0's collective fails when the dead rank's socket closes: either way
+`WorkerDeadError`, which ends the engine (EngineCore does not catch it; the frontend then raises
+EngineDeadError). `shutdown` asks the workers to stop, then kills what is left after a grace
+period, and unlinks the ring. A worker that outlives the engine's process is killed by the
+kernel (PR_SET_PDEATHSIG), and one whose engine vanishes notices it on the ring within its poll.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+from shmvllm.config import EngineConfig
+from shmvllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from shmvllm.executor.errors import WorkerDeadError
+from shmvllm.model.parallel.group import DEFAULT_TIMEOUT_S, TPGroup
+from shmvllm.worker.tp_worker import STORE_HOST, TPWorker
+
+logger = logging.getLogger(__name__)
+
+RING_CAPACITY = 1 << 24  # a step's message (a grammar bitmask included) travels whole below 4 MiB
+SHUTDOWN_GRACE_S = 2.0
+_POLL_S = 0.05
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        from ipc.broadcast import BroadcastWriter
+
+        started = time.perf_counter()
+        self.config = config
+        self.world_size = size = config.parallel_config.tensor_parallel_size
+        if size < 2:
+            raise ValueError(f"MultiprocExecutor needs tensor_parallel_size >= 2, got {size}")
+        if config.model_config.is_embedding:
+            raise ValueError(f"tensor_parallel_size={size} is not supported for embedding models.")
+        self.threads = max(1, (os.cpu_count() or 1) // size)
+        torch.set_num_threads(self.threads)
+        self.procs: list[subprocess.Popen] = []
+        self.ring = BroadcastWriter.create(size - 1, RING_CAPACITY, poll_interval=_POLL_S)
+        self.worker: TPWorker | None = None
+        try:
+            store = torch.distributed.TCPStore(
+                STORE_HOST, 0, size, True, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S), wait_for_workers=False
+            )
+            self.ring.push(pickle.dumps(config, protocol=pickle.HIGHEST_PROTOCOL))
+            level = logging.getLogger("shmvllm").getEffectiveLevel()
+            for rank in range(1, size):
+                argv = [sys.executable, "-m", "shmvllm.worker.tp_worker", self.ring.name, str(rank), str(size),
+                        str(store.port), str(self.threads), str(os.getpid()), "--log-level", str(level)]
+                self.procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL))
+            self._wait_for_joins(store)
+            group = TPGroup.join(store, 0, size, torch.device(config.model_config.device))
+            self._store = store
+            self.worker = TPWorker(config, 0, group)
+            self.worker.init_device()
+            self.worker.load_model()
+        except BaseException as exc:
+            dead = self._dead_workers()
+            self.shutdown()
+            if dead and not isinstance(exc, WorkerDeadError):
+                raise WorkerDeadError(f"tensor-parallel workers died while starting: {dead}") from exc
+            raise
+        logger.info("MultiprocExecutor: %d ranks x %d threads ready in %.2f s", size, self.threads, time.perf_counter() - started)
+
+    def _wait_for_joins(self, store: Any) -> None:
+        deadline = time.monotonic() + DEFAULT_TIMEOUT_S
+        keys = [f"joined/{rank}" for rank in range(1, self.world_size)]
+        while not store.check(keys):
+            dead = self._dead_workers()
+            if dead:
+                raise WorkerDeadError(f"tensor-parallel workers died while starting: {dead}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tensor-parallel workers did not join within {DEFAULT_TIMEOUT_S} s")
+            time.sleep(_POLL_S)
+
+    def _dead_workers(self) -> list[str]:
+        """'rank r (pid p) exited with c' for each worker that is gone."""
+        return [f"rank {rank} (pid {proc.pid}) exited with {proc.returncode}"
+                for rank, proc in enumerate(self.procs, start=1) if proc.poll() is not None]
+
+    def _command(self, *command: Any) -> None:
+        from ipc import PeerDeadError
+
+        dead = self._dead_workers()
+        if dead:
+            raise WorkerDeadError(f"tensor-parallel workers died: {', '.join(dead)}")
+        try:
+            self.ring.push(pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL))
+        except PeerDeadError as exc:
+            raise WorkerDeadError(str(exc)) from exc
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        """Rank 0's share of a collective call: a failure with a dead worker is WorkerDeadError."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            dead = self._dead_workers()
+            if not dead:  # a worker closes its sockets a moment before it can be reaped
+                time.sleep(_POLL_S)
+                dead = self._dead_workers()
+            if dead:
+                raise WorkerDeadError(f"tensor-parallel workers died: {', '.join(dead)}") from exc
+            raise
+
+    def determine_num_kv_blocks(self) -> int:
+        self._command("num_blocks")
+        return self._call(self.worker.determine_num_kv_blocks)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._command("init_kv", num_blocks)
+        self._call(self.worker.initialize_kv_cache, num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._command("step", scheduler_output)
+        return self._call(self.worker.execute_model, scheduler_output)
+
+    def shutdown(self) -> None:
+        """Stops the workers (SHUTDOWN, then SIGKILL after a grace period) and unlinks the ring."""
+        if self.ring.closed:
+            return
+        if self.procs and not self._dead_workers():
+            try:
+                self.ring.push(pickle.dumps(("shutdown",)), timeout=_POLL_S)
+            except Exception:  # a full ring or a dead reader: the kill below ends them
+                pass
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.ring.close()
+        if self.worker is not None:
+            self.worker.shutdown()
+        TPGroup.destroy()

@@ -1,0 +1,1 @@
+"""Tensor parallelism: the ranks' communicator (`group`) and the sharded Llama layers (`layers`)."""

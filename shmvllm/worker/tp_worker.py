@@ -1,0 +1,120 @@
+"""A tensor-parallel Worker, and the program of ranks 1..N-1 (`python -m shmvllm.worker.tp_worker`).
+
+`TPWorker` is a Worker whose model is cut to its rank's share after loading
+(`shmvllm.model.parallel.layers.shard_llama_`) and whose KV cache size is the smallest any
+rank can hold. Rank 0 runs in the engine process (`MultiprocExecutor`); the others run
+`main`: attach to the executor's broadcast ring as reader rank - 1, read the engine config
+(the ring's first message), join the torch.distributed group, load, then follow the engine's
+commands from the ring (size the KV cache, allocate it, run a step, shut down). Every rank runs
+each step's forward and sampling on the same inputs with the same seeded generators, so rank
+0's sampled tokens are every rank's, and nothing is sent back.
+
+A worker ends when the ring says SHUTDOWN, when the engine closes the ring or dies (the ring's
+PeerClosedError / PeerDeadError, within its poll interval), or with the engine's process
+(PR_SET_PDEATHSIG on Linux).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import logging
+import os
+import pickle
+import signal
+import sys
+
+import torch
+
+from shmvllm.config import EngineConfig
+from shmvllm.model.parallel.group import DEFAULT_TIMEOUT_S, TPGroup
+from shmvllm.model.parallel.layers import shard_llama_
+from shmvllm.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.1  # how often an idle worker looks at the engine
+STORE_HOST = "127.0.0.1"
+
+
+class TPWorker(Worker):
+    def __init__(self, config: EngineConfig, rank: int, group: TPGroup) -> None:
+        super().__init__(config, rank)
+        self.group = group
+
+    def load_model(self) -> None:
+        super().load_model()
+        shard_llama_(self.model_runner.model, self.group)
+
+    def determine_num_kv_blocks(self) -> int:
+        """The fewest blocks any rank's budget holds (every rank keeps the same block table)."""
+        return self.group.all_reduce_min(super().determine_num_kv_blocks())
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def serve(ring_name: str, rank: int, world_size: int, store_port: int, threads: int, parent_pid: int) -> None:
+    from ipc import PeerGoneError
+    from ipc.broadcast import BroadcastReader
+
+    _die_with_parent()
+    if os.getppid() != parent_pid:
+        return  # the engine is already gone
+    torch.set_num_threads(threads)
+    reader = BroadcastReader.attach(ring_name, rank - 1, poll_interval=POLL_S)
+    try:
+        config: EngineConfig = reader.consume(pickle.loads, timeout=DEFAULT_TIMEOUT_S)
+        store = torch.distributed.TCPStore(
+            STORE_HOST, store_port, world_size, False, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+        )
+        store.set(f"joined/{rank}", "1")
+        group = TPGroup.join(store, rank, world_size, torch.device(config.model_config.device))
+        worker = TPWorker(config, rank, group)
+        worker.init_device()
+        worker.load_model()
+        while True:
+            try:
+                command, *args = reader.consume(pickle.loads)
+            except PeerGoneError as exc:
+                logger.warning("rank %d: the engine is gone (%s): exiting", rank, exc)
+                return
+            if command == "num_blocks":
+                worker.determine_num_kv_blocks()
+            elif command == "init_kv":
+                worker.initialize_kv_cache(*args)
+            elif command == "step":
+                try:
+                    worker.execute_model(*args)
+                except Exception:  # rank 0 meets the same failure and fails the step's requests
+                    logger.warning("rank %d: the step failed", rank, exc_info=True)
+            elif command == "shutdown":
+                return
+            else:
+                raise ValueError(f"rank {rank}: unknown command {command!r}")
+    finally:
+        reader.close()
+        TPGroup.destroy()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("ring")
+    parser.add_argument("rank", type=int)
+    parser.add_argument("world_size", type=int)
+    parser.add_argument("store_port", type=int)
+    parser.add_argument("threads", type=int)
+    parser.add_argument("parent_pid", type=int)
+    parser.add_argument("--log-level", type=int, default=logging.WARNING)
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the engine decides
+    logging.basicConfig(level=args.log_level, format=f"(TPWorker rank={args.rank} pid={os.getpid()}) %(levelname)s %(name)s: %(message)s")
+    serve(args.ring, args.rank, args.world_size, args.store_port, args.threads, args.parent_pid)
+
+
+if __name__ == "__main__":
+    main()

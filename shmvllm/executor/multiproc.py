@@ -27,7 +27,7 @@ import pickle
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -60,6 +60,7 @@ class MultiprocExecutor:
         self.procs: list[subprocess.Popen] = []
         self.ring = BroadcastWriter.create(size - 1, RING_CAPACITY, poll_interval=_POLL_S)
         self.worker: TPWorker | None = None
+        self._last_rows: Optional[list[str]] = []
         try:
             store = torch.distributed.TCPStore(
                 STORE_HOST, 0, size, True, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S), wait_for_workers=False
@@ -133,8 +134,12 @@ class MultiprocExecutor:
         self._call(self.worker.initialize_kv_cache, num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self._command("step", scheduler_output)
-        return self._call(self.worker.execute_model, scheduler_output)
+        # rank 0's rows of the previous step travel along: a rank whose batch differs stops
+        self._command("step", scheduler_output, self._last_rows)
+        self._last_rows = None  # unknown after a failed step
+        output = self._call(self.worker.execute_model, scheduler_output)
+        self._last_rows = output.req_ids
+        return output
 
     def shutdown(self) -> None:
         """Stops the workers (SHUTDOWN, then SIGKILL after a grace period) and unlinks the ring."""

@@ -131,7 +131,9 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
         fresh_blocks: list[int] = []
-        for req_id in so.finished_req_ids | so.preempted_req_ids:
+        # sorted: a set's order follows the process's string hashing, and tensor-parallel ranks
+        # (processes of their own) must lay out the same rows
+        for req_id in sorted(so.finished_req_ids | so.preempted_req_ids):
             if req_id in batch.req_id_to_index:
                 batch.remove_request(req_id)
             self.requests.pop(req_id, None)

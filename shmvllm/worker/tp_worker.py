@@ -24,6 +24,7 @@ import os
 import pickle
 import signal
 import sys
+from typing import Optional
 
 import torch
 
@@ -77,6 +78,7 @@ def serve(ring_name: str, rank: int, world_size: int, store_port: int, threads: 
         worker = TPWorker(config, rank, group)
         worker.init_device()
         worker.load_model()
+        rows: Optional[list[str]] = []  # the request of each batch row in the last step (None: failed)
         while True:
             try:
                 command, *args = reader.consume(pickle.loads)
@@ -88,17 +90,20 @@ def serve(ring_name: str, rank: int, world_size: int, store_port: int, threads: 
             elif command == "init_kv":
                 worker.initialize_kv_cache(*args)
             elif command == "step":
+                scheduler_output, rank0_rows = args
+                if rank0_rows is not None and rows is not None and rank0_rows != rows:
+                    raise RuntimeError(f"rank {rank} laid out rows {rows}, rank 0 {rank0_rows}: the ranks diverged")
                 try:
-                    worker.execute_model(*args)
+                    rows = worker.execute_model(scheduler_output).req_ids
                 except Exception:  # rank 0 meets the same failure and fails the step's requests
                     logger.warning("rank %d: the step failed", rank, exc_info=True)
+                    rows = None
             elif command == "shutdown":
                 return
             else:
                 raise ValueError(f"rank {rank}: unknown command {command!r}")
     finally:
         reader.close()
-        TPGroup.destroy()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -113,7 +118,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the engine decides
     logging.basicConfig(level=args.log_level, format=f"(TPWorker rank={args.rank} pid={os.getpid()}) %(levelname)s %(name)s: %(message)s")
-    serve(args.ring, args.rank, args.world_size, args.store_port, args.threads, args.parent_pid)
+    code = 0
+    try:
+        serve(args.ring, args.rank, args.world_size, args.store_port, args.threads, args.parent_pid)
+    except BaseException:
+        logger.exception("rank %d failed", args.rank)
+        code = 1
+    # Skip the interpreter's teardown: torch.distributed's would wait for the other ranks' groups.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -221,7 +221,7 @@ class EngineArgs(VllmArgs):
             quantization=self.quantization if self.tensor_parallel_size == 1 or self.quantization else "none",
         )
         _verify_quantization(self.quantization, model_dir, task)
-        _verify_tensor_parallel(self.tensor_parallel_size, self.quantization, task, hf_config)
+        _verify_tensor_parallel(self.tensor_parallel_size, self.quantization, task, hf_config, device)
         chunked_prefill = self.enable_chunked_prefill is not False
         max_batched, max_num_seqs = _scheduler_limits(
             self.max_num_batched_tokens, self.max_num_seqs, task, max_model_len, chunked_prefill
@@ -313,10 +313,15 @@ class EngineArgs(VllmArgs):
             raise ValueError(f"tensor_parallel_size must be a positive int, got {tp!r}.")
 
 
-def _verify_tensor_parallel(size: int, quantization: Optional[str], task: Task, hf_config: Any) -> None:
+def _verify_tensor_parallel(size: int, quantization: Optional[str], task: Task, hf_config: Any, device: str) -> None:
     """What tensor parallelism (shmvllm.model.parallel) cannot split, refused by name."""
     if size == 1:
         return
+    if device != "cpu":
+        raise ValueError(
+            f"tensor_parallel_size={size} runs on the CPU only (gloo collectives); device={device!r} "
+            "would need one device per rank, which is not implemented."
+        )
     if task != "generate":
         raise ValueError(f"tensor_parallel_size={size} is not supported for task {task!r}: only decoders are sharded.")
     if quantization not in (None, "none"):

@@ -65,11 +65,27 @@ def assert_same_greedy(reference: list, candidate: list) -> None:
     assert forgiven <= 2, f"{forgiven} forgiven divergences"
 
 
-@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.fixture(scope="module")
+def tiny_uneven_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """3 KV heads (6 query heads) and an intermediate size of 130: over 2 ranks every split is uneven,
+    as SmolLM2-135M's 3 KV heads are."""
+    from transformers import LlamaConfig
+
+    from conftest import _save_tiny_causal_lm
+
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=96, intermediate_size=130, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=1024,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )
+    return _save_tiny_causal_lm(config, smollm2_dir, tmp_path_factory.mktemp("tiny-uneven-llama"))
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_uneven_llama_dir"])
 def test_tp2_greedy_equals_tp1_with_preemption_and_prefix_hits(model, request):
     model_dir = request.getfixturevalue(model)
     reference, _ = run(model_dir, 1, multiprocess=False)
-    outputs, stats = run(model_dir, 2, multiprocess=model == "tiny_llama_dir")
+    outputs, stats = run(model_dir, 2, multiprocess=model == "tiny_llama_dir")  # the others in-process
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0, stats
     assert_same_greedy(reference, outputs)
 

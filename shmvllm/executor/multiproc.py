@@ -4,7 +4,7 @@ Ranks 1..N-1 are programs of their own (`python -m shmvllm.worker.tp_worker`), s
 name of a broadcast ring (`ipc.broadcast`) that this process writes and they read: first the
 engine config, then one command per executor call (the SchedulerOutput of each step,
 pickled). The ranks' collectives (the sharded layers' all-reduces and the logits' gather) run
-over torch.distributed, rendezvoused through a TCPStore that this process hosts on loopback.
+over torch.distributed (gloo), rendezvoused through a TCPStore that this process hosts on loopback.
 Every rank samples the same tokens (see `shmvllm.worker.tp_worker`), so rank 0's output is
 the step's output and nothing travels back.
 
@@ -72,7 +72,7 @@ class MultiprocExecutor:
                         str(store.port), str(self.threads), str(os.getpid()), "--log-level", str(level)]
                 self.procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL))
             self._wait_for_joins(store)
-            group = TPGroup.join(store, 0, size, torch.device(config.model_config.device))
+            group = TPGroup.join(store, 0, size)
             self._store = store
             self.worker = TPWorker(config, 0, group)
             self.worker.init_device()

@@ -74,7 +74,7 @@ def serve(ring_name: str, rank: int, world_size: int, store_port: int, threads: 
             STORE_HOST, store_port, world_size, False, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
         )
         store.set(f"joined/{rank}", "1")
-        group = TPGroup.join(store, rank, world_size, torch.device(config.model_config.device))
+        group = TPGroup.join(store, rank, world_size)
         worker = TPWorker(config, rank, group)
         worker.init_device()
         worker.load_model()

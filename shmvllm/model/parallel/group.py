@@ -1,5 +1,5 @@
 """The tensor-parallel group of one engine: its rank, its size, and the collectives the
-sharded layers need, over torch.distributed (gloo on the CPU, nccl on CUDA)."""
+sharded layers need, over torch.distributed's gloo backend (CPU tensors, TCP on loopback)."""
 
 from __future__ import annotations
 
@@ -20,13 +20,10 @@ class TPGroup:
         self.rank, self.world_size = rank, world_size
 
     @classmethod
-    def join(
-        cls, store: dist.Store, rank: int, world_size: int, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S
-    ) -> "TPGroup":
+    def join(cls, store: dist.Store, rank: int, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> "TPGroup":
         """Initializes torch.distributed's default group through `store` (every rank calls this)."""
-        backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
         )
         return cls(rank, world_size)
 

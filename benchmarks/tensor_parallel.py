@@ -1,0 +1,151 @@
+"""Tensor parallelism on the default model: TP=1 against TP=2, single request and batch, one run.
+
+Both engines load SmolLM2-135M-Instruct dequantized to fp32 (quantization='none': the GGUF
+blocks are not sharded), each in its engine process for the whole run; TP=2 is rank 0 in the
+engine and rank 1 a worker program, each with cpu_count // 2 torch threads, while TP=1 has all
+of them. SmolLM2-135M has 3 KV heads and 9 query heads: rank 0 holds 2 KV heads (6 query
+heads), rank 1 one (3). The repetitions alternate the engines' order, so the machine's noise
+falls on both alike. Per repetition:
+
+- single: one request, 85 prompt tokens, 64 greedy tokens (EOS ignored): output tok/s;
+- batch: 32 requests of 85 prompt tokens (distinct), 64 greedy tokens each: output tok/s.
+
+Prefix caching is off, so every repetition pays its prefills. CHECK: TP=2's greedy tokens equal
+TP=1's (a divergence forgiven at a top-2 logprob margin below 1e-3).
+
+    flock /tmp/shmvllm-cpu.lock python benchmarks/tensor_parallel.py --repeats 3 \\
+        --json benchmarks/results/tensor_parallel.json --plot benchmarks/results/tensor_parallel.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+MODEL = "smollm2-135m-instruct"
+PROMPT_TOKENS = 85
+MAX_TOKENS = 64
+BATCH = 32
+MARGIN = 1e-3
+
+
+def prompts(tokenizer: Any) -> list[list[int]]:
+    """BATCH distinct prompts of PROMPT_TOKENS ids (the first is the single request's)."""
+    text = ("You are a careful assistant. Explain in plain words how a refrigerator keeps food cold, "
+            "what the compressor and the refrigerant do, and why the back of the fridge feels warm. ") * 4
+    ids = tokenizer(text)["input_ids"]
+    return [[(i * 7 + 11) % 1000 + 100] + ids[: PROMPT_TOKENS - 1] for i in range(BATCH)]
+
+
+def run(llm: Any, batch: list[list[int]]) -> tuple[float, list[list[int]], list[Any]]:
+    from shmvllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    started = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    wall = time.perf_counter() - started
+    return wall, [o.outputs[0].token_ids for o in outputs], [o.outputs[0].logprobs for o in outputs]
+
+
+def same_greedy(ref_tokens: list[list[int]], ref_logprobs: list[Any], tokens: list[list[int]]) -> tuple[bool, int]:
+    """(no unforgiven divergence, how many requests diverged at a forgiven margin)."""
+    forgiven = 0
+    for ref, ref_lp, got in zip(ref_tokens, ref_logprobs, tokens):
+        for pos, (a, b) in enumerate(zip(ref, got)):
+            if a != b:
+                top = sorted(lp.logprob for lp in ref_lp[pos].values())[::-1]
+                if top[0] - top[1] >= MARGIN:
+                    return False, forgiven
+                forgiven += 1
+                break
+    return True, forgiven
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per engine (default 3)")
+    parser.add_argument("--json", help="write the results to this JSON file")
+    parser.add_argument("--plot", help="draw a PNG to this path")
+    args = parser.parse_args()
+
+    from shmvllm import LLM
+
+    cores = os.cpu_count() or 1
+    engines: dict[str, Any] = {}
+    load_s: dict[str, float] = {}
+    for tp in (1, 2):
+        started = time.perf_counter()
+        engines[f"TP={tp}"] = LLM(model=MODEL, quantization="none", tensor_parallel_size=tp, max_model_len=512,
+                                  enable_prefix_caching=False, kv_cache_memory=256 << 20)
+        load_s[f"TP={tp}"] = time.perf_counter() - started
+    batch = prompts(engines["TP=1"].get_tokenizer())
+    walls: dict[tuple[str, str], list[float]] = {(n, w): [] for n in engines for w in ("single", "batch")}
+    tokens: dict[tuple[str, str], Any] = {}
+    try:
+        for name in engines:  # warm-up: first-call costs (oneDNN, allocations) out of the timings
+            run(engines[name], batch[:2])
+        for rep in range(args.repeats):
+            order = list(engines) if rep % 2 == 0 else list(engines)[::-1]
+            for workload, requests in (("single", batch[:1]), ("batch", batch)):
+                for name in order:
+                    wall, toks, lps = run(engines[name], requests)
+                    walls[name, workload].append(wall)
+                    tokens[name, workload] = (toks, lps)
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+
+    rows = []
+    for (name, workload), values in walls.items():
+        n = MAX_TOKENS * (1 if workload == "single" else BATCH)
+        rates = [n / w for w in values]
+        rows.append({"engine": name, "workload": workload, "threads_per_rank": cores // int(name[3:]),
+                     "tok_per_s": statistics.median(rates), "min": min(rates), "max": max(rates),
+                     "load_s": load_s[name]})
+    print(f"{cores} cores; SmolLM2-135M fp32; {PROMPT_TOKENS} prompt tokens, {MAX_TOKENS} greedy tokens; "
+          f"median of {args.repeats} (min..max)")
+    print(f"{'engine':8} {'workload':8} {'threads/rank':>12} {'output tok/s':>22} {'load s':>7}")
+    for r in rows:
+        print(f"{r['engine']:8} {r['workload']:8} {r['threads_per_rank']:>12} "
+              f"{r['tok_per_s']:8.1f} ({r['min']:.1f}..{r['max']:.1f}) {r['load_s']:7.1f}")
+    by = {(r["engine"], r["workload"]): r for r in rows}
+    checks = []
+    for workload in ("single", "batch"):
+        ratio = by["TP=2", workload]["tok_per_s"] / by["TP=1", workload]["tok_per_s"]
+        print(f"TP=2/TP=1 {workload}: {ratio:.2f}x")
+        ok, forgiven = same_greedy(*tokens["TP=1", workload], tokens["TP=2", workload][0])
+        checks.append(f"CHECK TP=2 greedy tokens equal TP=1's ({workload}, {forgiven} forgiven at margin < {MARGIN}): "
+                      f"{'holds' if ok else 'FAILS'}")
+    for line in checks:
+        print(line)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"cores": cores, "prompt_tokens": PROMPT_TOKENS, "max_tokens": MAX_TOKENS,
+                                               "batch": BATCH, "rows": rows, "checks": checks}, indent=2) + "\n")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(9, 4))
+        for ax, workload in zip(axes, ("single", "batch")):
+            names = ["TP=1", "TP=2"]
+            values = [by[n, workload]["tok_per_s"] for n in names]
+            errs = [[v - by[n, workload]["min"] for n, v in zip(names, values)],
+                    [by[n, workload]["max"] - v for n, v in zip(names, values)]]
+            ax.bar(names, values, yerr=errs, color=["tab:blue", "tab:orange"], capsize=4)
+            ax.set_title(f"{workload} ({1 if workload == 'single' else BATCH} x {MAX_TOKENS} tokens)")
+            ax.set_ylabel("output tok/s")
+        fig.suptitle(f"SmolLM2-135M fp32 on {cores} cores: tensor parallel")
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=100)
+
+
+if __name__ == "__main__":
+    main()

@@ -10,8 +10,11 @@ falls on both alike. Per repetition:
 - single: one request, 85 prompt tokens, 64 greedy tokens (EOS ignored): output tok/s;
 - batch: 32 requests of 85 prompt tokens (distinct), 64 greedy tokens each: output tok/s.
 
-Prefix caching is off, so every repetition pays its prefills. CHECK: TP=2's greedy tokens equal
-TP=1's (a divergence forgiven at a top-2 logprob margin below 1e-3).
+Two TP=2 engines: the layers' all-reduces through the shared-memory arena (the default) and
+through gloo (SHMVLLM_TP_ALLREDUCE=gloo).
+
+Prefix caching is off, so every repetition pays its prefills. CHECKs: TP=2's greedy tokens equal
+TP=1's (a divergence forgiven at a top-2 logprob margin below 1e-3); the arena beats gloo.
 
     flock /tmp/shmvllm-cpu.lock python benchmarks/tensor_parallel.py --repeats 3 \\
         --json benchmarks/results/tensor_parallel.json --plot benchmarks/results/tensor_parallel.png
@@ -78,11 +81,13 @@ def main() -> None:
     cores = os.cpu_count() or 1
     engines: dict[str, Any] = {}
     load_s: dict[str, float] = {}
-    for tp in (1, 2):
+    for name, tp, allreduce in (("TP=1", 1, "shm"), ("TP=2", 2, "shm"), ("TP=2 gloo", 2, "gloo")):
         started = time.perf_counter()
-        engines[f"TP={tp}"] = LLM(model=MODEL, quantization="none", tensor_parallel_size=tp, max_model_len=512,
-                                  enable_prefix_caching=False, kv_cache_memory=256 << 20)
-        load_s[f"TP={tp}"] = time.perf_counter() - started
+        os.environ["SHMVLLM_TP_ALLREDUCE"] = allreduce  # read when the engine process builds its executor
+        engines[name] = LLM(model=MODEL, quantization="none", tensor_parallel_size=tp, max_model_len=512,
+                            enable_prefix_caching=False, kv_cache_memory=256 << 20)
+        load_s[name] = time.perf_counter() - started
+    os.environ.pop("SHMVLLM_TP_ALLREDUCE")
     batch = prompts(engines["TP=1"].get_tokenizer())
     walls: dict[tuple[str, str], list[float]] = {(n, w): [] for n in engines for w in ("single", "batch")}
     tokens: dict[tuple[str, str], Any] = {}
@@ -90,7 +95,7 @@ def main() -> None:
         for name in engines:  # warm-up: first-call costs (oneDNN, allocations) out of the timings
             run(engines[name], batch[:2])
         for rep in range(args.repeats):
-            order = list(engines) if rep % 2 == 0 else list(engines)[::-1]
+            order = list(engines)[rep % len(engines):] + list(engines)[: rep % len(engines)]
             for workload, requests in (("single", batch[:1]), ("batch", batch)):
                 for name in order:
                     wall, toks, lps = run(engines[name], requests)
@@ -104,23 +109,29 @@ def main() -> None:
     for (name, workload), values in walls.items():
         n = MAX_TOKENS * (1 if workload == "single" else BATCH)
         rates = [n / w for w in values]
-        rows.append({"engine": name, "workload": workload, "threads_per_rank": cores // int(name[3:]),
+        rows.append({"engine": name, "workload": workload, "threads_per_rank": cores // int(name[3]),
                      "tok_per_s": statistics.median(rates), "min": min(rates), "max": max(rates),
                      "load_s": load_s[name]})
     print(f"{cores} cores; SmolLM2-135M fp32; {PROMPT_TOKENS} prompt tokens, {MAX_TOKENS} greedy tokens; "
           f"median of {args.repeats} (min..max)")
-    print(f"{'engine':8} {'workload':8} {'threads/rank':>12} {'output tok/s':>22} {'load s':>7}")
+    print(f"{'engine':10} {'workload':8} {'threads/rank':>12} {'output tok/s':>22} {'load s':>7}")
     for r in rows:
-        print(f"{r['engine']:8} {r['workload']:8} {r['threads_per_rank']:>12} "
+        print(f"{r['engine']:10} {r['workload']:8} {r['threads_per_rank']:>12} "
               f"{r['tok_per_s']:8.1f} ({r['min']:.1f}..{r['max']:.1f}) {r['load_s']:7.1f}")
     by = {(r["engine"], r["workload"]): r for r in rows}
     checks = []
     for workload in ("single", "batch"):
-        ratio = by["TP=2", workload]["tok_per_s"] / by["TP=1", workload]["tok_per_s"]
-        print(f"TP=2/TP=1 {workload}: {ratio:.2f}x")
-        ok, forgiven = same_greedy(*tokens["TP=1", workload], tokens["TP=2", workload][0])
-        checks.append(f"CHECK TP=2 greedy tokens equal TP=1's ({workload}, {forgiven} forgiven at margin < {MARGIN}): "
-                      f"{'holds' if ok else 'FAILS'}")
+        for name in ("TP=2", "TP=2 gloo"):
+            ratio = by[name, workload]["tok_per_s"] / by["TP=1", workload]["tok_per_s"]
+            print(f"{name}/TP=1 {workload}: {ratio:.2f}x")
+        shm_vs_gloo = by["TP=2", workload]["tok_per_s"] / by["TP=2 gloo", workload]["tok_per_s"]
+        print(f"TP=2 shm all-reduce / gloo all-reduce {workload}: {shm_vs_gloo:.2f}x")
+        checks.append(f"CHECK TP=2 shared-memory all-reduce faster than gloo ({workload}) = {shm_vs_gloo:.2f}x (> 1.0x): "
+                      f"{'holds' if shm_vs_gloo > 1.0 else 'FAILS'}")
+        for name in ("TP=2", "TP=2 gloo"):
+            ok, forgiven = same_greedy(*tokens["TP=1", workload], tokens[name, workload][0])
+            checks.append(f"CHECK {name} greedy tokens equal TP=1's ({workload}, {forgiven} forgiven at margin < {MARGIN}): "
+                          f"{'holds' if ok else 'FAILS'}")
     for line in checks:
         print(line)
     if args.json:
@@ -133,13 +144,13 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, 2, figsize=(9, 4))
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         for ax, workload in zip(axes, ("single", "batch")):
-            names = ["TP=1", "TP=2"]
+            names = ["TP=1", "TP=2", "TP=2 gloo"]
             values = [by[n, workload]["tok_per_s"] for n in names]
             errs = [[v - by[n, workload]["min"] for n, v in zip(names, values)],
                     [by[n, workload]["max"] - v for n, v in zip(names, values)]]
-            ax.bar(names, values, yerr=errs, color=["tab:blue", "tab:orange"], capsize=4)
+            ax.bar(names, values, yerr=errs, color=["tab:blue", "tab:orange", "tab:gray"], capsize=4)
             ax.set_title(f"{workload} ({1 if workload == 'single' else BATCH} x {MAX_TOKENS} tokens)")
             ax.set_ylabel("output tok/s")
         fig.suptitle(f"SmolLM2-135M fp32 on {cores} cores: tensor parallel")

@@ -90,3 +90,22 @@ int bc_spin_space(uint8_t *b, uint64_t need, int64_t n, int64_t ns) {
         }
     }
 }
+
+/* Spins for up to ns: 1 once each of the n words at off, off + stride, ... is at least value
+ * (the rendezvous of ipc/arena.py). */
+int bc_spin_all_ge(uint8_t *b, int64_t off, int64_t stride, int64_t n, uint64_t value, int64_t ns) {
+    int64_t deadline = now_ns() + ns;
+    for (uint32_t i = 1;; i++) {
+        int64_t k = 0;
+        while (k < n && LOAD_ACQ(b + off + k * stride) >= value)
+            k++;
+        if (k == n)
+            return 1;
+        cpu_relax();
+        if ((i & 63) == 0) {
+            if (now_ns() >= deadline)
+                return 0;
+            sched_yield();
+        }
+    }
+}

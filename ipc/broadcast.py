@@ -189,7 +189,7 @@ class _PythonOps:
 
 
 @functools.lru_cache(maxsize=1)
-def _native_libs() -> Optional[tuple[ctypes.CDLL, ctypes.CDLL]]:
+def native_libs() -> Optional[tuple[ctypes.CDLL, ctypes.CDLL]]:
     """(GIL-keeping, GIL-releasing) handles of the compiled helper; None without a compiler
     (or with IPC_PURE_PYTHON=1). Cached like the SPSC ring's helper (see `ipc._native`)."""
     if os.environ.get("IPC_PURE_PYTHON") == "1":
@@ -226,6 +226,7 @@ def _native_libs() -> Optional[tuple[ctypes.CDLL, ctypes.CDLL]]:
                 ("bc_min_head", u64, [ptr, i64]),
                 ("bc_spin_data", ctypes.c_int, [ptr, u64, i64]),
                 ("bc_spin_space", ctypes.c_int, [ptr, u64, i64, i64]),
+                ("bc_spin_all_ge", ctypes.c_int, [ptr, i64, i64, i64, u64, i64]),
             ):
                 fn = getattr(lib, name)
                 fn.restype, fn.argtypes = restype, argtypes
@@ -235,7 +236,7 @@ def _native_libs() -> Optional[tuple[ctypes.CDLL, ctypes.CDLL]]:
 
 def broadcast_native_available() -> bool:
     """Whether broadcast rings use the C helper (True) or the pure-Python fallback."""
-    return _native_libs() is not None
+    return native_libs() is not None
 
 
 def _deadline(timeout: Optional[float]) -> Optional[float]:
@@ -262,7 +263,7 @@ class _Side:
         self._segment = segment
         self._mv = memoryview(segment.buf)
         self.name = segment.name
-        libs = None if pure_python else _native_libs()
+        libs = None if pure_python else native_libs()
         if libs is not None:
             self._anchor = (ctypes.c_char * segment.size).from_buffer(segment.buf)
             self._ops: Any = _NativeOps(libs, self._anchor)

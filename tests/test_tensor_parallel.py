@@ -1,6 +1,7 @@
-"""Tensor parallelism end to end: TP=2 (rank 0 in the engine, rank 1 a worker program, gloo)
-against TP=1 on tiny random Llama and Qwen2 models with 2 KV heads; a worker killed mid-generate;
-an idle TP=2 engine's CPU; the split itself; knobs refused by name."""
+"""Tensor parallelism end to end: TP=2 (rank 0 in the engine, rank 1 a worker program; the
+all-reduces through the shared-memory arena, or gloo) against TP=1 on tiny random Llama and
+Qwen2 models with 2 KV heads (and one with 3, split unevenly); a worker killed mid-generate; an
+idle TP=2 engine's CPU; the split itself; knobs refused by name."""
 
 from __future__ import annotations
 
@@ -81,8 +82,12 @@ def tiny_uneven_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
     return _save_tiny_causal_lm(config, smollm2_dir, tmp_path_factory.mktemp("tiny-uneven-llama"))
 
 
-@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_uneven_llama_dir"])
-def test_tp2_greedy_equals_tp1_with_preemption_and_prefix_hits(model, request):
+@pytest.mark.parametrize(
+    "model, allreduce",
+    [("tiny_llama_dir", "shm"), ("tiny_qwen2_dir", "shm"), ("tiny_qwen2_dir", "gloo"), ("tiny_uneven_llama_dir", "shm")],
+)
+def test_tp2_greedy_equals_tp1_with_preemption_and_prefix_hits(model, allreduce, request, monkeypatch):
+    monkeypatch.setenv("SHMVLLM_TP_ALLREDUCE", allreduce)
     model_dir = request.getfixturevalue(model)
     reference, _ = run(model_dir, 1, multiprocess=False)
     outputs, stats = run(model_dir, 2, multiprocess=model == "tiny_llama_dir")  # the others in-process

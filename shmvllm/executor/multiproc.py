@@ -3,8 +3,8 @@
 Ranks 1..N-1 are programs of their own (`python -m shmvllm.worker.tp_worker`), started with the
 name of a broadcast ring (`ipc.broadcast`) that this process writes and they read: first the
 engine config, then one command per executor call (the SchedulerOutput of each step,
-pickled). The ranks' collectives (the sharded layers' all-reduces and the logits' gather) run
-over torch.distributed (gloo), rendezvoused through a TCPStore that this process hosts on loopback.
+pickled). The ranks' collectives (the sharded layers' all-reduces, through a shared-memory
+arena by default, and the logits' gather) run over torch.distributed (gloo), rendezvoused through a TCPStore that this process hosts on loopback.
 Every rank samples the same tokens (see `shmvllm.worker.tp_worker`), so rank 0's output is
 the step's output and nothing travels back.
 
@@ -34,7 +34,7 @@ import torch
 from shmvllm.config import EngineConfig
 from shmvllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from shmvllm.executor.errors import WorkerDeadError
-from shmvllm.model.parallel.group import DEFAULT_TIMEOUT_S, TPGroup
+from shmvllm.model.parallel.group import DEFAULT_TIMEOUT_S, TPGroup, use_arena
 from shmvllm.worker.tp_worker import STORE_HOST, TPWorker
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,13 @@ class MultiprocExecutor:
         torch.set_num_threads(self.threads)
         self.procs: list[subprocess.Popen] = []
         self.ring = BroadcastWriter.create(size - 1, RING_CAPACITY, poll_interval=_POLL_S)
+        self.arena = None
+        if use_arena():  # a slot holds the largest step's hidden states
+            from ipc.arena import Arena
+
+            hidden = config.model_config.hf_config.hidden_size
+            slot = config.scheduler_config.max_num_batched_tokens * hidden * 4
+            self.arena = Arena.create(size, -(-slot // 64) * 64)
         self.worker: TPWorker | None = None
         self._last_rows: Optional[list[str]] = []
         try:
@@ -69,10 +76,11 @@ class MultiprocExecutor:
             level = logging.getLogger("shmvllm").getEffectiveLevel()
             for rank in range(1, size):
                 argv = [sys.executable, "-m", "shmvllm.worker.tp_worker", self.ring.name, str(rank), str(size),
-                        str(store.port), str(self.threads), str(os.getpid()), "--log-level", str(level)]
+                        str(store.port), str(self.threads), str(os.getpid()), "--log-level", str(level),
+                        *(["--arena", self.arena.name] if self.arena is not None else [])]
                 self.procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL))
             self._wait_for_joins(store)
-            group = TPGroup.join(store, 0, size)
+            group = TPGroup.join(store, 0, size, self.arena)
             self._store = store
             self.worker = TPWorker(config, 0, group)
             self.worker.init_device()
@@ -158,6 +166,8 @@ class MultiprocExecutor:
                 proc.kill()
                 proc.wait()
         self.ring.close()
+        if self.arena is not None:
+            self.arena.close()
         if self.worker is not None:
             self.worker.shutdown()
         TPGroup.destroy()

@@ -59,7 +59,10 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def serve(ring_name: str, rank: int, world_size: int, store_port: int, threads: int, parent_pid: int) -> None:
+def serve(
+    ring_name: str, rank: int, world_size: int, store_port: int, threads: int, parent_pid: int,
+    arena_name: Optional[str] = None,
+) -> None:
     from ipc import PeerGoneError
     from ipc.broadcast import BroadcastReader
 
@@ -74,7 +77,12 @@ def serve(ring_name: str, rank: int, world_size: int, store_port: int, threads: 
             STORE_HOST, store_port, world_size, False, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
         )
         store.set(f"joined/{rank}", "1")
-        group = TPGroup.join(store, rank, world_size)
+        arena = None
+        if arena_name is not None:
+            from ipc.arena import Arena
+
+            arena = Arena.attach(arena_name, rank)
+        group = TPGroup.join(store, rank, world_size, arena)
         worker = TPWorker(config, rank, group)
         worker.init_device()
         worker.load_model()
@@ -115,12 +123,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("threads", type=int)
     parser.add_argument("parent_pid", type=int)
     parser.add_argument("--log-level", type=int, default=logging.WARNING)
+    parser.add_argument("--arena", help="the shared-memory arena of the all-reduces (else gloo)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the engine decides
     logging.basicConfig(level=args.log_level, format=f"(TPWorker rank={args.rank} pid={os.getpid()}) %(levelname)s %(name)s: %(message)s")
     code = 0
     try:
-        serve(args.ring, args.rank, args.world_size, args.store_port, args.threads, args.parent_pid)
+        serve(args.ring, args.rank, args.world_size, args.store_port, args.threads, args.parent_pid, args.arena)
     except BaseException:
         logger.exception("rank %d failed", args.rank)
         code = 1

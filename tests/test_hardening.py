@@ -327,7 +327,7 @@ def test_8_a_priority_beyond_64_bits_is_a_value_error(llm):
 BAD_ENGINE_ARGS = [
     ("block_size", "16"), ("device", "tpu"), ("device", "cuda:x"), ("seed", "x"), ("seed", 2**64),
     ("max_model_len", "5"), ("max_model_len", True), ("gpu_memory_utilization", math.nan),
-    ("enable_prefix_caching", "yes"), ("max_logprobs", -5), ("max_logprobs", 1.5), ("tensor_parallel_size", 2),
+    ("enable_prefix_caching", "yes"), ("max_logprobs", -5), ("max_logprobs", 1.5), ("tensor_parallel_size", 0),
     ("dtype", "float64"), ("kv_cache_memory", -1), ("scheduling_policy", "lifo"), ("max_num_seqs", 2.0),
     ("task", "classify"),
 ]

@@ -11,7 +11,8 @@ the step's output and nothing travels back.
 Threads: each rank gets cpu_count // N torch threads (at least one).
 
 A worker that dies is found at the next call (its process has exited), or in the middle of a
-step, where rank 0's collective fails when the dead rank's socket closes: either way
+step, where rank 0's collective fails (the arena checks the ranks it waits for every 0.1 s;
+gloo fails when the dead rank's socket closes): either way
 `WorkerDeadError`, which ends the engine (EngineCore does not catch it; the frontend then raises
 EngineDeadError). `shutdown` asks the workers to stop, then kills what is left after a grace
 period, and unlinks the ring. A worker that outlives the engine's process is killed by the
@@ -60,15 +61,15 @@ class MultiprocExecutor:
         self.procs: list[subprocess.Popen] = []
         self.ring = BroadcastWriter.create(size - 1, RING_CAPACITY, poll_interval=_POLL_S)
         self.arena = None
-        if use_arena():  # a slot holds the largest step's hidden states
-            from ipc.arena import Arena
-
-            hidden = config.model_config.hf_config.hidden_size
-            slot = config.scheduler_config.max_num_batched_tokens * hidden * 4
-            self.arena = Arena.create(size, -(-slot // 64) * 64)
         self.worker: TPWorker | None = None
         self._last_rows: Optional[list[str]] = []
         try:
+            if use_arena():  # a slot holds the largest step's hidden states
+                from ipc.arena import Arena
+
+                hidden = config.model_config.hf_config.hidden_size
+                slot = config.scheduler_config.max_num_batched_tokens * hidden * 4
+                self.arena = Arena.create(size, -(-slot // 64) * 64)
             store = torch.distributed.TCPStore(
                 STORE_HOST, 0, size, True, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S), wait_for_workers=False
             )

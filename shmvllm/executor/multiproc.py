@@ -3,8 +3,9 @@
 Ranks 1..N-1 are programs of their own (`python -m shmvllm.worker.tp_worker`), started with the
 name of a broadcast ring (`ipc.broadcast`) that this process writes and they read: first the
 engine config, then one command per executor call (the SchedulerOutput of each step,
-pickled). The ranks' collectives (the sharded layers' all-reduces, through a shared-memory
-arena by default, and the logits' gather) run over torch.distributed (gloo), rendezvoused through a TCPStore that this process hosts on loopback.
+pickled). The ranks' collectives (the sharded layers' all-reduces, and the logits' gather) run over
+torch.distributed (gloo; the all-reduces optionally in a shared-memory arena, see
+`shmvllm.model.parallel.group`), rendezvoused through a TCPStore that this process hosts on loopback.
 Every rank samples the same tokens (see `shmvllm.worker.tp_worker`), so rank 0's output is
 the step's output and nothing travels back.
 

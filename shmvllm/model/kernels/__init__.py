@@ -135,12 +135,16 @@ def _build(stem: str, source: Path, cflags: list[str], signatures: dict, include
 _KERNEL_DTYPES = {torch.float32: ("cpu_kernels", []), torch.bfloat16: ("cpu_kernels_bf16", ["-DSHM_BF16"])}
 
 
-@functools.lru_cache(maxsize=None)
 def cpu_kernels(dtype: torch.dtype = torch.float32) -> Optional[ctypes.CDLL]:
     """The compiled kernels for `dtype` (float32 or bfloat16) activations, built on first use;
     None when disabled or when building fails."""
     if dtype not in _KERNEL_DTYPES:
         raise ValueError(f"the CPU kernels are built for {sorted(map(str, _KERNEL_DTYPES))}, not {dtype}.")
+    return _cpu_kernels(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_kernels(dtype: torch.dtype) -> Optional[ctypes.CDLL]:
     stem, defines = _KERNEL_DTYPES[dtype]
     return _build(stem, SOURCE, _CFLAGS + defines, _SIGNATURES)
 

@@ -113,13 +113,13 @@ def test_smollm2_bf16_matches_transformers_bf16(smollm2_dir):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    topics = ["the sea", "black holes", "bread", "Paris", "prime numbers", "cats", "the moon", "trains"]
+    topics = ["the sea", "black holes", "bread", "Paris", "prime numbers", "cats"]
     prompts = []
     for topic in topics:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": f"Tell me about {topic}."}],
                                             add_generation_prompt=True, tokenize=True)
         prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    compare_greedy(smollm2_dir, prompts, max_tokens=32)
+    compare_greedy(smollm2_dir, prompts, max_tokens=24)
 
 
 def _bf16_config_dir(tmp_path, tiny_llama_dir):

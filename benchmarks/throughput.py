@@ -10,7 +10,13 @@ compared with HF and vLLM in its dtype (PEERS). A GEMM microbenchmark of the mod
 gives the roofline of each dtype.
 
     python benchmarks/throughput.py --json out/throughput.json --plot out/throughput.png \
-        [--vllm-python .venv-vllm/bin/python] [--dtypes float32,bfloat16]
+        [--vllm-python .venv-vllm/bin/python] [--dtypes float32,bfloat16] \
+        [--variant shmvllm-fp32='{"quantization": "none"}']
+
+`--variant NAME=JSON` adds a shmvllm row with these engine arguments (its dtype: the JSON's
+"dtype", default float32); a variant with `"quantization": "none"` (the dense fp32 weights)
+gets a CHECK that the default (GGUF blocks) is at least as fast and holds less memory. shmvllm
+rows carry the engine process's resident memory after the throughput run (`engine_rss_mib`).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "vllm": ("vllm", "float32", {}),
     "vllm-bf16": ("vllm", "bfloat16", {}),
 }
+_BUILTIN = frozenset(VARIANTS)
 PEERS = {"shmvllm": ("hf", "vllm"), "shmvllm-bf16": ("hf-bf16", "vllm-bf16")}
 """Each shmvllm row against the peers in its dtype."""
 
@@ -72,6 +79,7 @@ def chat_prompt_token_ids(tokenizer: Any) -> list[list[int]]:
 
 
 def run_shmvllm(name: str, prompts: list[list[int]], repeats: int) -> list[dict[str, Any]]:
+    from latency import _children, _rss_mib
     from shmvllm import LLM, SamplingParams
     from shmvllm.model.kernels import native_bf16
 
@@ -85,6 +93,7 @@ def run_shmvllm(name: str, prompts: list[list[int]], repeats: int) -> list[dict[
     wall, outputs = _best_of(repeats, lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     rows = [_row(name, "throughput", wall, tokens, load_s, [o.outputs[0].token_ids for o in outputs])]
+    rows[0]["engine_rss_mib"] = sum(_rss_mib(pid) for pid in _children(os.getpid()))
     rows.append(_single(repeats, lambda n: llm.generate([{"prompt_token_ids": prompts[0]}], _exact(SamplingParams, n), use_tqdm=False),
                         name, load_s))
     llm.shutdown()
@@ -204,6 +213,16 @@ def gemm_roofline(model_dir: str, dtype_name: str = "float32") -> dict[str, floa
             "roofline_tok_per_s": gflops * 1e9 / flops_per_token}
 
 
+def add_variant(spec: str) -> str:
+    """`NAME=JSON` (--variant) -> a new shmvllm row of VARIANTS; returns NAME."""
+    name, _, raw = spec.partition("=")
+    extra = json.loads(raw or "{}")
+    if not name or name in VARIANTS or not isinstance(extra, dict):
+        raise SystemExit(f"--variant must be a new NAME=JSON-object, got {spec!r}")
+    VARIANTS[name] = ("shmvllm", extra.pop("dtype", "float32"), extra)
+    return name
+
+
 def _child(name: str, model_dir: str, repeats: int) -> None:
     """Runs one variant (or the GEMM roofline "gemm:<dtype>") in this (fresh) process; prints its
     rows as JSON on the last line."""
@@ -229,6 +248,9 @@ def _run_child(name: str, python: str, model_dir: str, repeats: int = 1) -> list
         env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="0-1")
     print(f"[throughput] running {name} ...", file=sys.stderr, flush=True)
     command = [python, __file__, "--child", name, "--model-dir", model_dir, "--repeats", str(repeats)]
+    if name in VARIANTS and name not in _BUILTIN:
+        _, dtype, extra = VARIANTS[name]
+        command += ["--variant", f"{name}={json.dumps({**extra, 'dtype': dtype})}"]
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{name} failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
@@ -255,9 +277,12 @@ def main() -> None:
     parser.add_argument("--plot", help="draw a PNG bar chart to this path")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run each workload this many times per engine and keep the fastest (default: 1)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                        help="an extra shmvllm row with these engine arguments (repeatable)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    variants = [add_variant(spec) for spec in args.variant]
     if args.child:
         _child(args.child, args.model_dir, args.repeats)
         return
@@ -278,13 +303,14 @@ def main() -> None:
     for name in select_variants(engines, dtypes, cpu_bf16):
         python = args.vllm_python if VARIANTS[name][0] == "vllm" else sys.executable
         rows += _run_child(name, python, model_dir, args.repeats)
+    dense = next((n for n in variants if VARIANTS[n][2].get("quantization") == "none"), None)
     ran = sorted({VARIANTS[r["engine"]][1] for r in rows})
     rooflines = [_run_child(f"gemm:{dtype}", sys.executable, model_dir)[0] for dtype in ran]
-    report(rows, rooflines, cpu_line)
+    report(rows, rooflines, cpu_line, dense)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         result = {"rows": [_without_ids(r) for r in rows], "rooflines": rooflines, "repeats": args.repeats,
-                  "cpu_bf16": cpu_line, "checks": acceptance({(r["engine"], r["workload"]): r for r in rows}, cpu_bf16)}
+                  "cpu_bf16": cpu_line, "checks": acceptance({(r["engine"], r["workload"]): r for r in rows}, cpu_bf16, dense)}
         Path(args.json).write_text(json.dumps(result, indent=2))
     if args.plot:
         plot(rows, rooflines, args.plot)
@@ -294,7 +320,7 @@ def _without_ids(row: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in row.items() if k != "token_ids"}
 
 
-def report(rows: list[dict[str, Any]], rooflines: list[dict[str, Any]], cpu_line: str) -> None:
+def report(rows: list[dict[str, Any]], rooflines: list[dict[str, Any]], cpu_line: str, dense: Optional[str] = None) -> None:
     by = {(r["engine"], r["workload"]): r for r in rows}
     print(cpu_line)
     print(f"{'engine':<13} {'workload':<11} {'wall_s':>8} {'tokens':>7} {'tok/s':>8} {'ttft_ms':>8} {'decode tok/s':>13} {'load_s':>7}")
@@ -321,14 +347,17 @@ def report(rows: list[dict[str, Any]], rooflines: list[dict[str, Any]], cpu_line
             if single_ours and single_theirs:
                 print(f"single-request decode {ours_name}/{peer}: "
                       f"{single_ours['decode_tok_per_s'] / single_theirs['decode_tok_per_s']:.2f}x")
-    bf16, fp32 = by.get(("shmvllm-bf16", "throughput")), by.get(("shmvllm", "throughput"))
-    if bf16 and fp32:
-        print(f"throughput shmvllm-bf16/shmvllm: {bf16['tok_per_s'] / fp32['tok_per_s']:.2f}x")
-    for line in acceptance(by, "CPU bf16: yes" in cpu_line):
+    for top, bottom in (("shmvllm-bf16", "shmvllm"), ("shmvllm", dense)):
+        a, b = by.get((top, "throughput")), by.get((bottom, "throughput"))
+        if a and b:
+            same = sum(x == y for x, y in zip(a["token_ids"], b["token_ids"]))
+            print(f"throughput {top}/{bottom}: {a['tok_per_s'] / b['tok_per_s']:.2f}x  "
+                  f"(same tokens: {same}/{len(a['token_ids'])} sequences)")
+    for line in acceptance(by, "CPU bf16: yes" in cpu_line, dense):
         print(line)
 
 
-def acceptance(by: dict[tuple[str, str], dict[str, Any]], cpu_bf16: bool = True) -> list[str]:
+def acceptance(by: dict[tuple[str, str], dict[str, Any]], cpu_bf16: bool = True, dense: Optional[str] = None) -> list[str]:
     """The issues' targets, each with its figure and whether it holds in this run."""
     lines = []
 
@@ -355,6 +384,11 @@ def acceptance(by: dict[tuple[str, str], dict[str, Any]], cpu_bf16: bool = True)
     if value is not None:
         check("single-request decode vs hf", value, 2.0, "x")
     ours = by.get(("shmvllm", "throughput"))
+    dense_row = by.get((dense, "throughput")) if dense else None
+    if ours and dense_row:
+        check(f"throughput on GGUF blocks vs the dense fp32 path ({dense})", ours["tok_per_s"] / dense_row["tok_per_s"], 1.0, "x")
+        check(f"engine RSS on GGUF blocks vs {dense}", ours["engine_rss_mib"] / dense_row["engine_rss_mib"], 1.0, "x",
+              at_most=True)
     if ours:
         check("LLM() ready", ours["load_s"], 15, " s", at_most=True)
     return lines

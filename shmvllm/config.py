@@ -200,7 +200,7 @@ class EngineArgs(VllmArgs):
         task = self._task(model_dir, hf_config)
         device = self.device if self.device != "auto" else _default_device()
         dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
-        dtype = dtype if dtype != "auto" else _default_dtype(device, hf_config)
+        dtype = dtype if dtype != "auto" else _default_dtype(device, hf_config, task)
         max_model_len = _resolve_max_model_len(self.max_model_len, hf_config, model_dir)
         model_config = ModelConfig(
             model=self.model,
@@ -425,10 +425,23 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _default_dtype(device: str, hf_config: Any) -> str:
-    if device.startswith("cpu"):
-        return "float32"
+def _default_dtype(device: str, hf_config: Any, task: str = "generate") -> str:
+    """dtype="auto". On the CPU: bfloat16 for a decoder whose config says bfloat16 when the CPU
+    has native bf16 dot products (kernels.native_bf16: AVX512-BF16 / AMX-BF16, or
+    $SHMVLLM_CPU_BF16), float32 otherwise; a GGUF file's converted config says float32, so it
+    runs on its blocks with fp32 activations. Elsewhere: the config's bf16 / fp32 as bf16, else fp16."""
     configured = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "")
+    if device.startswith("cpu"):
+        if task != "generate" or "bfloat16" not in configured:
+            why = "a pooling model" if task != "generate" else f"the model's config says {configured or 'no dtype'}"
+            logger.info("dtype='auto' -> float32 on the CPU: %s", why)
+            return "float32"
+        from shmvllm.model.kernels import native_bf16
+
+        native, why = native_bf16()
+        chosen = "bfloat16" if native else "float32"
+        logger.info("dtype='auto' -> %s: the model's config says bfloat16 and %s", chosen, why)
+        return chosen
     return "bfloat16" if "bfloat16" in configured or "float32" in configured or not configured else "float16"
 
 

@@ -120,7 +120,8 @@ class RotaryStep:
         emb = self.embedding
         num_tokens, num_heads, head_dim = x.shape
         strided_rows = x.stride(2) == 1 and x.stride(1) == head_dim and self.positions.dtype == torch.int64
-        kernels = kernels_for(x, emb.cos_cache) if strided_rows else None
+        tables_fp32 = emb.cos_cache.dtype == torch.float32 and emb.cos_cache.device == x.device
+        kernels = kernels_for(x) if strided_rows and tables_fp32 else None  # the tables stay fp32
         if kernels is not None:
             kernels.shm_rotary(
                 x.data_ptr(), x.stride(0), num_tokens, num_heads, head_dim, self.positions.data_ptr(),

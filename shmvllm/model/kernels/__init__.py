@@ -1,4 +1,5 @@
-"""fp32 CPU kernels in C (cpu_kernels.c), compiled with the system C compiler on first use.
+"""CPU kernels in C (cpu_kernels.c, for fp32 and for bf16 activations), compiled with the
+system C compiler on first use.
 
 The library is built for this machine (-march=native) and cached under
 ``~/.cache/shmvllm/kernels`` (or ``$TMPDIR/shmvllm-kernels-<uid>`` when the home directory
@@ -7,7 +8,12 @@ another CPU builds anew; concurrent first uses race harmlessly (each compiles to
 file and renames it into place). Without a working compiler `cpu_kernels()` returns None (with
 a warning) and the model keeps to its pure-torch code; so does ``SHMVLLM_NATIVE_KERNELS=0``.
 The torch code is the reference the kernels are tested against, and what CUDA and other
-dtypes use.
+dtypes use. The bf16 build (-DSHM_BF16) has the same functions with bf16 tensors (fp32
+arithmetic inside); `kernels_for` picks the build by the tensors' dtype.
+
+`native_bf16()` says whether this CPU has bf16 dot-product instructions (AVX512-BF16, AMX-BF16,
+Arm BF16), which `dtype="auto"` asks before choosing bf16; ``$SHMVLLM_CPU_BF16`` (0 / 1)
+overrides what the CPU reports (tests simulate a CPU without bf16 with it).
 """
 
 from __future__ import annotations
@@ -87,11 +93,15 @@ def _load(path: Path, signatures: dict = _SIGNATURES) -> ctypes.CDLL:
 
 
 def kernels_for(*tensors: torch.Tensor) -> Optional[ctypes.CDLL]:
-    """The kernels when they apply to these tensors: fp32, on the CPU; else None."""
+    """The kernels when they apply to these tensors: all on the CPU and all fp32 (the fp32
+    build) or all bf16 (the bf16 build); else None."""
+    dtype = tensors[0].dtype
+    if dtype not in _KERNEL_DTYPES:
+        return None
     for t in tensors:
-        if t.dtype != torch.float32 or t.device.type != "cpu":
+        if t.dtype != dtype or t.device.type != "cpu":
             return None
-    return cpu_kernels()
+    return cpu_kernels(dtype)
 
 
 def _build(stem: str, source: Path, cflags: list[str], signatures: dict, includes: tuple[Path, ...] = ()) -> Optional[ctypes.CDLL]:
@@ -122,10 +132,46 @@ def _build(stem: str, source: Path, cflags: list[str], signatures: dict, include
     return None
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_kernels() -> Optional[ctypes.CDLL]:
-    """The compiled kernels, built on first use; None when disabled or when building fails."""
-    return _build("cpu_kernels", SOURCE, _CFLAGS, _SIGNATURES)
+_KERNEL_DTYPES = {torch.float32: ("cpu_kernels", []), torch.bfloat16: ("cpu_kernels_bf16", ["-DSHM_BF16"])}
+
+
+def cpu_kernels(dtype: torch.dtype = torch.float32) -> Optional[ctypes.CDLL]:
+    """The compiled kernels for `dtype` (float32 or bfloat16) activations, built on first use;
+    None when disabled or when building fails."""
+    if dtype not in _KERNEL_DTYPES:
+        raise ValueError(f"the CPU kernels are built for {sorted(map(str, _KERNEL_DTYPES))}, not {dtype}.")
+    return _cpu_kernels(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_kernels(dtype: torch.dtype) -> Optional[ctypes.CDLL]:
+    stem, defines = _KERNEL_DTYPES[dtype]
+    return _build(stem, SOURCE, _CFLAGS + defines, _SIGNATURES)
+
+
+BF16_ENV = "SHMVLLM_CPU_BF16"
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 AVX512-BF16 / AMX-BF16, Arm FEAT_BF16
+
+
+def native_bf16() -> tuple[bool, str]:
+    """(whether this CPU has native bf16 dot products, why): from /proc/cpuinfo's flags, or
+    ``$SHMVLLM_CPU_BF16`` = 1 / 0 when set."""
+    forced = os.environ.get(BF16_ENV)
+    if forced is not None:
+        if forced not in ("0", "1"):
+            raise ValueError(f"{BF16_ENV} must be 0 or 1, got {forced!r}.")
+        return forced == "1", f"{BF16_ENV}={forced}"
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False, "/proc/cpuinfo is unreadable"
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags = set(line.partition(":")[2].split())
+            break
+    found = [flag for flag in _BF16_FLAGS if flag in flags]
+    return (True, f"the CPU reports {', '.join(found)}") if found else (False, "the CPU reports no avx512_bf16 / amx_bf16 / bf16")
 
 
 QUANT_SOURCE = Path(__file__).with_name("quant_kernels.c")

@@ -1,4 +1,13 @@
-/* fp32 CPU kernels for the decoder's small ops, one call each where torch needs several.
+/* CPU kernels for the decoder's small ops, one call each where torch needs several, built
+ * twice from this source: for fp32 activations, and with -DSHM_BF16 for bf16 ones.
+ *
+ * bf16 build: activations, weights, biases and KV caches are bf16 (act_t = uint16_t, the top
+ * half of an IEEE float), loaded into fp32 (LD), computed and accumulated in fp32 and rounded
+ * back to nearest-even (ST) once per stored value; RoPE tables, scales and eps stay fp32.
+ * Where transformers' bf16 modules round an intermediate (the normalized row before the norm
+ * weight, silu(gate) before the product, cos/sin cast to bf16), the kernel rounds it too (RB),
+ * so that its values stay within one rounding of the reference's. The conversions are plain
+ * integer shifts, which gcc vectorizes for whatever -march=native gives (AVX-512 here).
  *
  * Why: at the batch sizes of decoding, torch spends more time dispatching and entering OpenMP
  * regions for rms_norm (pow, mean, add, rsqrt, mul, mul), rotary and silu-and-mul than
@@ -17,20 +26,44 @@
  * dynamic loader binds this library to torch's OpenMP runtime: one thread pool, and
  * torch.set_num_threads applies here too.
  */
+#if defined(SHM_BF16) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#ifdef SHM_BF16
+typedef uint16_t act_t;
+static inline float LD(act_t v) {
+    const uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+static inline act_t ST(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return (act_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+#define RB(f) LD(ST(f))
+#else
+typedef float act_t;
+#define LD(v) (v)
+#define ST(v) (v)
+#define RB(v) (v)
+#endif
+
 /* Threads pay off above about this many floats of work. */
 #define PARALLEL_MIN_FLOATS (1 << 17)
 
 /* Writes the step's new keys and values into their cache slots. */
-void shm_write_kv_cache(const float *k, int64_t k_row_stride, const float *v, int64_t v_row_stride,
-                        const int64_t *slot_mapping, int64_t num_tokens, float *k_cache, float *v_cache,
+void shm_write_kv_cache(const act_t *k, int64_t k_row_stride, const act_t *v, int64_t v_row_stride,
+                        const int64_t *slot_mapping, int64_t num_tokens, act_t *k_cache, act_t *v_cache,
                         int64_t num_slots, int64_t kv_heads, int64_t head_dim) {
-    const size_t row_bytes = (size_t)head_dim * sizeof(float);
+    const size_t row_bytes = (size_t)head_dim * sizeof(act_t);
     const int64_t head_stride = num_slots * head_dim;
 #pragma omp parallel for collapse(2) if (2 * num_tokens * kv_heads * head_dim >= PARALLEL_MIN_FLOATS)
     for (int64_t t = 0; t < num_tokens; t++) {
@@ -44,34 +77,34 @@ void shm_write_kv_cache(const float *k, int64_t k_row_stride, const float *v, in
 
 /* Hints the next block's rows into the cache while this block is computed on: blocks are
  * scattered pages, which the hardware prefetcher does not follow. */
-static inline void prefetch_block(const float *rows, int64_t count, int64_t head_dim) {
-    for (int64_t off = 0; off < count * head_dim; off += 16) __builtin_prefetch(rows + off, 0, 3);
+static inline void prefetch_block(const act_t *rows, int64_t count, int64_t head_dim) {
+    for (int64_t off = 0; off < count * head_dim; off += 64 / sizeof(act_t)) __builtin_prefetch(rows + off, 0, 3);
 }
 
 /* The first row of a request's b-th block in one head's [slots, head_dim] cache. */
-static inline const float *block_rows(const float *head, const int32_t *blocks, int64_t b, int64_t block_size,
+static inline const act_t *block_rows(const act_t *head, const int32_t *blocks, int64_t b, int64_t block_size,
                                       int64_t head_dim) {
     return head + (int64_t)blocks[b] * block_size * head_dim;
 }
 
 /* One request's `group` query heads that share one kv head: scores, softmax, weighted sum.
  * work: group * (seq_len + head_dim) floats. */
-static void attend_one(const float *q, float *out, const float *k_head, const float *v_head,
+static void attend_one(const act_t *q, act_t *out, const act_t *k_head, const act_t *v_head,
                        const int32_t *blocks, int64_t seq_len, int64_t block_size, int64_t group,
                        int64_t head_dim, float scale, float *work) {
     float *scores = work;                /* [group, seq_len] */
     float *acc = work + group * seq_len; /* [group, head_dim] */
     const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
     for (int64_t b = 0, start = 0; b < num_blocks; b++, start += block_size) {
-        const float *keys = block_rows(k_head, blocks, b, block_size, head_dim);
+        const act_t *keys = block_rows(k_head, blocks, b, block_size, head_dim);
         if (b + 1 < num_blocks) prefetch_block(block_rows(k_head, blocks, b + 1, block_size, head_dim), block_size, head_dim);
         for (int64_t j = 0; j < block_size && start + j < seq_len; j++) {
-            const float *key = keys + j * head_dim;
+            const act_t *key = keys + j * head_dim;
             for (int64_t g = 0; g < group; g++) {
-                const float *qg = q + g * head_dim;
+                const act_t *qg = q + g * head_dim;
                 float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < head_dim; d++) dot += qg[d] * key[d];
+                for (int64_t d = 0; d < head_dim; d++) dot += LD(qg[d]) * LD(key[d]);
                 scores[g * seq_len + start + j] = dot * scale;
             }
         }
@@ -92,28 +125,32 @@ static void attend_one(const float *q, float *out, const float *k_head, const fl
     memset(acc, 0, (size_t)(group * head_dim) * sizeof(float));
     prefetch_block(block_rows(v_head, blocks, 0, block_size, head_dim), block_size, head_dim);
     for (int64_t b = 0, start = 0; b < num_blocks; b++, start += block_size) {
-        const float *values = block_rows(v_head, blocks, b, block_size, head_dim);
+        const act_t *values = block_rows(v_head, blocks, b, block_size, head_dim);
         if (b + 1 < num_blocks) prefetch_block(block_rows(v_head, blocks, b + 1, block_size, head_dim), block_size, head_dim);
         for (int64_t j = 0; j < block_size && start + j < seq_len; j++) {
-            const float *value = values + j * head_dim;
+            const act_t *value = values + j * head_dim;
             for (int64_t g = 0; g < group; g++) {
                 const float p = scores[g * seq_len + start + j];
                 float *a = acc + g * head_dim;
 #pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++) a[d] += p * value[d];
+                for (int64_t d = 0; d < head_dim; d++) a[d] += p * LD(value[d]);
             }
         }
     }
+#ifdef SHM_BF16
+    for (int64_t i = 0; i < group * head_dim; i++) out[i] = ST(acc[i]);
+#else
     for (int64_t g = 0; g < group; g++) memcpy(out + g * head_dim, acc + g * head_dim, (size_t)head_dim * sizeof(float));
+#endif
 }
 
 /* Decode attention for `num_decodes` requests, each one query token at row decode_rows[i] of
  * q (in) and out (out, rows of [num_heads * head_dim], `out_row_stride` apart), over its first
  * seq_lens[i] cache positions, found through block_table row i. Returns 0, or -1 when the
  * scratch memory could not be allocated (nothing is written then). */
-int shm_paged_decode_attention(float *out, int64_t out_row_stride, const float *q, int64_t q_row_stride,
-                               const int64_t *decode_rows, int64_t num_decodes, const float *k_cache,
-                               const float *v_cache, int64_t num_slots, const int32_t *block_table,
+int shm_paged_decode_attention(act_t *out, int64_t out_row_stride, const act_t *q, int64_t q_row_stride,
+                               const int64_t *decode_rows, int64_t num_decodes, const act_t *k_cache,
+                               const act_t *v_cache, int64_t num_slots, const int32_t *block_table,
                                int64_t block_table_stride, const int32_t *seq_lens, int64_t block_size,
                                int64_t num_heads, int64_t kv_heads, int64_t head_dim, float scale) {
     const int64_t group = num_heads / kv_heads;
@@ -141,48 +178,52 @@ int shm_paged_decode_attention(float *out, int64_t out_row_stride, const float *
 }
 
 
-/* out[t] = weight * (x[t] / sqrt(mean(x[t]^2) + eps)): transformers' RMSNorm, in fp32. */
-void shm_rms_norm(float *out, const float *x, const float *weight, int64_t rows, int64_t hidden, float eps) {
+/* out[t] = weight * (x[t] / sqrt(mean(x[t]^2) + eps)): transformers' RMSNorm (normalized in
+ * fp32, rounded to the activation type, then scaled). */
+void shm_rms_norm(act_t *out, const act_t *x, const act_t *weight, int64_t rows, int64_t hidden, float eps) {
 #pragma omp parallel for if (rows * hidden >= PARALLEL_MIN_FLOATS)
     for (int64_t t = 0; t < rows; t++) {
-        const float *row = x + t * hidden;
-        float *dst = out + t * hidden;
+        const act_t *row = x + t * hidden;
+        act_t *dst = out + t * hidden;
         float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
-        for (int64_t i = 0; i < hidden; i++) squares += row[i] * row[i];
+        for (int64_t i = 0; i < hidden; i++) squares += LD(row[i]) * LD(row[i]);
         const float scale = 1.0f / sqrtf(squares / (float)hidden + eps);
 #pragma omp simd
-        for (int64_t i = 0; i < hidden; i++) dst[i] = weight[i] * (row[i] * scale);
+        for (int64_t i = 0; i < hidden; i++) dst[i] = ST(LD(weight[i]) * RB(LD(row[i]) * scale));
     }
 }
 
 /* out[t] = silu(gate) * up, where x[t] = [gate | up], each `width` wide. */
-void shm_silu_and_mul(float *out, const float *x, int64_t rows, int64_t width) {
+void shm_silu_and_mul(act_t *out, const act_t *x, int64_t rows, int64_t width) {
 #pragma omp parallel for if (rows * width >= PARALLEL_MIN_FLOATS)
     for (int64_t t = 0; t < rows; t++) {
-        const float *gate = x + t * 2 * width, *up = gate + width;
-        float *dst = out + t * width;
+        const act_t *gate = x + t * 2 * width, *up = gate + width;
+        act_t *dst = out + t * width;
 #pragma omp simd
-        for (int64_t i = 0; i < width; i++) dst[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        for (int64_t i = 0; i < width; i++) {
+            const float g = LD(gate[i]);
+            dst[i] = ST(RB(g / (1.0f + expf(-g))) * LD(up[i]));
+        }
     }
 }
 
 /* Neox rotary embedding in place on `heads` heads of each row of x (rows `row_stride` apart):
  * x * cos + swap_halves(x) * sin, with the tables of RotaryEmbedding ([max_position, head_dim],
  * sin with its first half negated) looked up at positions[t]. */
-void shm_rotary(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim,
+void shm_rotary(act_t *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim,
                 const int64_t *positions, const float *cos_table, const float *sin_table) {
     const int64_t half = head_dim / 2;
 #pragma omp parallel for if (rows * heads * head_dim >= PARALLEL_MIN_FLOATS)
     for (int64_t t = 0; t < rows; t++) {
         const float *c = cos_table + positions[t] * head_dim, *s = sin_table + positions[t] * head_dim;
         for (int64_t h = 0; h < heads; h++) {
-            float *lo = x + t * row_stride + h * head_dim, *hi = lo + half;
+            act_t *lo = x + t * row_stride + h * head_dim, *hi = lo + half;
 #pragma omp simd
             for (int64_t i = 0; i < half; i++) {
-                const float x1 = lo[i], x2 = hi[i];
-                lo[i] = x1 * c[i] + x2 * s[i];
-                hi[i] = x2 * c[half + i] + x1 * s[half + i];
+                const float x1 = LD(lo[i]), x2 = LD(hi[i]);
+                lo[i] = ST(x1 * RB(c[i]) + x2 * RB(s[i]));
+                hi[i] = ST(x2 * RB(c[half + i]) + x1 * RB(s[half + i]));
             }
         }
     }
@@ -192,30 +233,71 @@ void shm_rotary(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64
  * keeps it): a weight-streaming GEMV. With one to four rows a step is bound by reading the
  * weights, and oneDNN's blocked GEMM reads them at about 60% of the rate this loop does (one
  * pass over each weight row, up to four dot products per pass, threads splitting n). */
-void shm_linear_few_rows(float *out, const float *x, const float *w, const float *bias, const float *residual,
-                         int64_t rows, int64_t n, int64_t k) {
+#if defined(SHM_BF16) && defined(__AVX512BF16__)
+/* With AVX512-BF16 each vdpbf16ps multiplies 32 bf16 pairs exactly and adds them into 16 fp32
+ * lanes: the GEMV runs on bf16 dot products, up to four rows per pass over a weight row. */
+static inline __m512 dot_step(__m512 acc, __m512i a, __m512i b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
+static void linear_few_rows_dp(act_t *out, const act_t *x, const act_t *w, const act_t *bias, const act_t *residual,
+                               int64_t rows, int64_t n, int64_t k) {
+    const int64_t tail = k % 32, body = k - tail;
+    const __mmask32 tail_mask = (__mmask32)((1ull << tail) - 1);
 #pragma omp parallel for schedule(static) if (n * k >= PARALLEL_MIN_FLOATS)
     for (int64_t j = 0; j < n; j++) {
-        const float *wj = w + j * k;
-        const float add = bias != NULL ? bias[j] : 0.0f;
+        const act_t *wj = w + j * k;
+        const float add = bias != NULL ? LD(bias[j]) : 0.0f;
+        for (int64_t m = 0; m < rows; m += 4) {
+            const int64_t count = rows - m < 4 ? rows - m : 4;
+            __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (int64_t i = 0; i < body; i += 32) {
+                const __m512i wv = _mm512_loadu_si512((const void *)(wj + i));
+                for (int64_t r = 0; r < count; r++)
+                    acc[r] = dot_step(acc[r], _mm512_loadu_si512((const void *)(x + (m + r) * k + i)), wv);
+            }
+            if (tail) {
+                const __m512i wv = _mm512_maskz_loadu_epi16(tail_mask, wj + body);
+                for (int64_t r = 0; r < count; r++)
+                    acc[r] = dot_step(acc[r], _mm512_maskz_loadu_epi16(tail_mask, x + (m + r) * k + body), wv);
+            }
+            for (int64_t r = 0; r < count; r++) {
+                const int64_t at = (m + r) * n + j;
+                out[at] = ST(_mm512_reduce_add_ps(acc[r]) + add + (residual != NULL ? LD(residual[at]) : 0.0f));
+            }
+        }
+    }
+}
+#endif
+
+void shm_linear_few_rows(act_t *out, const act_t *x, const act_t *w, const act_t *bias, const act_t *residual,
+                         int64_t rows, int64_t n, int64_t k) {
+#if defined(SHM_BF16) && defined(__AVX512BF16__)
+    linear_few_rows_dp(out, x, w, bias, residual, rows, n, k);
+    return;
+#endif
+#pragma omp parallel for schedule(static) if (n * k >= PARALLEL_MIN_FLOATS)
+    for (int64_t j = 0; j < n; j++) {
+        const act_t *wj = w + j * k;
+        const float add = bias != NULL ? LD(bias[j]) : 0.0f;
         int64_t m = 0;
         for (; m + 2 <= rows; m += 2) {
-            const float *x0 = x + m * k, *x1 = x0 + k;
+            const act_t *x0 = x + m * k, *x1 = x0 + k;
             float s0 = 0.0f, s1 = 0.0f;
 #pragma omp simd reduction(+ : s0, s1)
             for (int64_t i = 0; i < k; i++) {
-                s0 += x0[i] * wj[i];
-                s1 += x1[i] * wj[i];
+                s0 += LD(x0[i]) * LD(wj[i]);
+                s1 += LD(x1[i]) * LD(wj[i]);
             }
-            out[m * n + j] = s0 + add + (residual != NULL ? residual[m * n + j] : 0.0f);
-            out[(m + 1) * n + j] = s1 + add + (residual != NULL ? residual[(m + 1) * n + j] : 0.0f);
+            out[m * n + j] = ST(s0 + add + (residual != NULL ? LD(residual[m * n + j]) : 0.0f));
+            out[(m + 1) * n + j] = ST(s1 + add + (residual != NULL ? LD(residual[(m + 1) * n + j]) : 0.0f));
         }
         for (; m < rows; m++) {
-            const float *xm = x + m * k;
+            const act_t *xm = x + m * k;
             float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-            for (int64_t i = 0; i < k; i++) s += xm[i] * wj[i];
-            out[m * n + j] = s + add + (residual != NULL ? residual[m * n + j] : 0.0f);
+            for (int64_t i = 0; i < k; i++) s += LD(xm[i]) * LD(wj[i]);
+            out[m * n + j] = ST(s + add + (residual != NULL ? LD(residual[m * n + j]) : 0.0f));
         }
     }
 }

@@ -7,7 +7,12 @@ Each engine runs in a subprocess of its own, one after the other, so that none d
 another's measurement; a GEMM microbenchmark of the model's shapes gives the roofline.
 
     python benchmarks/throughput.py --json out/throughput.json --plot out/throughput.png \
-        [--vllm-python .venv-vllm/bin/python]
+        [--vllm-python .venv-vllm/bin/python] [--variant shmvllm-fp32='{"quantization": "none"}']
+
+`--variant NAME=JSON` adds shmvllm rows with extra engine arguments; a variant with
+`"quantization": "none"` (the dense fp32 weights) gets a CHECK that the default (GGUF blocks)
+is at least as fast and holds less memory. shmvllm rows carry the engine process's resident
+memory after the throughput run (`engine_rss_mib`).
 """
 
 from __future__ import annotations
@@ -56,19 +61,22 @@ def chat_prompt_token_ids(tokenizer: Any) -> list[list[int]]:
     return prompts
 
 
-def run_shmvllm(prompts: list[list[int]], repeats: int) -> list[dict[str, Any]]:
+def run_shmvllm(prompts: list[list[int]], repeats: int, name: str = "shmvllm",
+                extra: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
+    from latency import _children, _rss_mib
     from shmvllm import LLM, SamplingParams
 
     started = time.perf_counter()
-    llm = LLM(model=MODEL)
+    llm = LLM(model=MODEL, **(extra or {}))
     load_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     wall, outputs = _best_of(repeats, lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    rows = [_row("shmvllm", "throughput", wall, tokens, load_s, [o.outputs[0].token_ids for o in outputs])]
+    rows = [_row(name, "throughput", wall, tokens, load_s, [o.outputs[0].token_ids for o in outputs])]
+    rows[0]["engine_rss_mib"] = sum(_rss_mib(pid) for pid in _children(os.getpid()))
     rows.append(_single(repeats, lambda n: llm.generate([{"prompt_token_ids": prompts[0]}], _exact(SamplingParams, n), use_tqdm=False),
-                        "shmvllm", load_s))
+                        name, load_s))
     llm.shutdown()
     return rows
 
@@ -179,22 +187,28 @@ def gemm_roofline(model_dir: str) -> dict[str, float]:
     return {"gemm_gflops": gflops, "flops_per_token": flops_per_token, "roofline_tok_per_s": gflops * 1e9 / flops_per_token}
 
 
-def _child(engine: str, model_dir: str, repeats: int) -> None:
+def _child(engine: str, model_dir: str, repeats: int, extra: Optional[dict[str, Any]] = None) -> None:
     """Runs one engine in this (fresh) process; prints its rows as JSON on the last line."""
     from transformers import AutoTokenizer
 
     prompts = chat_prompt_token_ids(AutoTokenizer.from_pretrained(model_dir))
+    if extra is not None:
+        print("\n" + _RESULT_MARK + json.dumps(run_shmvllm(prompts, repeats, engine, extra)), flush=True)
+        return
     runner = {"shmvllm": lambda: run_shmvllm(prompts, repeats), "hf": lambda: run_hf(prompts, model_dir, repeats),
               "vllm": lambda: run_vllm(prompts, model_dir, repeats), "gemm": lambda: [gemm_roofline(model_dir)]}[engine]
     print("\n" + _RESULT_MARK + json.dumps(runner()), flush=True)
 
 
-def _run_child(engine: str, python: str, model_dir: str, repeats: int = 1) -> list[dict[str, Any]]:
+def _run_child(engine: str, python: str, model_dir: str, repeats: int = 1,
+               extra: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
     env = dict(os.environ)
     if engine == "vllm":
         env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="0-1")
     print(f"[throughput] running {engine} ...", file=sys.stderr, flush=True)
     command = [python, __file__, "--child", engine, "--model-dir", model_dir, "--repeats", str(repeats)]
+    if extra is not None:
+        command += ["--extra", json.dumps(extra)]
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{engine} failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
@@ -212,11 +226,14 @@ def main() -> None:
     parser.add_argument("--plot", help="draw a PNG bar chart to this path")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run each workload this many times per engine and keep the fastest (default: 1)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                        help="an extra shmvllm row with these engine arguments (repeatable)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--extra", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _child(args.child, args.model_dir, args.repeats)
+        _child(args.child, args.model_dir, args.repeats, json.loads(args.extra) if args.extra else None)
         return
     from shmvllm.model.registry import resolve_model_dir
 
@@ -227,8 +244,13 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for engine in engines:
         rows += _run_child(engine, args.vllm_python if engine == "vllm" else sys.executable, model_dir, args.repeats)
+        if engine == "shmvllm":
+            for variant in args.variant:
+                name, _, extra = variant.partition("=")
+                rows += _run_child(name, sys.executable, model_dir, args.repeats, json.loads(extra))
+    dense = [v.partition("=")[0] for v in args.variant if json.loads(v.partition("=")[2]).get("quantization") == "none"]
     roofline = _run_child("gemm", sys.executable, model_dir)[0]
-    report(rows, roofline)
+    report(rows, roofline, dense[0] if dense else None)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         result = {"rows": [_without_ids(r) for r in rows], "roofline": roofline, "repeats": args.repeats}
@@ -241,13 +263,16 @@ def _without_ids(row: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in row.items() if k != "token_ids"}
 
 
-def report(rows: list[dict[str, Any]], roofline: dict[str, float]) -> None:
+def report(rows: list[dict[str, Any]], roofline: dict[str, float], dense: Optional[str] = None) -> None:
     by = {(r["engine"], r["workload"]): r for r in rows}
     print(f"{'engine':<9} {'workload':<11} {'wall_s':>8} {'tokens':>7} {'tok/s':>8} {'ttft_ms':>8} {'decode tok/s':>13} {'load_s':>7}")
     for r in rows:
         ttft = f"{r['ttft_s'] * 1e3:8.1f}" if "ttft_s" in r else " " * 8
         decode = f"{r['decode_tok_per_s']:13.1f}" if "decode_tok_per_s" in r else " " * 13
         print(f"{r['engine']:<9} {r['workload']:<11} {r['wall_s']:8.2f} {r['output_tokens']:7d} {r['tok_per_s']:8.1f} {ttft} {decode} {r['load_s']:7.1f}")
+    if ours and dense and (dense, "throughput") in by:
+        print(f"throughput shmvllm/{dense}: {ours['tok_per_s'] / by[(dense, 'throughput')]['tok_per_s']:.2f}x  "
+              f"(same tokens: {ours['token_ids'] == by[(dense, 'throughput')]['token_ids']})")
     print(f"GEMM roofline: {roofline['gemm_gflops']:.1f} GFLOPS at batch 64 -> {roofline['roofline_tok_per_s']:.0f} tok/s")
     ours = by.get(("shmvllm", "throughput"))
     for peer in ("hf", "vllm"):
@@ -259,11 +284,11 @@ def report(rows: list[dict[str, Any]], roofline: dict[str, float]) -> None:
         if single_ours and single_theirs:
             print(f"single-request decode shmvllm/{peer}: "
                   f"{single_ours['decode_tok_per_s'] / single_theirs['decode_tok_per_s']:.2f}x")
-    for line in acceptance(by):
+    for line in acceptance(by, dense):
         print(line)
 
 
-def acceptance(by: dict[tuple[str, str], dict[str, Any]]) -> list[str]:
+def acceptance(by: dict[tuple[str, str], dict[str, Any]], dense: Optional[str] = None) -> list[str]:
     """The issue's targets, each with its figure and whether it holds in this run."""
     lines = []
 
@@ -280,6 +305,11 @@ def acceptance(by: dict[tuple[str, str], dict[str, Any]]) -> list[str]:
     single_ours, single_hf = by.get(("shmvllm", "single")), by.get(("hf", "single"))
     if single_ours and single_hf:
         check("single-request decode vs hf", single_ours["decode_tok_per_s"] / single_hf["decode_tok_per_s"], 2.0, "x")
+    dense_row = by.get((dense, "throughput")) if dense else None
+    if ours and dense_row:
+        check(f"throughput on GGUF blocks vs the dense fp32 path ({dense})", ours["tok_per_s"] / dense_row["tok_per_s"], 1.0, "x")
+        check(f"engine RSS on GGUF blocks vs {dense}", ours["engine_rss_mib"] / dense_row["engine_rss_mib"], 1.0, "x",
+              at_most=True)
     if ours:
         check("LLM() ready", ours["load_s"], 15, " s", at_most=True)
     return lines

@@ -9,8 +9,10 @@ fp32, SmolLM2-135M shapes): ~215 GFLOP/s against ~130-175 for `F.linear` at 64-2
 
 A Linear can instead hold its weight as GGML blocks (`set_blocks`, from a GGUF file; see
 quant.py): then there is no fp32 weight at all, and every call runs the C kernel
-`shm_qgemm` (kernels/quant_kernels.c) on the blocks, with fp32 activations. A fused
-projection whose shards come in different formats keeps one block part per run of rows.
+`shm_qgemm` (kernels/quant_kernels.c) on the blocks, with fp32 activations: a GEMV for up to
+FEW_ROWS rows, a blocked GEMM on dequantized panels beyond (on a par with oneDNN's packed fp32
+GEMM on this model's shapes: benchmarks/qgemm.py). A fused projection whose shards come in
+different formats keeps one block part per run of rows.
 
 With at most FEW_ROWS rows (decoding one to four requests) a GEMM is bound by reading the
 weights, and the C kernel `shm_linear_few_rows` streams them faster than oneDNN's blocked

@@ -270,11 +270,11 @@ def report(rows: list[dict[str, Any]], roofline: dict[str, float], dense: Option
         ttft = f"{r['ttft_s'] * 1e3:8.1f}" if "ttft_s" in r else " " * 8
         decode = f"{r['decode_tok_per_s']:13.1f}" if "decode_tok_per_s" in r else " " * 13
         print(f"{r['engine']:<9} {r['workload']:<11} {r['wall_s']:8.2f} {r['output_tokens']:7d} {r['tok_per_s']:8.1f} {ttft} {decode} {r['load_s']:7.1f}")
+    print(f"GEMM roofline: {roofline['gemm_gflops']:.1f} GFLOPS at batch 64 -> {roofline['roofline_tok_per_s']:.0f} tok/s")
+    ours = by.get(("shmvllm", "throughput"))
     if ours and dense and (dense, "throughput") in by:
         print(f"throughput shmvllm/{dense}: {ours['tok_per_s'] / by[(dense, 'throughput')]['tok_per_s']:.2f}x  "
               f"(same tokens: {ours['token_ids'] == by[(dense, 'throughput')]['token_ids']})")
-    print(f"GEMM roofline: {roofline['gemm_gflops']:.1f} GFLOPS at batch 64 -> {roofline['roofline_tok_per_s']:.0f} tok/s")
-    ours = by.get(("shmvllm", "throughput"))
     for peer in ("hf", "vllm"):
         theirs = by.get((peer, "throughput"))
         if ours and theirs:

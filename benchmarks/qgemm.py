@@ -131,8 +131,9 @@ def main() -> None:
         shapes = LAYER_SHAPES + ([LM_HEAD] if rows <= 64 else [])  # prefill runs the lm_head on last tokens only
         fmt_of = (lambda name: DEFAULT["lm_head"] if name == "lm_head" else DEFAULT["layers"])
         sets = [("default", shapes, fmt_of)]
-        if args.formats:
-            sets += [(f, LAYER_SHAPES, (lambda name, f=f: f)) for f in OTHER_FORMATS]
+        if args.formats:  # a K format's 256-value blocks fit only rows of a multiple of 256 (down's 1536)
+            sets += [(f, [s for s in LAYER_SHAPES if s[2] % FORMATS[FORMAT_IDS[f]][1] == 0], (lambda name, f=f: f))
+                     for f in OTHER_FORMATS]
         for label, chosen, fmt in sets:
             results = measure(chosen, rows, fmt, args.repeats, rng)
             for r in results:

@@ -3,7 +3,9 @@
 Every GGML format the kernels run, on every instruction-set build this CPU can run plus the
 portable one: dequantized rows must equal the reference bit for bit (the values the arithmetic
 sees), and the GEMM must equal dequantize-then-matmul (float64) within fp32 accumulation error,
-with bias and residual, odd shapes, 1/2/3/4/5/64 rows and strided outputs (fused parts).
+with bias and residual, odd shapes, 1/2/3/4 rows (the GEMV) and 5/17/33/64/200 rows (the blocked
+GEMM: full and partial row tiles, a last column panel of one to five columns) and strided outputs
+(fused parts).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def test_dequantized_rows_equal_gguf_reference(isa, name):
 
 
 @pytest.mark.parametrize("name", sorted(FORMAT_IDS))
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 33, 64, 200])
 def test_gemm_matches_dequantize_then_matmul(isa, name, rows):
     rng = np.random.default_rng(rows)
     n, k = 37, (512 if name.endswith("_K") else 160)
@@ -96,7 +98,7 @@ def test_gemm_matches_dequantize_then_matmul(isa, name, rows):
         check_close(got, reference(x, w, b, r), x, w)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 64])
+@pytest.mark.parametrize("rows", [1, 4, 5, 64, 200])
 def test_mixed_format_parts_fill_their_columns(isa, rows):
     """A fused projection with shards in different formats: each part writes its own columns."""
     rng = np.random.default_rng(7)
@@ -110,6 +112,22 @@ def test_mixed_format_parts_fill_their_columns(isa, rows):
     residual = torch.from_numpy(rng.standard_normal((rows, 40)).astype(np.float32))
     got = block_linear(x, parts, 40, bias, residual)
     check_close(got, reference(x, w, bias, residual), x, w)
+
+
+@pytest.mark.parametrize("rows", [5, 64, 131])
+@pytest.mark.parametrize("n", [1, 7, 131])
+def test_blocked_gemm_odd_shapes(isa, rows, n):
+    """Ragged column panels and row tiles, a long row of inputs (the down projection's), the
+    3-D input of a layer."""
+    rng = np.random.default_rng(n * rows)
+    k = 1536
+    weight = random_weight("Q4_1", n, k, rng)
+    w = weight.dequantize()
+    x = torch.from_numpy(rng.standard_normal((1, rows, k)).astype(np.float32))
+    residual = torch.from_numpy(rng.standard_normal((1, rows, n)).astype(np.float32))
+    got = block_linear(x, [(0, weight)], n, None, residual)
+    assert got.shape == (1, rows, n)
+    check_close(got.view(rows, n), reference(x.view(rows, k), w, None, residual.view(rows, n)), x.view(rows, k), w)
 
 
 def test_parts_must_tile_the_weight():

@@ -109,10 +109,22 @@ def test_native_decode_step_skips_mixed_steps(tiny_llama_dir):
 MIXED = [1, 5, 17, 33, 8, 40, 3, 24]
 
 
-def test_gguf_greedy_mixed_batch_with_preemption(smollm2_dir):
+def test_gguf_greedy_mixed_batch_with_preemption(smollm2_dir, monkeypatch):
+    import shmvllm.model.linear as linear
+
+    rows_seen = []
+    original = linear.block_linear
+
+    def recording(x, *args, **kwargs):
+        rows_seen.append(x.numel() // x.shape[-1])
+        return original(x, *args, **kwargs)
+
+    monkeypatch.setattr(linear, "block_linear", recording)
     engine = make_engine(smollm2_dir, num_kv_blocks=24, block_size=4)
     assert_greedy_matches_hf(smollm2_dir, engine, random_prompts(MIXED, seed=5), max_tokens=8)
     assert engine.get_stats()["num_preemptions"] > 0
+    # the blocked GEMM ran: prefills, and decode steps of more than FEW_ROWS requests
+    assert any(rows > linear.FEW_ROWS for rows in rows_seen) and any(5 <= rows <= len(MIXED) for rows in rows_seen)
     engine.shutdown()
 
 

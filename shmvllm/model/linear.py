@@ -16,8 +16,10 @@ weight's dtype); anything else -> `F.linear`.
 
 A Linear can instead hold its weight as GGML blocks (`set_blocks`, from a GGUF file; see
 quant.py): then there is no fp32 weight at all, and every call runs the C kernel
-`shm_qgemm` (kernels/quant_kernels.c) on the blocks, with fp32 activations. A fused
-projection whose shards come in different formats keeps one block part per run of rows.
+`shm_qgemm` (kernels/quant_kernels.c) on the blocks, with fp32 activations: a GEMV for up to
+FEW_ROWS rows, a blocked GEMM on dequantized panels beyond (on a par with oneDNN's packed fp32
+GEMM on this model's shapes: benchmarks/qgemm.py). A fused projection whose shards come in
+different formats keeps one block part per run of rows.
 
 With at most FEW_ROWS rows (decoding one to four requests) a GEMM is bound by reading the
 weights, and the C kernel `shm_linear_few_rows` streams them faster than oneDNN's blocked
@@ -151,8 +153,6 @@ def block_linear(
         raise ValueError(f"block linear needs fp32 input [..., {k}], got {x.dtype} {tuple(x.shape)}.")
     x = x.contiguous()
     rows = x.numel() // k
-    if rows > FEW_ROWS:
-        return _dequantized_linear(kernels, x, parts, n, bias, residual)
     out = x.new_empty(*x.shape[:-1], n)
     if residual is not None:
         residual = residual.contiguous()
@@ -161,47 +161,11 @@ def block_linear(
             _ptr(out, offset), n, x.data_ptr(), k, weight.data.data_ptr(), weight.data.shape[1], weight.qtype,
             _ptr(bias, offset), _ptr(residual, offset), n, rows, weight.n, k,
         )
+        if rc == -3:
+            raise MemoryError(f"shm_qgemm could not allocate its panels for {weight.name} [{weight.n}, {k}] with {rows} rows.")
         if rc != 0:
             raise RuntimeError(f"shm_qgemm failed ({rc}) on {weight.name} [{weight.n}, {k}] with {rows} rows.")
     return out
-
-
-SCRATCH_FLOATS = 1 << 22
-"""Many rows dequantize at most this many weights (16 MiB) at a time into a reused buffer."""
-_scratch: Optional[torch.Tensor] = None
-
-
-def _scratch_rows(count: int, k: int) -> torch.Tensor:
-    global _scratch
-    if _scratch is None or _scratch.numel() < count * k:
-        _scratch = torch.empty(max(count * k, 1), dtype=torch.float32)
-    return _scratch[: count * k].view(count, k)
-
-
-def _dequantized_linear(
-    kernels, x: torch.Tensor, parts: list[tuple[int, QuantizedWeight]], n: int,
-    bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
-) -> torch.Tensor:
-    """Many rows (prefill, batched decode): dequantize a chunk of weight rows into the scratch
-    buffer (exact values, in C) and run the fp32 GEMM on it; no fp32 copy of the weight stays."""
-    k = x.shape[-1]
-    flat = x.view(-1, k)
-    chunk = max(1, SCRATCH_FLOATS // k)
-    pieces = []
-    for offset, weight in parts:
-        for start in range(0, weight.n, chunk):
-            count = min(chunk, weight.n - start)
-            scratch = _scratch_rows(count, k)
-            rc = kernels.shm_qdequant_rows(scratch.data_ptr(), weight.data[start].data_ptr(), weight.data.shape[1],
-                                           weight.qtype, None, count, count, k)
-            if rc != 0:
-                raise RuntimeError(f"shm_qdequant_rows failed ({rc}) on {weight.name}.")
-            cols = slice(offset + start, offset + start + count)
-            pieces.append(F.linear(flat, scratch, None if bias is None else bias[cols]))
-    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
-    if residual is not None:
-        out.add_(residual.view(-1, n))
-    return out.view(*x.shape[:-1], n)
 
 
 class VocabEmbedding(nn.Embedding):

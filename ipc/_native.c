@@ -1,43 +1,53 @@
 /* The ring's hot path and its memory ordering, with the compiler's C11 atomics.
  *
- * Built at first import by ipc/_native.py (cc -O2 -shared -fPIC) and called through ctypes.
- * Every function takes the base address of the mapped segment; the layout constants must
- * match ipc/ring.py. Ordering (see ring.py for the full argument):
+ * Built at first import by ipc/_native.py (cc -O2 -shared -fPIC) and called through ctypes and,
+ * where Python's headers exist, as a CPython extension module (see the end of the file). Every
+ * function takes the base address of the mapped segment; the layout constants must match
+ * ipc/layout.py (tests/test_ipc_layout.py compares them). Ordering (see ring.py for the full
+ * argument):
  *   - the producer writes payload + record header, then store-releases `tail`;
  *   - the consumer load-acquires `tail`, reads the record, then store-releases `head`;
  *   - a side that goes to sleep stores its "sleeping" flag, runs a seq_cst fence, and re-reads
  *     the peer's counter; a side that publishes stores its counter, runs a seq_cst fence, and
- *     reads the flag (Dekker), so at least one of them sees the other: no lost wake-up;
+ *     reads the flag (Dekker), so at least one of them sees the other: no lost wake-up (the
+ *     futex sleep below closes the remaining window, see ring_sleep);
  *   - a side that naps (ipc_nap_*) only loads the peer's counter (acquire) between naps and
- *     never sets its flag, so the peer's publish does not post: the nap is a slow spin.
+ *     never sets its flag, so the peer's publish does not wake it: the nap is a slow spin.
  * __atomic_* builtins are the primitives C11 <stdatomic.h> is built on (gcc and clang); they
  * work on plain shared memory, which _Atomic-qualified objects would not let us name.
- *
- * Built with -DIPC_PYTHON_MODULE (when Python's headers are there), the same library is also a
- * CPython extension module whose functions call the hot ones (push, reserve, commit, peek,
- * release) with METH_FASTCALL; see the end of the file.
  */
 #ifdef IPC_PYTHON_MODULE
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #endif
+#include <errno.h>
 #include <stdint.h>
 #include <string.h>
 #include <sched.h>
 #include <time.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #define OFF_CAPACITY 16
 #define OFF_MAX_RECORD 24
 #define OFF_TAIL 64
-#define OFF_P_HEAD_CACHE 72
-#define OFF_P_PENDING 80
-#define OFF_P_RECORD_POS 88
-#define OFF_HEAD 128
-#define OFF_C_TAIL_CACHE 136
-#define OFF_C_PENDING 144
-#define OFF_C_SLEEPING 192
-#define OFF_P_SLEEPING 256
+#define OFF_P_HEAD_CACHE 128
+#define OFF_P_PENDING 136
+#define OFF_P_RECORD_POS 144
+#define OFF_P_WAKES 152
+#define OFF_HEAD 192
+#define OFF_C_TAIL_CACHE 256
+#define OFF_C_PENDING 264
+#define OFF_C_WAKES 272
+#define OFF_C_SLEEPING 320
+#define OFF_P_SLEEPING 384
+#define OFF_WAKE 464
 #define DATA 4096
+
+#define WAKE_FUTEX 1
 
 #define KIND_MSG 1
 #define KIND_FIRST 2
@@ -80,6 +90,55 @@ static inline int64_t now_ns(void) {
 
 static inline uint64_t align8(uint64_t n) { return (n + 7) & ~(uint64_t)7; }
 
+/* ------------------------------------------------------------------ futex
+ * A futex is a 32-bit word in shared memory that a process can sleep on; the kernel wakes it
+ * when another process calls ipc_futex_wake on the same word. FUTEX_WAIT compares the word with
+ * `expected` and sleeps only if they are equal, atomically with respect to FUTEX_WAKE, which is
+ * what makes a lost wake-up impossible when the waker changes the word before it wakes.
+ * Shared (not FUTEX_PRIVATE_FLAG): the two sides are different processes. Both functions are
+ * generic (any aligned 32-bit word in a shared mapping): other ipc structures use them too. */
+
+/* Sleeps while *word == expected, at most timeout_ns (< 0: no limit). Returns 0 when woken or
+ * when the word already differed, 1 on timeout, 2 when a signal interrupted the sleep, -1 where
+ * there are no futexes (not Linux). Call it without the GIL. */
+int ipc_futex_wait(uint32_t *word, uint32_t expected, int64_t timeout_ns) {
+#ifdef __linux__
+    struct timespec ts, *tsp = NULL;
+    if (timeout_ns >= 0) {
+        ts.tv_sec = (time_t)(timeout_ns / 1000000000);
+        ts.tv_nsec = (long)(timeout_ns % 1000000000);
+        tsp = &ts;
+    }
+    if (syscall(SYS_futex, word, FUTEX_WAIT, expected, tsp, NULL, 0) == 0) return 0;
+    if (errno == ETIMEDOUT) return 1;
+    if (errno == EINTR) return 2;
+    return 0; /* EAGAIN: the word had changed already */
+#else
+    (void)word; (void)expected; (void)timeout_ns;
+    return -1;
+#endif
+}
+
+/* Wakes up to n sleepers of `word`; returns how many were woken, -1 where there are no futexes. */
+int ipc_futex_wake(uint32_t *word, int n) {
+#ifdef __linux__
+    long r = syscall(SYS_futex, word, FUTEX_WAKE, n, NULL, NULL, 0);
+    return r < 0 ? 0 : (int)r;
+#else
+    (void)word; (void)n;
+    return -1;
+#endif
+}
+
+/* The 32-bit half of a u64 flag that holds its value (0 or 1): the futex word of that flag. */
+static inline uint32_t *flag_word(uint8_t *b, int64_t flag_off) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    return (uint32_t *)(b + flag_off + 4);
+#else
+    return (uint32_t *)(b + flag_off);
+#endif
+}
+
 static inline void write_header(uint8_t *b, uint64_t pos, uint32_t len, uint16_t kind) {
     uint8_t *h = b + DATA + pos;
     uint16_t magic = RECORD_MAGIC;
@@ -88,12 +147,23 @@ static inline void write_header(uint8_t *b, uint64_t pos, uint32_t len, uint16_t
     memcpy(h + 6, &magic, 2);
 }
 
-/* Wakes the side sleeping on `flag_off` if it announced it sleeps; 1 = post its semaphore. */
+/* Called right after publishing a counter: if the side sleeping on `flag_off` announced that it
+ * sleeps, clear its flag and (on a futex ring) wake it. Returns 1 when it had to be woken (on a
+ * semaphore ring the caller then posts the semaphore), 0 when it was not sleeping. The flag is
+ * cleared before the wake, so a sleeper that has not reached FUTEX_WAIT yet finds the word != 1
+ * and does not sleep. */
 static inline int take_sleeper(uint8_t *b, int flag_off) {
     FENCE();
     if (LOAD_RLX(b, flag_off) == 0) return 0;
-    return __atomic_exchange_n((uint64_t *)(b + flag_off), 0, __ATOMIC_SEQ_CST) != 0;
+    if (__atomic_exchange_n((uint64_t *)(b + flag_off), 0, __ATOMIC_SEQ_CST) == 0) return 0;
+    if (LOAD_RLX(b, OFF_WAKE) == WAKE_FUTEX) ipc_futex_wake(flag_word(b, flag_off), 1);
+    __atomic_fetch_add((uint64_t *)(b + (flag_off == OFF_C_SLEEPING ? OFF_P_WAKES : OFF_C_WAKES)), 1, __ATOMIC_RELAXED);
+    return 1;
 }
+
+/* For close(): wakes the side sleeping on `flag_off`, whatever the counters say. The caller has
+ * stored its "closed" flag before (with a fence): see ring_sleep for why this cannot be lost. */
+int ipc_wake_sleeper(uint8_t *b, int64_t flag_off) { return take_sleeper(b, (int)flag_off); }
 
 /* Capacity and record limit are written once by the creator; a garbage value must not divide by 0. */
 static inline int bad_geometry(uint8_t *b) {
@@ -106,13 +176,15 @@ static inline int64_t free_bytes(uint8_t *b, uint64_t tail, uint64_t head, uint6
     return (int64_t)(cap - (tail - head));
 }
 
-/* Producer: room for an n-byte payload? Returns the payload's offset from the base, FULL,
- * TOO_BIG or BAD_COUNTERS. Writes a padding record first when the record would cross the end. */
-int64_t ipc_reserve(uint8_t *b, int n) {
+/* Producer: room for an n-byte payload in a record at `tail` (the published tail, or the end
+ * of a batch not yet published)? Returns the payload's offset from the base, FULL, TOO_BIG or
+ * BAD_COUNTERS, and notes where the record ends (P_PENDING). Writes a padding record first when
+ * the record would cross the end of the buffer. */
+static inline int64_t reserve_at(uint8_t *b, uint64_t tail, int n) {
     uint64_t cap = U64(b, OFF_CAPACITY), rec = align8(8 + (uint64_t)n);
     if (bad_geometry(b)) return BAD_COUNTERS;
     if (n < 0 || rec > U64(b, OFF_MAX_RECORD)) return TOO_BIG;
-    uint64_t tail = LOAD_RLX(b, OFF_TAIL), pos = tail % cap, room = cap - pos;
+    uint64_t pos = tail % cap, room = cap - pos;
     uint64_t total = rec <= room ? rec : room + rec;
     int64_t free_ = free_bytes(b, tail, U64(b, OFF_P_HEAD_CACHE), cap);
     if (free_ < (int64_t)total) {
@@ -131,11 +203,21 @@ int64_t ipc_reserve(uint8_t *b, int n) {
     return DATA + pos + 8;
 }
 
-/* Producer: publish the reserved record. Returns 1 when the consumer sleeps and must be woken. */
-int ipc_commit(uint8_t *b, int n, int kind) {
-    write_header(b, U64(b, OFF_P_RECORD_POS), (uint32_t)n, (uint16_t)kind);
+int64_t ipc_reserve(uint8_t *b, int n) { return reserve_at(b, LOAD_RLX(b, OFF_TAIL), n); }
+
+/* Producer: writes the header of the reserved record; the next ipc_publish publishes it. */
+static inline void seal(uint8_t *b, int n, int kind) { write_header(b, U64(b, OFF_P_RECORD_POS), (uint32_t)n, (uint16_t)kind); }
+
+/* Producer: publishes every sealed record (one release store of the tail, one look at the flag). */
+static inline int publish(uint8_t *b) {
     STORE_REL(b, OFF_TAIL, U64(b, OFF_P_PENDING));
     return take_sleeper(b, OFF_C_SLEEPING);
+}
+
+/* Producer: publish the reserved record. Returns 1 when the consumer slept and was woken. */
+int ipc_commit(uint8_t *b, int n, int kind) {
+    seal(b, n, kind);
+    return publish(b);
 }
 
 /* Producer: reserve + copy + commit of one whole message. FULL/TOO_BIG/BAD_COUNTERS, or 0/1 as commit. */
@@ -146,13 +228,14 @@ int64_t ipc_push(uint8_t *b, const uint8_t *data, int n) {
     return ipc_commit(b, n, KIND_MSG);
 }
 
-/* Consumer: the next record, skipping a padding record. Returns EMPTY, a negative BAD_* code, or
- * kind << 60 | length << 30 | payload offset from the base. The record stays in the ring until
- * ipc_release. Validates everything it reads, so a corrupted ring gives an error, not a crash. */
-int64_t ipc_peek(uint8_t *b) {
+/* Consumer: the record at `head` (the published head, or the end of a batch not yet freed),
+ * skipping a padding record. Returns EMPTY, a negative BAD_* code, or
+ * kind << 60 | length << 30 | payload offset from the base, and notes where the record ends
+ * (C_PENDING). Validates everything it reads, so a corrupted ring gives an error, not a crash. */
+static inline int64_t peek_at(uint8_t *b, uint64_t head) {
     uint64_t cap = U64(b, OFF_CAPACITY), max_rec = U64(b, OFF_MAX_RECORD);
     if (bad_geometry(b)) return BAD_COUNTERS;
-    uint64_t head = LOAD_RLX(b, OFF_HEAD), tail = U64(b, OFF_C_TAIL_CACHE);
+    uint64_t tail = U64(b, OFF_C_TAIL_CACHE);
     if (tail == head) {
         tail = LOAD_ACQ(b, OFF_TAIL);
         U64(b, OFF_C_TAIL_CACHE) = tail;
@@ -182,7 +265,11 @@ int64_t ipc_peek(uint8_t *b) {
     return ((int64_t)kind << 60) | ((int64_t)len << 30) | (int64_t)(DATA + pos + 8);
 }
 
-/* Consumer: free the record returned by ipc_peek. Returns 1 when the producer sleeps for space. */
+/* Consumer: the next record (it stays in the ring until ipc_release). */
+int64_t ipc_peek(uint8_t *b) { return peek_at(b, LOAD_RLX(b, OFF_HEAD)); }
+
+/* Consumer: free the record returned by ipc_peek (or, after a batch, every record up to
+ * C_PENDING). Returns 1 when the producer slept for space and was woken. */
 int ipc_release(uint8_t *b) {
     STORE_REL(b, OFF_HEAD, U64(b, OFF_C_PENDING));
     return take_sleeper(b, OFF_P_SLEEPING);
@@ -200,6 +287,8 @@ static inline int has_space(uint8_t *b, int64_t n) {
     int64_t free_ = free_bytes(b, tail, LOAD_ACQ(b, OFF_HEAD), cap);
     return free_ < 0 || free_ >= (int64_t)total;  /* corrupt counters: stop waiting, let reserve say so */
 }
+
+static inline int ready(uint8_t *b, int space, int64_t n) { return space ? has_space(b, n) : has_data(b); }
 
 /* Announce sleep, fence, re-check: 1 = the condition already holds (flag withdrawn), 0 = sleep. */
 int ipc_arm_consumer(uint8_t *b) {
@@ -220,47 +309,77 @@ int ipc_arm_producer(uint8_t *b, int64_t n) {
 
 void ipc_disarm(uint8_t *b, int flag_off) { STORE_RLX(b, flag_off, 0); }
 
-/* Spin (called with the GIL released) until there is data / space, for at most ns nanoseconds. */
-int ipc_spin_consumer(uint8_t *b, int64_t ns) {
+/* The sleep of a futex ring, in one call (without the GIL): arm the flag, fence, re-check the
+ * condition and the peer's "closed" flag, and sleep on the flag's futex word while it is 1, at
+ * most timeout_ns. Returns 1 = the condition holds, 2 = the peer closed (the caller looks at it),
+ * 0 = not yet (timeout, signal, a wake-up for someone's earlier publish): the caller loops.
+ *
+ * No lost wake-up. The waker (a publish, or close) stores its counter (or "closed"), runs a
+ * seq_cst fence and reads our flag; we store the flag, run a seq_cst fence and read its counter
+ * and "closed". Both fences are in the single total order of seq_cst operations, so at least one
+ * side sees the other's store: either we see the data / the close and do not sleep, or the waker
+ * sees our flag. A waker that sees it exchanges it to 0 *before* FUTEX_WAKE. If we are already
+ * inside FUTEX_WAIT, the wake finds us; if not yet, FUTEX_WAIT compares the word with 1 inside
+ * the kernel, finds 0 and returns at once. There is no third case: the kernel's compare and
+ * sleep are atomic with respect to FUTEX_WAKE on the same word. */
+static int ring_sleep(uint8_t *b, int flag_off, int64_t closed_off, int space, int64_t n, int64_t timeout_ns) {
+    __atomic_store_n((uint64_t *)(b + flag_off), 1, __ATOMIC_SEQ_CST);
+    FENCE();
+    if (ready(b, space, n)) {
+        STORE_RLX(b, flag_off, 0);
+        return 1;
+    }
+    if (LOAD_ACQ(b, closed_off)) {
+        STORE_RLX(b, flag_off, 0);
+        return 2;
+    }
+    ipc_futex_wait(flag_word(b, flag_off), 1, timeout_ns);
+    STORE_RLX(b, flag_off, 0);
+    return ready(b, space, n);
+}
+
+int ipc_sleep_consumer(uint8_t *b, int64_t closed_off, int64_t timeout_ns) {
+    return ring_sleep(b, OFF_C_SLEEPING, closed_off, 0, 0, timeout_ns);
+}
+
+int ipc_sleep_producer(uint8_t *b, int64_t n, int64_t closed_off, int64_t timeout_ns) {
+    return ring_sleep(b, OFF_P_SLEEPING, closed_off, 1, n, timeout_ns);
+}
+
+/* Spin until there is data / space, for at most ns nanoseconds (call it without the GIL):
+ * re-check every pause instruction, read the clock and yield the CPU every 64 checks. */
+static int spin_until(uint8_t *b, int space, int64_t n, int64_t ns) {
+    if (ready(b, space, n)) return 1;
     int64_t deadline = now_ns() + ns;
     for (uint32_t i = 1;; i++) {
-        if (has_data(b)) return 1;
         cpu_relax();
+        if (ready(b, space, n)) return 1;
         if ((i & 63) == 0) {
-            if (now_ns() >= deadline) return has_data(b);
+            if (now_ns() >= deadline) return 0;
             sched_yield();
         }
     }
 }
 
-int ipc_spin_producer(uint8_t *b, int64_t n, int64_t ns) {
-    int64_t deadline = now_ns() + ns;
-    for (uint32_t i = 1;; i++) {
-        if (has_space(b, n)) return 1;
-        cpu_relax();
-        if ((i & 63) == 0) {
-            if (now_ns() >= deadline) return has_space(b, n);
-            sched_yield();
-        }
-    }
-}
+int ipc_spin_consumer(uint8_t *b, int64_t ns) { return spin_until(b, 0, 0, ns); }
+
+int ipc_spin_producer(uint8_t *b, int64_t n, int64_t ns) { return spin_until(b, 1, n, ns); }
 
 /* Nap (called with the GIL released) until there is data / space, for at most window_ns:
  * sleep first_ns, re-check, sleep twice as long, re-check, ... with naps capped at max_ns and
  * never past the window. Unlike the spin this leaves the CPU to others between two looks; unlike
- * the semaphore the other side never has to wake us (our "sleeping" flag stays clear, so its
- * publish posts nothing). The re-check is the same acquire load as the spin's. A signal makes
+ * the sleep the other side never has to wake us (our "sleeping" flag stays clear, so its
+ * publish wakes nothing). The re-check is the same acquire load as the spin's. A signal makes
  * it return early (EINTR), so that Python runs its handler; the caller then naps on. */
 static int nap_until(uint8_t *b, int64_t n, int space, int64_t window_ns, int64_t first_ns, int64_t max_ns) {
     int64_t end = now_ns() + window_ns, nap = first_ns > 0 ? first_ns : 1;
     for (;;) {
-        if (space ? has_space(b, n) : has_data(b)) return 1;
+        if (ready(b, space, n)) return 1;
         int64_t left = end - now_ns();
         if (left <= 0) return 0;
         int64_t ns = nap < left ? nap : left;
         struct timespec ts = {(time_t)(ns / 1000000000), (long)(ns % 1000000000)};
-        if (clock_nanosleep(CLOCK_MONOTONIC, 0, &ts, NULL) != 0)
-            return space ? has_space(b, n) : has_data(b);
+        if (clock_nanosleep(CLOCK_MONOTONIC, 0, &ts, NULL) != 0) return ready(b, space, n);
         if (nap < max_ns) nap = nap * 2 < max_ns ? nap * 2 : max_ns;
     }
 }
@@ -280,43 +399,12 @@ void ipc_store(uint8_t *b, int64_t off, uint64_t v) {
     FENCE();
 }
 
-/* The physical floor: two processes bouncing a counter on one cache line, no ring, no Python.
- * Role 0 sends i and waits for i back, `iters` times; role 1 echoes. Returns elapsed ns, or -1
- * when the other side has not answered for timeout_ns (it died, or never came). The clock is
- * read once per 4096 spins, so it costs the measured loop nothing. */
-static inline int await_value(uint64_t *word, uint64_t value, int64_t timeout_ns) {
-    int64_t deadline = 0;
-    for (uint32_t spins = 1; __atomic_load_n(word, __ATOMIC_ACQUIRE) != value; spins++) {
-        cpu_relax();
-        if ((spins & 4095) == 0) {
-            int64_t now = now_ns();
-            if (deadline == 0) deadline = now + timeout_ns;
-            else if (now >= deadline) return 0;
-        }
-    }
-    return 1;
-}
-
-int64_t ipc_floor_pingpong(uint8_t *b, int64_t off, int64_t iters, int64_t role, int64_t timeout_ns) {
-    uint64_t *ping = (uint64_t *)(b + off), *pong = (uint64_t *)(b + off + 64);
-    int64_t t0 = now_ns();
-    for (uint64_t i = 1; i <= (uint64_t)iters; i++) {
-        if (role == 0) {
-            __atomic_store_n(ping, i, __ATOMIC_RELEASE);
-            if (!await_value(pong, i, timeout_ns)) return -1;
-        } else {
-            if (!await_value(ping, i, timeout_ns)) return -1;
-            __atomic_store_n(pong, i, __ATOMIC_RELEASE);
-        }
-    }
-    return now_ns() - t0;
-}
-
 #ifdef IPC_PYTHON_MODULE
 /* The hot functions for Python without ctypes: a ctypes call converts its arguments through
  * libffi, ~0.3 us warm and ~10 us right after work that evicted the caches (an engine step);
  * a METH_FASTCALL call is a fraction of that. The base address comes as a Python int. The
- * functions hold the GIL, like ctypes.PyDLL's: they never wait. */
+ * functions hold the GIL, like ctypes.PyDLL's, except where they wait (take's spin, the sleeps
+ * and futex_wait), which they do with the GIL released. */
 static int base_arg(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, uint8_t **b) {
     if (nargs != want) {
         PyErr_Format(PyExc_TypeError, "expected %zd arguments, got %zd", want, nargs);
@@ -377,10 +465,219 @@ static PyObject *py_release(PyObject *m, PyObject *const *args, Py_ssize_t nargs
     return PyLong_FromLong(ipc_release(b));
 }
 
+/* Consumer, one call for the common case of pop(): the next whole message as bytes, freed
+ * from the ring (waking a producer that sleeps for space: futex rings only). When the ring is
+ * empty it spins for up to spin_ns with the GIL released first. Returns the bytes, or the int
+ * ipc_peek returned when that is not a whole message (EMPTY after the spin, a fragment, an error):
+ * the caller's slow path handles it (the record, if any, is still in the ring). */
+static PyObject *take(uint8_t *b, long long spin_ns) {
+    int64_t r = ipc_peek(b);
+    if (r == EMPTY && spin_ns > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        spin_until(b, 0, 0, spin_ns);
+        Py_END_ALLOW_THREADS
+        r = ipc_peek(b);
+    }
+    if (r < 0 || (r >> 60) != KIND_MSG) return PyLong_FromLongLong(r);
+    PyObject *data = PyBytes_FromStringAndSize((const char *)b + (r & 0x3FFFFFFF), (Py_ssize_t)((r >> 30) & 0x3FFFFFFF));
+    if (data != NULL) ipc_release(b);
+    return data;
+}
+
+static PyObject *py_take(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    uint8_t *b;
+    if (base_arg(args, nargs, 2, &b) < 0) return NULL;
+    long long spin_ns = PyLong_AsLongLong(args[1]);
+    if (spin_ns == -1 && PyErr_Occurred()) return NULL;
+    return take(b, spin_ns);
+}
+
+/* The bodies of RingBuffer.push and .pop for the common case, so that a message costs one call
+ * from Python (futex rings: the wake-up, if any, happens in C). Bound per ring with
+ * functools.partial; what they do not handle they hand to the Python method.
+ *   push_fast(base, push, ring, data[, timeout]): a bytes object that fits in a record and in
+ *     the ring now is pushed here; anything else is push(ring, data[, timeout]).
+ *   pop_fast(base, spin_ns, pop, pop_rest, ring[, timeout]): without a timeout, take() (spin
+ *     included); a result that is not a whole message goes to pop_rest(ring, result); with a
+ *     timeout, pop(ring, timeout).
+ * `ring` is a weak proxy, so that the ring does not keep itself alive through its own methods. */
+static PyObject *call_with_ring(PyObject *fn, PyObject *ring, PyObject *const *rest, Py_ssize_t nrest, PyObject *kwnames) {
+    PyObject *argv[8];
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (nrest + nkw > 7) {
+        PyErr_SetString(PyExc_TypeError, "too many arguments");
+        return NULL;
+    }
+    argv[0] = ring;
+    for (Py_ssize_t i = 0; i < nrest + nkw; i++) argv[1 + i] = rest[i];
+    return PyObject_Vectorcall(fn, argv, 1 + nrest, kwnames);
+}
+
+/* The optional timeout: absent or None -> 1 (the fast path may run). */
+static int no_timeout(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t fixed, PyObject *kwnames) {
+    if (kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0) return 0;
+    return nargs == fixed || (nargs == fixed + 1 && args[fixed] == Py_None);
+}
+
+static PyObject *py_push_fast(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    uint8_t *b;
+    if (nargs < 3 || base_arg(args, 1, 1, &b) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "push_fast(base, push, ring, ...)");
+        return NULL;
+    }
+    if (nargs >= 4 && no_timeout(args, nargs, 4, kwnames) && PyBytes_CheckExact(args[3]) && PyBytes_GET_SIZE(args[3]) <= INT32_MAX) {
+        int64_t r = ipc_push(b, (const uint8_t *)PyBytes_AS_STRING(args[3]), (int)PyBytes_GET_SIZE(args[3]));
+        if (r >= 0) Py_RETURN_NONE;
+    }
+    return call_with_ring(args[1], args[2], args + 3, nargs - 3, kwnames);
+}
+
+static PyObject *py_pop_fast(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    uint8_t *b;
+    if (nargs < 5 || base_arg(args, 1, 1, &b) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "pop_fast(base, spin_ns, pop, pop_rest, ring, ...)");
+        return NULL;
+    }
+    if (!no_timeout(args, nargs, 5, kwnames)) return call_with_ring(args[2], args[4], args + 5, nargs - 5, kwnames);
+    long long spin_ns = PyLong_AsLongLong(args[1]);
+    if (spin_ns == -1 && PyErr_Occurred()) return NULL;
+    PyObject *r = take(b, spin_ns);
+    if (r == NULL || PyBytes_CheckExact(r)) return r;
+    PyObject *out = call_with_ring(args[3], args[4], &r, 1, NULL);
+    Py_DECREF(r);
+    return out;
+}
+
+/* Consumer: up to `limit` whole messages (a list of bytes, maybe empty), freed with one release
+ * store of the head at the end. Stops before a record that is not a whole message (a fragment,
+ * or an error: the caller's pop then sees it). Futex rings only (the wake happens here). */
+static PyObject *py_take_many(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    uint8_t *b;
+    int limit;
+    if (base_arg(args, nargs, 2, &b) < 0 || int_arg(args[1], &limit) < 0) return NULL;
+    PyObject *out = PyList_New(0);
+    if (out == NULL) return NULL;
+    uint64_t head = LOAD_RLX(b, OFF_HEAD), start = head;
+    for (int i = 0; i < limit; i++) {
+        int64_t r = peek_at(b, head);
+        if (r < 0 || (r >> 60) != KIND_MSG) break;
+        PyObject *data = PyBytes_FromStringAndSize((const char *)b + (r & 0x3FFFFFFF), (Py_ssize_t)((r >> 30) & 0x3FFFFFFF));
+        if (data == NULL || PyList_Append(out, data) < 0) {
+            Py_XDECREF(data);
+            Py_DECREF(out);
+            out = NULL;
+            break;
+        }
+        Py_DECREF(data);
+        head = U64(b, OFF_C_PENDING);
+    }
+    U64(b, OFF_C_PENDING) = head;
+    if (head != start) ipc_release(b);
+    return out;
+}
+
+/* Producer: pushes the bytes objects of a list, in order, publishing the tail once for all of
+ * them (one release store, one look at the consumer's flag). Stops at the first one that does
+ * not fit now (the ring is full, or it is longer than a record: the caller pushes it the slow
+ * way). Returns how many were pushed. Futex rings only (the wake happens here). */
+static PyObject *py_push_many(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    uint8_t *b;
+    if (base_arg(args, nargs, 2, &b) < 0) return NULL;
+    if (!PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "push_many(base, messages: list of bytes)");
+        return NULL;
+    }
+    PyObject *list = args[1];
+    Py_ssize_t count = PyList_GET_SIZE(list), done = 0;
+    uint64_t tail = LOAD_RLX(b, OFF_TAIL);
+    for (; done < count; done++) {
+        PyObject *item = PyList_GET_ITEM(list, done);
+        if (!PyBytes_Check(item) || PyBytes_GET_SIZE(item) > INT32_MAX) break;
+        int n = (int)PyBytes_GET_SIZE(item);
+        int64_t off = reserve_at(b, tail, n);
+        if (off < 0) break;
+        memcpy(b + off, PyBytes_AS_STRING(item), (size_t)n);
+        seal(b, n, KIND_MSG);
+        tail = U64(b, OFF_P_PENDING);
+    }
+    if (done) publish(b);
+    return PyLong_FromSsize_t(done);
+}
+
+/* The futex sleep of a side (ring_sleep), with the GIL released: sleep_consumer(base, closed_off,
+ * timeout_ns), sleep_producer(base, n, closed_off, timeout_ns). A signal ends the sleep (0), and
+ * its Python handler runs here: an exception it raises propagates (the flag is already clear). */
+static PyObject *py_sleep(PyObject *const *args, Py_ssize_t nargs, int space) {
+    uint8_t *b;
+    if (base_arg(args, nargs, space ? 4 : 3, &b) < 0) return NULL;
+    long long n = 0, closed_off, timeout_ns;
+    if (space && (n = PyLong_AsLongLong(args[1])) == -1 && PyErr_Occurred()) return NULL;
+    closed_off = PyLong_AsLongLong(args[nargs - 2]);
+    timeout_ns = PyLong_AsLongLong(args[nargs - 1]);
+    if (PyErr_Occurred()) return NULL;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = ring_sleep(b, space ? OFF_P_SLEEPING : OFF_C_SLEEPING, closed_off, space, n, timeout_ns);
+    Py_END_ALLOW_THREADS
+    if (r == 0 && PyErr_CheckSignals() < 0) return NULL;
+    return PyLong_FromLong(r);
+}
+
+static PyObject *py_sleep_consumer(PyObject *m, PyObject *const *args, Py_ssize_t nargs) { return py_sleep(args, nargs, 0); }
+
+static PyObject *py_sleep_producer(PyObject *m, PyObject *const *args, Py_ssize_t nargs) { return py_sleep(args, nargs, 1); }
+
+/* futex_wait(address, expected, timeout_ns) -> ipc_futex_wait's result, with the GIL released;
+ * a signal's Python handler runs on return (and its exception propagates). futex_wake(address,
+ * n) -> how many were woken. `address`: an int, a 4-aligned 32-bit word in a shared mapping. */
+static uint32_t *word_arg(PyObject *o) {
+    uint32_t *word = (uint32_t *)PyLong_AsVoidPtr(o);
+    if (word == NULL && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "null futex address");
+    if (word != NULL && ((uintptr_t)word & 3)) {
+        PyErr_Format(PyExc_ValueError, "futex address %p is not 4-byte aligned", (void *)word);
+        return NULL;
+    }
+    return word;
+}
+
+static PyObject *py_futex_wait(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "futex_wait(address, expected, timeout_ns): got %zd arguments", nargs);
+        return NULL;
+    }
+    uint32_t *word = word_arg(args[0]);
+    if (word == NULL) return NULL;
+    unsigned long expected = PyLong_AsUnsignedLong(args[1]);
+    long long timeout_ns = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = ipc_futex_wait(word, (uint32_t)expected, timeout_ns);
+    Py_END_ALLOW_THREADS
+    if (r == 2 && PyErr_CheckSignals() < 0) return NULL;
+    return PyLong_FromLong(r);
+}
+
+static PyObject *py_futex_wake(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    int n;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "futex_wake(address, n): got %zd arguments", nargs);
+        return NULL;
+    }
+    uint32_t *word = word_arg(args[0]);
+    if (word == NULL || int_arg(args[1], &n) < 0) return NULL;
+    return PyLong_FromLong(ipc_futex_wake(word, n));
+}
+
 #define FASTCALL(name, fn) {name, (PyCFunction)(void (*)(void))fn, METH_FASTCALL, NULL}
 static PyMethodDef methods[] = {
     FASTCALL("push", py_push), FASTCALL("reserve", py_reserve), FASTCALL("commit", py_commit),
-    FASTCALL("peek", py_peek), FASTCALL("release", py_release), {NULL, NULL, 0, NULL},
+    FASTCALL("peek", py_peek), FASTCALL("release", py_release), FASTCALL("take", py_take),
+    FASTCALL("take_many", py_take_many), FASTCALL("push_many", py_push_many),
+    {"push_fast", (PyCFunction)(void (*)(void))py_push_fast, METH_FASTCALL | METH_KEYWORDS, NULL},
+    {"pop_fast", (PyCFunction)(void (*)(void))py_pop_fast, METH_FASTCALL | METH_KEYWORDS, NULL},
+    FASTCALL("sleep_consumer", py_sleep_consumer), FASTCALL("sleep_producer", py_sleep_producer),
+    FASTCALL("futex_wait", py_futex_wait), FASTCALL("futex_wake", py_futex_wake), {NULL, NULL, 0, NULL},
 };
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ipc_fast", NULL, -1, methods};
 

@@ -41,8 +41,9 @@ class NativeLib:
     The hot functions take (pointer, int, int) and are called without ctypes `argtypes`, which
     halves the call overhead: the base is passed as a `c_void_p`, bytes as their buffer pointer,
     Python ints as C ints (ctypes raises on ints that do not fit, it never truncates).
-    `ext`: the same library as an extension module (push, reserve, commit, peek, release with
-    the base address as an int), or None when it was built without Python's headers.
+    `ext`: the same library as an extension module (push, reserve, commit, peek, release, take,
+    take_many, push_many, the sleeps and the futex calls, with addresses as ints), or None when
+    it was built without Python's headers.
     """
 
     def __init__(self, path: str, with_module: bool) -> None:
@@ -64,9 +65,13 @@ class NativeLib:
             "ipc_spin_producer": (ctypes.c_int, [ptr, i64, i64]),
             "ipc_nap_consumer": (ctypes.c_int, [ptr, i64, i64, i64]),
             "ipc_nap_producer": (ctypes.c_int, [ptr, i64, i64, i64, i64]),
+            "ipc_sleep_consumer": (ctypes.c_int, [ptr, i64, i64]),
+            "ipc_sleep_producer": (ctypes.c_int, [ptr, i64, i64, i64]),
+            "ipc_wake_sleeper": (ctypes.c_int, [ptr, i64]),
+            "ipc_futex_wait": (ctypes.c_int, [ptr, ctypes.c_uint32, i64]),
+            "ipc_futex_wake": (ctypes.c_int, [ptr, ctypes.c_int]),
             "ipc_load": (u64, [ptr, i64]),
             "ipc_store": (None, [ptr, i64, u64]),
-            "ipc_floor_pingpong": (i64, [ptr, i64, i64, i64, i64]),
         }
         for lib in (self.fast, self.nogil):
             for name, (restype, argtypes) in signatures.items():

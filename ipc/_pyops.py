@@ -20,12 +20,14 @@ Each public function mirrors the C function of the same name (without the ``ipc_
 from __future__ import annotations
 
 import struct
+import sys
 import time
 
 import posix_ipc
 
 from ipc import layout as L
 from ipc.segment import new_name
+from ipc.wait import futex_wait_py
 
 _HEADER = struct.Struct("=IHH")
 
@@ -114,6 +116,8 @@ class PythonOps:
         if self._get(flag_off) == 0:
             return 0
         self._set(flag_off, 0)
+        counter = L.OFF_P_WAKES if flag_off == L.OFF_C_SLEEPING else L.OFF_C_WAKES
+        self._set(counter, self._get(counter) + 1)
         return 1
 
     def peek(self) -> int:
@@ -186,6 +190,39 @@ class PythonOps:
 
     def disarm(self, flag_off: int) -> None:
         self._set(flag_off, 0)
+
+    # The futex sleep of a futex ring (see `ring_sleep` in _native.c for the argument).
+
+    def bind_futex(self, address: int) -> None:
+        """The segment's address, for the futex calls on its flag words."""
+        self._address = address
+
+    def flag_word(self, flag_off: int) -> int:
+        """The address of the 32-bit half of a flag that holds its value: its futex word."""
+        return self._address + flag_off + (4 if sys.byteorder == "big" else 0)
+
+    def sleep_consumer(self, closed_off: int, timeout_ns: int) -> int:
+        return self._sleep(L.OFF_C_SLEEPING, closed_off, timeout_ns, self._has_data)
+
+    def sleep_producer(self, n: int, closed_off: int, timeout_ns: int) -> int:
+        return self._sleep(L.OFF_P_SLEEPING, closed_off, timeout_ns, lambda: self._has_space(n))
+
+    def _sleep(self, flag_off: int, closed_off: int, timeout_ns: int, ready) -> int:
+        self._set(flag_off, 1)
+        self._fence()  # store-load: our flag before the peer's counter and "closed" (Dekker)
+        if ready():
+            self._set(flag_off, 0)
+            return 1
+        if self._get(closed_off):
+            self._set(flag_off, 0)
+            return 2
+        futex_wait_py(self.flag_word(flag_off), 1, timeout_ns)
+        self._set(flag_off, 0)
+        return int(ready())
+
+    def wake_sleeper(self, flag_off: int) -> int:
+        """For close(): 1 if the side sleeping on `flag_off` must be woken (its flag is cleared)."""
+        return self._take_sleeper(flag_off)
 
     def spin_consumer(self, ns: int) -> int:
         return self._spin(ns, self._has_data)

@@ -1,15 +1,24 @@
 """Byte layout of a ring segment (mirrored by the #defines in `_native.c`).
 
 A segment is a 4096-byte header followed by `capacity` bytes of records. All counters are
-native-endian u64, 8-byte aligned. Each side writes only its own cache line(s):
+native-endian u64, 8-byte aligned. Each 64-byte line is written by one side only, and what a
+side writes on every message but the other side never reads (its private caches) has a line of
+its own, so that the peer's loads of a published counter never miss on a line its owner keeps
+dirtying for itself:
 
     0    magic, version, capacity, max_record, creator pid + start time, attacher pid + start time
-    64   producer line: tail (published), and the producer's private head cache / pending record
-    128  consumer line: head (published), and the consumer's private tail cache / pending head
-    192  "consumer sleeping" flag (set by the consumer, cleared by either side)
-    256  "producer sleeping" flag
-    320  creator closed, attacher closed
-    1024 two scratch lines for RingBuffer.floor_pingpong
+    64   tail (published by the producer)
+    128  the producer's private line: its cached head, the pending tail and record position, how
+         often it woke the consumer (and close() adds its wake-ups there)
+    192  head (published by the consumer)
+    256  the consumer's private line: its cached tail, the pending head, how often it woke the
+         producer
+    320  "consumer sleeping" flag: set by the consumer, cleared by either side; the futex word
+         the consumer sleeps on (see wait.py and `_native.c`)
+    384  "producer sleeping" flag, the same for the producer
+    448  creator closed, attacher closed, how sleepers are woken (WAKE_FUTEX / WAKE_SEMAPHORE)
+
+`_native.c` has the same offsets as #defines; tests/test_ipc_layout.py checks that they agree.
 
 A record is an 8-byte header (u32 payload length, u16 kind, u16 magic) and its payload, padded
 to 8 bytes. A record never crosses the end of the buffer: a PAD record fills the rest instead.
@@ -20,7 +29,7 @@ length, then data), MIDDLE..., LAST; ABORT drops a fragmented message the produc
 from __future__ import annotations
 
 MAGIC = int.from_bytes(b"IPCRING1", "little")
-VERSION = 1
+VERSION = 2
 HEADER_SIZE = 4096
 DATA = HEADER_SIZE
 MIN_CAPACITY = 256
@@ -35,17 +44,24 @@ OFF_CREATOR_START = 40
 OFF_ATTACHER_PID = 48
 OFF_ATTACHER_START = 56
 OFF_TAIL = 64
-OFF_P_HEAD_CACHE = 72
-OFF_P_PENDING = 80
-OFF_P_RECORD_POS = 88
-OFF_HEAD = 128
-OFF_C_TAIL_CACHE = 136
-OFF_C_PENDING = 144
-OFF_C_SLEEPING = 192
-OFF_P_SLEEPING = 256
-OFF_CREATOR_CLOSED = 320
-OFF_ATTACHER_CLOSED = 328
-OFF_FLOOR = 1024  # two scratch cache lines for the floor ping-pong benchmark
+OFF_P_HEAD_CACHE = 128
+OFF_P_PENDING = 136
+OFF_P_RECORD_POS = 144
+OFF_P_WAKES = 152
+OFF_HEAD = 192
+OFF_C_TAIL_CACHE = 256
+OFF_C_PENDING = 264
+OFF_C_WAKES = 272
+OFF_C_SLEEPING = 320
+OFF_P_SLEEPING = 384
+OFF_CREATOR_CLOSED = 448
+OFF_ATTACHER_CLOSED = 456
+OFF_WAKE = 464
+
+# How a sleeping side is woken, chosen by the creator (OFF_WAKE): a futex on its sleeping flag
+# (Linux), or a pair of named POSIX semaphores next to the segment (elsewhere).
+WAKE_FUTEX = 1
+WAKE_SEMAPHORE = 2
 
 KIND_MSG = 1
 KIND_FIRST = 2

@@ -20,6 +20,8 @@ Memory ordering — what makes a popped message complete on x86-64 *and* aarch64
   peer's "sleeping" flag, and between setting the flag and re-reading the peer's counter.
 - Without a C compiler, `_pyops.PythonOps` does the same with POSIX semaphore operations as
   full fences (see that module for the argument).
+- How a sleeping side is woken (a futex on its flag word, or a named semaphore) and why no
+  wake-up is lost: see `ipc.wait` and `ring_sleep` in `_native.c`.
 
 Pure-Python stores to shared memory alone would be enough on x86-64 but not on aarch64, which
 is why the Python paths never publish a counter themselves.
@@ -43,7 +45,15 @@ from ipc import _native
 from ipc import layout as L
 from ipc._pyops import PythonOps
 from ipc.segment import SEMAPHORE_BYTES, Segment, check_free_space, pid_alive, process_start_time, unlink_quietly
-from ipc.wait import Doorbell, RingTimeoutError, Waiter, check_wait_params
+from ipc.wait import (
+    Doorbell,
+    RingTimeoutError,
+    Waiter,
+    check_wait_params,
+    futex_supported,
+    futex_wake_py,
+    semaphore_sleep,
+)
 
 T = TypeVar("T")
 
@@ -99,17 +109,21 @@ class _NativeOps:
     def __init__(self, lib: _native.NativeLib, anchor: ctypes.Array) -> None:
         base = ctypes.c_void_p(ctypes.addressof(anchor))
         fast, nogil = lib.fast, lib.nogil
-        for name in ("push", "reserve", "commit", "peek", "release", "arm_consumer", "disarm", "load", "store"):
+        for name in ("push", "reserve", "commit", "peek", "release", "arm_consumer", "disarm", "load", "store", "wake_sleeper"):
             setattr(self, name, functools.partial(getattr(fast, "ipc_" + name), base))
-        if lib.ext is not None:  # the hot path without ctypes (see _native.py)
-            for name in ("push", "reserve", "commit", "peek", "release"):
-                setattr(self, name, functools.partial(getattr(lib.ext, name), base.value))
         self.arm_producer = functools.partial(fast.ipc_arm_producer, base)
-        self.spin_consumer = functools.partial(nogil.ipc_spin_consumer, base)
-        self.spin_producer = functools.partial(nogil.ipc_spin_producer, base)
-        self.nap_consumer = functools.partial(nogil.ipc_nap_consumer, base)
-        self.nap_producer = functools.partial(nogil.ipc_nap_producer, base)
-        self.floor_pingpong = functools.partial(nogil.ipc_floor_pingpong, base)
+        for name in ("spin_consumer", "spin_producer", "nap_consumer", "nap_producer", "sleep_consumer", "sleep_producer"):
+            setattr(self, name, functools.partial(getattr(nogil, "ipc_" + name), base))
+        self.take = self.take_many = self.push_many = None  # extension only
+        self.ext, self.base = lib.ext, base.value
+        if lib.ext is not None:  # the hot path without ctypes (see _native.py)
+            names = ("push", "reserve", "commit", "peek", "release", "take", "take_many", "push_many")
+            for name in names + ("sleep_consumer", "sleep_producer"):
+                setattr(self, name, functools.partial(getattr(lib.ext, name), base.value))
+
+
+def _nothing() -> None:
+    pass
 
 
 def _unlink_ring(name: str, creator_pid: int) -> None:
@@ -134,10 +148,10 @@ class RingBuffer:
     producer thread and one consumer thread (in the same or different processes).
 
     spin_us: how long a waiting side spins (GIL released, yielding the CPU every few µs)
-        before sleeping on a semaphore.
+        before it sleeps (see `ipc.wait`).
     nap_window_s: after the spin, how long a waiting side naps (short sleeps that grow to
-        `ipc.wait.NAP_MAX_US`, re-checking after each) before it arms its flag and sleeps on
-        the semaphore; while it naps the other side's publish posts nothing. 0 (the default):
+        `ipc.wait.NAP_MAX_US`, re-checking after each) before it arms its flag and sleeps;
+        while it naps the other side's publish wakes nothing. 0 (the default):
         no nap phase. For a side that waits for a peer that answers within the window.
     poll_interval: how often a sleeping side wakes to check that its peer is alive.
     prefault: map every page of the segment into this process when it is created or attached
@@ -161,11 +175,9 @@ class RingBuffer:
         self.name = segment.name
         self.is_creator = segment.creator
         lib = None if pure_python else _native_lib()
-        if lib is not None:
-            self._anchor = (ctypes.c_char * segment.size).from_buffer(segment.buf)
-            self._ops: Any = _NativeOps(lib, self._anchor)
-        else:
-            self._ops = PythonOps(self._mv)
+        self._anchor = (ctypes.c_char * segment.size).from_buffer(segment.buf)  # its address, for C
+        self._address = ctypes.addressof(self._anchor)
+        self._ops: Any = _NativeOps(lib, self._anchor) if lib is not None else PythonOps(self._mv)
         self.native = lib is not None
         self._spin_us, self._poll_interval, self._nap_window_s = spin_us, poll_interval, nap_window_s
         self._pid = os.getpid()
@@ -175,26 +187,57 @@ class RingBuffer:
         self._send_abort = False
         self._fast_push = True  # not closed, no aborted fragmented message to announce
         self._finalizer: Optional[weakref.finalize] = None
-        self._data_bell: Optional[Doorbell] = None
-        self._space_bell: Optional[Doorbell] = None
+        self._bells: "Optional[tuple[Doorbell, Doorbell]]" = None
 
-    def _bind(self, data_bell: Doorbell, space_bell: Doorbell) -> None:
-        """Hooks the semaphores and the C functions into the methods' hot paths."""
+    def _bind(self, wake: int, bells: "Optional[tuple[Doorbell, Doorbell]]") -> None:
+        """Hooks the wake-up mechanism (`wake`: layout.WAKE_FUTEX, or WAKE_SEMAPHORE with the
+        two semaphores in `bells`) and the C functions into the methods' hot paths."""
         ops = self._ops
-        self._data_bell, self._space_bell = data_bell, space_bell
+        self.wake = wake
         self._op_push, self._op_peek, self._op_release = ops.push, ops.peek, ops.release
         self._op_reserve, self._op_commit = ops.reserve, ops.commit
-        self._ring_data, self._ring_space = data_bell.ring, space_bell.ring
+        disarm_data = functools.partial(ops.disarm, L.OFF_C_SLEEPING)
+        disarm_space = functools.partial(ops.disarm, L.OFF_P_SLEEPING)
+        peer_closed = _SIDES[not self.is_creator][2]
+        self._bells = bells
+        if wake == L.WAKE_SEMAPHORE:
+            data_bell, space_bell = bells
+            self._ring_data, self._ring_space = data_bell.ring, space_bell.ring
+            sleep_data = semaphore_sleep(ops.arm_consumer, disarm_data, data_bell)
+            sleep_space = semaphore_sleep(ops.arm_producer, disarm_space, space_bell)
+        else:
+            if self.native:  # commit and release have woken the sleeper in C already
+                self._ring_data = self._ring_space = _nothing
+            else:
+                ops.bind_futex(self._address)
+                self._ring_data = functools.partial(futex_wake_py, ops.flag_word(L.OFF_C_SLEEPING), 1)
+                self._ring_space = functools.partial(futex_wake_py, ops.flag_word(L.OFF_P_SLEEPING), 1)
+            sleep_data = functools.partial(ops.sleep_consumer, peer_closed)
+            sleep_space = lambda n, timeout_ns: ops.sleep_producer(n, peer_closed, timeout_ns)  # noqa: E731
+        # Whole-message fast paths that wake a sleeper in C: futex rings with the extension only.
+        fast = self.native and wake == L.WAKE_FUTEX
+        self._op_take = ops.take if fast else None
+        self._op_take_many = ops.take_many if fast else None
+        self._op_push_many = ops.push_many if fast else None
         self._data_waiter = Waiter(
-            ops.spin_consumer, ops.arm_consumer, functools.partial(ops.disarm, L.OFF_C_SLEEPING),
-            data_bell, self._check_peer, self._spin_us, self._poll_interval,
-            nap=ops.nap_consumer, nap_window_s=self._nap_window_s,
+            ops.spin_consumer, ops.arm_consumer, disarm_data, sleep_data, self._check_peer,
+            self._spin_us, self._poll_interval, nap=ops.nap_consumer, nap_window_s=self._nap_window_s,
         )
         self._space_waiter = Waiter(
-            ops.spin_producer, ops.arm_producer, functools.partial(ops.disarm, L.OFF_P_SLEEPING),
-            space_bell, self._check_peer, self._spin_us, self._poll_interval,
-            nap=ops.nap_producer, nap_window_s=self._nap_window_s,
+            ops.spin_producer, ops.arm_producer, disarm_space, sleep_space, self._check_peer,
+            self._spin_us, self._poll_interval, nap=ops.nap_producer, nap_window_s=self._nap_window_s,
         )
+        self._take_spin_ns = self._data_waiter.spin_ns
+        self._accelerated: dict = {}
+        if fast and ops.ext is not None:
+            # push and pop as one C call each for the common case (see push_fast in _native.c):
+            # instance attributes that shadow the methods while the fast path applies.
+            me, cls = weakref.proxy(self), type(self)
+            self._accelerated = {
+                "push": functools.partial(ops.ext.push_fast, ops.base, cls.push, me),
+                "pop": functools.partial(ops.ext.pop_fast, ops.base, self._take_spin_ns, cls.pop, cls._pop_rest, me),
+            }
+            self.__dict__.update(self._accelerated)
         capacity = ops.load(L.OFF_CAPACITY)
         self.capacity = capacity
         self.max_payload = L.max_record_for(capacity) - 8
@@ -229,8 +272,12 @@ class RingBuffer:
                 segment, spin_us=spin_us, poll_interval=poll_interval, pure_python=pure_python, nap_window_s=nap_window_s
             )
             ring._finalizer = finalizer
-            ring._init_header(capacity)
-            ring._bind(Doorbell.create(segment.name + "-d"), Doorbell.create(segment.name + "-s"))
+            wake = L.WAKE_FUTEX if futex_supported(ring.native) else L.WAKE_SEMAPHORE
+            ring._init_header(capacity, wake)
+            bells = None
+            if wake == L.WAKE_SEMAPHORE:
+                bells = Doorbell.create(segment.name + "-d"), Doorbell.create(segment.name + "-s")
+            ring._bind(wake, bells)
             if prefault:
                 ring._prefault()
         except BaseException:
@@ -238,9 +285,10 @@ class RingBuffer:
             raise
         return ring
 
-    def _init_header(self, capacity: int) -> None:
+    def _init_header(self, capacity: int, wake: int) -> None:
         store, pid = self._ops.store, os.getpid()
         store(L.OFF_VERSION, L.VERSION)
+        store(L.OFF_WAKE, wake)
         store(L.OFF_CAPACITY, capacity)
         store(L.OFF_MAX_RECORD, L.max_record_for(capacity))
         store(L.OFF_CREATOR_PID, pid)
@@ -265,12 +313,16 @@ class RingBuffer:
         except posix_ipc.ExistentialError:
             raise FileNotFoundError(f"no ring named {name!r} (its creator may have closed it)") from None
         ring = cls(segment, spin_us=spin_us, poll_interval=poll_interval, pure_python=pure_python, nap_window_s=nap_window_s)
-        ring._check_header()
-        try:
-            bells = Doorbell.attach(name + "-d"), Doorbell.attach(name + "-s")
-        except posix_ipc.ExistentialError:
-            raise FileNotFoundError(f"the semaphores of ring {name!r} are gone") from None
-        ring._bind(*bells)
+        wake = ring._check_header()
+        bells = None
+        if wake == L.WAKE_SEMAPHORE:
+            try:
+                bells = Doorbell.attach(name + "-d"), Doorbell.attach(name + "-s")
+            except posix_ipc.ExistentialError:
+                raise FileNotFoundError(f"the semaphores of ring {name!r} are gone") from None
+        elif not futex_supported(ring.native):
+            raise RingError(f"ring {name!r} wakes its sleepers with a futex, which this process cannot use")
+        ring._bind(wake, bells)
         pid = os.getpid()
         ring._ops.store(L.OFF_ATTACHER_START, process_start_time(pid))
         ring._ops.store(L.OFF_ATTACHER_PID, pid)
@@ -292,7 +344,8 @@ class RingBuffer:
         else:
             pages.tobytes()
 
-    def _check_header(self) -> None:
+    def _check_header(self) -> int:
+        """RingCorruptedError unless the header is a ring's; returns its wake-up mechanism."""
         load = self._ops.load
         magic, version, capacity = load(L.OFF_MAGIC), load(L.OFF_VERSION), load(L.OFF_CAPACITY)
         if magic != L.MAGIC:
@@ -301,6 +354,10 @@ class RingBuffer:
             raise RingCorruptedError(f"{self.name} has layout version {version}, expected {L.VERSION}")
         if capacity + L.HEADER_SIZE > self._segment.size or capacity < L.MIN_CAPACITY or capacity % 8:
             raise RingCorruptedError(f"{self.name} claims capacity {capacity} in a {self._segment.size}-byte segment")
+        wake = load(L.OFF_WAKE)
+        if wake not in (L.WAKE_FUTEX, L.WAKE_SEMAPHORE):
+            raise RingCorruptedError(f"{self.name} has an unknown wake-up mechanism {wake}")
+        return wake
 
     def __reduce__(self) -> tuple:
         """Pickles as "attach by name", so a ring can be handed to a multiprocessing child."""
@@ -337,14 +394,27 @@ class RingBuffer:
             return
         self._closed = True
         self._fast_push = False
+        self._accelerate("push", False)
+        self._accelerate("pop", False)
         if os.getpid() != self._pid:
             return
-        if self._data_bell is not None:
+        if self._bells is not None:
             self._ops.store(_SIDES[self.is_creator][2], 1)
-            self._data_bell.ring()
-            self._space_bell.ring()
+            for bell in self._bells:
+                bell.ring()
+        elif hasattr(self, "wake"):  # a futex ring: wake whichever side sleeps (see ring_sleep)
+            self._ops.store(_SIDES[self.is_creator][2], 1)
+            for flag, bell in ((L.OFF_C_SLEEPING, self._ring_data), (L.OFF_P_SLEEPING, self._ring_space)):
+                if self._ops.wake_sleeper(flag):
+                    bell()
         if self._finalizer is not None:
             self._finalizer()
+
+    def wakeups(self) -> dict:
+        """How often a sleeping side of this ring had to be woken: "data" by the producer's
+        publishes (and close), "space" by the consumer's. A side that spins or naps through its
+        wait costs the other side no wake-up (see `ipc.wait`)."""
+        return {"data": self._ops.load(L.OFF_P_WAKES), "space": self._ops.load(L.OFF_C_WAKES)}
 
     @property
     def closed(self) -> bool:
@@ -385,6 +455,29 @@ class RingBuffer:
                     return
         self._push_slow(data, timeout)
 
+    def push_many(self, messages: "list[bytes]", timeout: Optional[float] = None) -> None:
+        """Pushes several messages in order, publishing the tail once for as many of them as fit
+        (one wake-up of the consumer at most, instead of one look at its flag per message);
+        blocks while the ring is full, raises like `push` (the messages before the one that
+        raised were delivered). `messages`: a list of bytes-like objects."""
+        if not isinstance(messages, list):
+            raise TypeError(f"messages must be a list of bytes-like objects, got {type(messages).__name__}")
+        many, done = self._op_push_many, 0
+        while done < len(messages):
+            if many is not None and self._fast_push:
+                done += many(messages[done:] if done else messages)
+                if done == len(messages):
+                    return
+            self.push(messages[done], timeout)
+            done += 1
+
+    def _accelerate(self, name: str, on: bool) -> None:
+        """Installs (or removes, so that the method runs) the C fast path of `name`."""
+        if on and not self._closed and name in self._accelerated:
+            self.__dict__[name] = self._accelerated[name]
+        else:
+            self.__dict__.pop(name, None)
+
     def _push_slow(self, data: "bytes | bytearray | memoryview", timeout: Optional[float]) -> None:
         if self._closed:
             raise ValueError(f"ring {self.name} is closed")
@@ -393,6 +486,7 @@ class RingBuffer:
             self._put_record(b"", L.KIND_ABORT, deadline)
             self._send_abort = False
             self._fast_push = True
+            self._accelerate("push", True)
         with memoryview(data) as raw, raw.cast("B") as view:
             if len(view) <= self.max_payload:
                 self._put_record(view, L.KIND_MSG, deadline)
@@ -410,6 +504,7 @@ class RingBuffer:
         except BaseException:
             self._send_abort = True  # the consumer holds a partial message: drop it before the next one
             self._fast_push = False
+            self._accelerate("push", False)
             raise
 
     def _put_record(self, view: "bytes | memoryview", kind: int, deadline: Optional[float], total: int = -1) -> None:
@@ -436,6 +531,13 @@ class RingBuffer:
         Raises RingTimeoutError, PeerDeadError, PeerClosedError (once the closed peer's messages
         are all popped), or RingCorruptedError on a malformed frame.
         """
+        take = self._op_take
+        if take is not None and self._partial is None:
+            # One C call: peek, spin (GIL released) while empty, copy out, release.
+            r = take(self._take_spin_ns if timeout is None else min(self._take_spin_ns, int(timeout * 1e9)))
+            if type(r) is bytes:
+                return r
+            return self._consume_slow(bytes, r, _deadline(timeout), spun=True)
         r = self._op_peek()
         if r >= 0 and r >> 60 == _MSG and self._partial is None:
             off = r & _MASK
@@ -456,6 +558,29 @@ class RingBuffer:
         if r >= 0 and r >> 60 == _MSG and self._partial is None:
             return self._deliver(fn, r)
         return self._consume_slow(fn, r, _deadline(timeout))
+
+    def pop_many(self, limit: int = 1 << 16, timeout: Optional[float] = None) -> list:
+        """The messages that are there now, up to `limit` (at least one: blocks like `pop` while
+        the ring is empty), freed with one publish of the head. For a consumer that drains a
+        burst; what `pop` raises."""
+        if not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"limit must be an int >= 1, got {limit!r}")
+        many = self._op_take_many
+        if many is not None and self._partial is None:
+            batch = many(limit)
+            if batch:
+                return batch
+        batch = [self.pop(timeout)]
+        while len(batch) < limit:
+            more = many(limit - len(batch)) if many is not None and self._partial is None else None
+            if more:
+                batch += more
+                continue
+            message = self.try_pop()
+            if message is None:
+                break
+            batch.append(message)
+        return batch
 
     def try_pop(self) -> Optional[bytes]:
         """The next message, or None if no whole message is there yet (never blocks)."""
@@ -502,12 +627,14 @@ class RingBuffer:
             if self._op_release():
                 self._ring_space()
 
-    def _consume_slow(self, fn: Callable[[memoryview], T], r: int, deadline: Optional[float]) -> T:
+    def _consume_slow(self, fn: Callable[[memoryview], T], r: int, deadline: Optional[float], spun: bool = False) -> T:
+        """The rest of pop/consume after a first look (`r`); `spun`: that look spun already."""
         if self._closed:
             raise ValueError(f"ring {self.name} is closed")
         while True:
             if r == L.EMPTY:
-                self._data_waiter.wait(deadline)
+                self._data_waiter.wait(deadline, spin=not spun)
+                spun = False
             elif r < 0:
                 raise self._corrupted(r)
             elif r >> 60 == _MSG:
@@ -523,6 +650,10 @@ class RingBuffer:
                         return fn(view)
             r = self._op_peek()
 
+    def _pop_rest(self, r: int) -> bytes:
+        """pop after the C fast path's look found `r`, not a whole message (it spun already)."""
+        return self._consume_slow(bytes, r, None, spun=True)
+
     def _take_fragment(self, r: int) -> Optional[bytearray]:
         """Adds a fragment record to the message being reassembled; the message once complete."""
         kind, off, n = r >> 60, r & _MASK, (r >> 30) & _MASK
@@ -532,11 +663,13 @@ class RingBuffer:
             if partial is not None or total <= self.max_payload or total < n - 8:
                 raise self._corrupted(r, f"bad first fragment (total {total}, in a message: {partial is not None})")
             self._partial, self._partial_total = bytearray(self._mv[off + 8 : off + n]), total
+            self._accelerate("pop", False)  # a whole message now would be a corrupted ring
             return None
         if partial is None:
             raise self._corrupted(r, f"fragment of kind {kind} outside a fragmented message")
         if kind == L.KIND_ABORT:
             self._partial = None
+            self._accelerate("pop", True)
             return None
         partial += self._mv[off : off + n]
         if len(partial) > self._partial_total or (kind == L.KIND_LAST and len(partial) != self._partial_total):
@@ -544,33 +677,18 @@ class RingBuffer:
         if kind == L.KIND_MIDDLE:
             return None
         self._partial = None
+        self._accelerate("pop", True)
         return partial
 
     def _corrupted(self, code: int, problem: Optional[str] = None) -> RingCorruptedError:
         load = self._ops.load
         problem = problem or L.PROBLEMS.get(code, f"unexpected result {code}")
         self._partial = None
+        self._accelerate("pop", True)
         return RingCorruptedError(
             f"ring {self.name}: {problem} (head={load(L.OFF_HEAD)}, tail={load(L.OFF_TAIL)}, "
             f"capacity={load(L.OFF_CAPACITY)})"
         )
-
-    # ---------------------------------------------------------------- measurement
-
-    def floor_pingpong(self, iters: int, role: int, timeout: float = 10.0) -> float:
-        """The physical floor: mean ns per round trip of a bare cache-line ping-pong between
-        the two processes of this ring, in C, with no ring logic and no Python in the loop.
-
-        Both sides call it at once with the same `iters` (> 1), one with role 0, the other
-        role 1, the same number of times. Needs the C helper. TimeoutError when the other side
-        does not answer for `timeout` seconds (the C loop cannot be interrupted otherwise).
-        """
-        if not self.native:
-            raise RuntimeError("the cache-line floor needs the C helper")
-        elapsed = self._ops.floor_pingpong(L.OFF_FLOOR, iters, role, int(timeout * 1e9))
-        if elapsed < 0:
-            raise RingTimeoutError(f"floor_pingpong role {role}: no answer from the other side for {timeout} s")
-        return elapsed / iters
 
 
 def _attach_by_name(name: str, spin_us: float, poll_interval: float, pure_python: bool, nap_window_s: float) -> RingBuffer:

@@ -1,4 +1,4 @@
-"""How a side of a ring waits: spin briefly, optionally nap, then sleep on a named semaphore.
+"""How a side of a ring waits: spin briefly, optionally nap, then sleep (a futex, or a semaphore).
 
 1. spin (`spin_us`): re-check the condition every few hundred ns, yielding the CPU every ~2 µs;
    the fastest answer, at the price of a busy core.
@@ -15,18 +15,28 @@
    there is no nap at all: the waiter would sleep anyway, so it sleeps at once. A wait
    shorter than its predecessors is answered up to that first nap late, once (the next wait
    expects less).
-3. sleep: arm the flag and block on the semaphore (no CPU until woken, whatever the wait).
+3. sleep: arm the flag and block (no CPU until woken, whatever the wait). On Linux (a "futex
+   ring", the default there) the waiter sleeps in the kernel on its own sleeping flag, a word of
+   the ring's header, with FUTEX_WAIT, and the other side wakes it with FUTEX_WAKE on that word
+   right after publishing: no named semaphore, no file in /dev/shm, and the whole
+   arm-check-sleep-disarm is one C call (`ipc_sleep_*` in `_native.c`). Elsewhere (a
+   "semaphore ring") it sleeps on a named POSIX semaphore that the other side posts.
 
-All phases release the GIL: the spin and the nap run inside the C helper (a ctypes CDLL call),
-and posix_ipc's `acquire` releases the GIL while it blocks. So a thread waiting on a ring never
-starves the other threads of its process.
+All phases release the GIL: the spin, the nap and the futex sleep run inside the C helper, and
+the semaphore sleep is a ctypes call (or posix_ipc's `acquire`, which releases the GIL too). So a
+thread waiting on a ring never starves the other threads of its process.
 
 No wake-up is lost (the sleep/wake handshake): before sleeping, the waiter sets its "sleeping"
-flag, runs a seq_cst fence and re-checks the condition (`arm`); the other side publishes its
-counter, runs a seq_cst fence and reads the flag, posting the semaphore if it was set. With a
-fence on both sides, at least one of them sees the other's store (see `_native.c`). The spin
-and the nap only load the other side's counter (acquire, like every look at it) and set no
-flag, so they need no handshake: a publish they miss is seen by `arm`, which follows them.
+flag, runs a seq_cst fence and re-checks the condition (and, on a futex ring, the peer's
+"closed" flag); the other side publishes its counter (or its "closed" flag), runs a seq_cst
+fence and reads the flag, waking the waiter if it was set. With a fence on both sides, at least
+one of them sees the other's store. On a futex ring the waker clears the flag before
+FUTEX_WAKE and the waiter sleeps only while the flag still reads 1 (the kernel checks that
+atomically with the wake), so a wake that comes between the waiter's re-check and its
+FUTEX_WAIT is not lost either (the full argument is at `ring_sleep` in `_native.c`); on a
+semaphore ring the post stays counted until the waiter takes it. The spin and the nap only load
+the other side's counter (acquire, like every look at it) and set no flag, so they need no
+handshake: a publish they miss is seen by the sleep's re-check, which follows them.
 
 A sleeping waiter also wakes every `poll_interval` seconds to ask `check_peer` whether the
 other side is still alive, so a dead peer is noticed within about that interval (only when the
@@ -56,6 +66,7 @@ import errno
 import functools
 import math
 import os
+import sys
 import time
 import weakref
 from typing import Callable, Optional
@@ -120,6 +131,77 @@ def _libc() -> Optional[ctypes.CDLL]:
     return libc
 
 
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # <linux/futex.h>
+# SYS_futex where Python code makes the syscall itself (the pure-Python ring, no C helper).
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "arm64": 98, "riscv64": 98, "ppc64le": 221, "ppc64": 221, "s390x": 238}
+
+
+@functools.lru_cache(maxsize=1)
+def _syscall() -> Optional[Callable[..., int]]:
+    """libc's syscall(2) for SYS_futex from Python, or None where that is not possible."""
+    number = _SYS_FUTEX.get(os.uname().machine) if sys.platform.startswith("linux") else None
+    libc = _libc()
+    if number is None or libc is None:
+        return None
+    call = libc.syscall
+    call.restype = ctypes.c_long
+    return functools.partial(call, ctypes.c_long(number))
+
+
+def futex_wait_py(address: int, expected: int, timeout_ns: int) -> int:
+    """FUTEX_WAIT through ctypes (GIL released): `ipc_futex_wait`'s results, 0 woken or the word
+    differed, 1 timeout, 2 signal."""
+    ts = (ctypes.c_long * 2)(*divmod(max(timeout_ns, 0), 1_000_000_000))
+    if _syscall()(ctypes.c_void_p(address), _FUTEX_WAIT, ctypes.c_uint32(expected), ctypes.byref(ts), None, 0) == 0:
+        return 0
+    err = ctypes.get_errno()
+    return 1 if err == errno.ETIMEDOUT else 2 if err == errno.EINTR else 0
+
+
+def futex_wake_py(address: int, n: int) -> int:
+    """FUTEX_WAKE through ctypes: how many sleepers were woken."""
+    return max(0, _syscall()(ctypes.c_void_p(address), _FUTEX_WAKE, n, None, None, 0))
+
+
+def futex_supported(native: bool) -> bool:
+    """Whether this process can sleep on and wake a futex: Linux, with the C helper (`native`)
+    or with a known SYS_futex for ctypes."""
+    return sys.platform.startswith("linux") and (native or _syscall() is not None)
+
+
+def futex_wait(address: int, expected: int, timeout: float) -> int:
+    """Sleeps while the aligned 32-bit word at `address` (in a shared mapping) equals `expected`,
+    at most `timeout` seconds, with the GIL released. Returns 0 when woken (or the word had
+    changed), 1 on timeout, 2 when a signal ended the sleep (its Python handler has run, and
+    raises from here if it raises). For any ipc structure that sleeps on a word of its own;
+    the waker changes the word first, then calls `futex_wake`: no wake-up can be lost."""
+    if not timeout >= 0:
+        raise ValueError(f"timeout must be >= 0, got {timeout}")
+    ext = _ext()
+    if ext is not None:
+        return ext.futex_wait(address, expected, int(timeout * 1e9))
+    if _syscall() is None:
+        raise OSError(errno.ENOSYS, "futexes need Linux")
+    return futex_wait_py(address, expected, int(timeout * 1e9))
+
+
+def futex_wake(address: int, n: int = 1) -> int:
+    """Wakes up to `n` processes sleeping in `futex_wait` on the word at `address`."""
+    ext = _ext()
+    if ext is not None:
+        return ext.futex_wake(address, n)
+    if _syscall() is None:
+        raise OSError(errno.ENOSYS, "futexes need Linux")
+    return futex_wake_py(address, n)
+
+
+def _ext():
+    from ipc.ring import _native_lib  # the C helper, built once per process
+
+    lib = _native_lib()
+    return None if lib is None else lib.ext
+
+
 class RingTimeoutError(TimeoutError):
     """A wait on a ring ran out of time (a TimeoutError of the ring's own, so that a caller can
     tell it from a TimeoutError that a signal handler raised during the wait)."""
@@ -172,11 +254,30 @@ class Doorbell:
         return True
 
 
+def semaphore_sleep(arm: Callable[..., int], disarm: Callable[[], None], bell: Doorbell) -> Callable[..., int]:
+    """The sleep of a semaphore ring, with the interface of the C `ipc_sleep_*`:
+    sleep(*args, timeout_ns) -> 1 the condition holds, 0 not yet (the caller loops). A closed
+    peer posts the semaphore (it stays counted), so this never needs to report one (2)."""
+
+    def sleep(*args: int) -> int:
+        if arm(*args[:-1]):
+            return 1
+        try:
+            bell.wait(args[-1] / 1e9)
+        finally:
+            disarm()
+        return 0
+
+    return sleep
+
+
 class Waiter:
     """One side's wait for one condition (data to read, or space to write).
 
     spin(*args, ns) -> true if the condition held within ns nanoseconds (GIL released);
     nap(*args, window_ns, first_ns, max_ns) -> the same, napping (see the module docstring);
+    sleep(*args, timeout_ns) -> arms the flag, sleeps until woken or timeout_ns, disarms: 1 the
+    condition holds, 2 the peer closed, 0 not yet (GIL released);
     arm(*args) -> true if the condition already holds (then the sleeping flag is withdrawn);
     disarm() clears the sleeping flag; check_peer() raises if waiting is hopeless.
     """
@@ -186,7 +287,7 @@ class Waiter:
         spin: Callable[..., int],
         arm: Callable[..., int],
         disarm: Callable[[], None],
-        bell: Doorbell,
+        sleep: Callable[..., int],
         check_peer: Callable[[], None],
         spin_us: float,
         poll_interval: float,
@@ -197,45 +298,42 @@ class Waiter:
         if nap is None and nap_window_s > 0:
             raise ValueError(f"nap_window_s={nap_window_s} needs a nap function")
         self._spin, self._nap, self._arm, self._disarm = spin, nap, arm, disarm
-        self._bell, self._check_peer = bell, check_peer
+        self._sleep, self._check_peer = sleep, check_peer
         self.spin_ns = int(spin_us * 1000)
         self.nap_window_s = nap_window_s
         self.poll_interval = poll_interval
         self._recent: collections.deque[float] = collections.deque(maxlen=RECENT_WAITS)
 
-    def wait(self, deadline: Optional[float], *args: int) -> None:
-        """Returns once the condition holds; TimeoutError at `deadline` (time.monotonic())."""
+    def wait(self, deadline: Optional[float], *args: int, spin: bool = True) -> None:
+        """Returns once the condition holds; TimeoutError at `deadline` (time.monotonic()).
+        spin=False: skip the spin phase (the caller has just spun)."""
         started = time.monotonic()
-        self._wait(started, deadline, args)
+        self._wait(started, deadline, args, spin)
         if self.nap_window_s > 0:
             self._recent.append(time.monotonic() - started)
 
-    def _wait(self, started: float, deadline: Optional[float], args: tuple) -> None:
-        spin_ns = self.spin_ns
+    def _wait(self, started: float, deadline: Optional[float], args: tuple, spin: bool) -> None:
+        spin_ns = self.spin_ns if spin else 0
         if deadline is not None:
             spin_ns = min(spin_ns, int((deadline - started) * 1e9))
         if spin_ns > 0 and self._spin(*args, spin_ns):
             return
         if self.nap_window_s > 0 and self._nap_through(started, deadline, args):
             return
-        slept = False
         while True:
-            if self._arm(*args):
-                return
-            if slept and self._look_at_peer(args):
-                return
             step = self.poll_interval
             if deadline is not None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    if self._arm(*args):
+                        return
                     self._disarm()
                     raise RingTimeoutError("timed out waiting on the ring")
                 step = min(step, remaining)
-            try:
-                self._bell.wait(step)
-            finally:
-                self._disarm()
-            slept = True
+            if self._sleep(*args, int(step * 1e9)) == 1:
+                return
+            if self._look_at_peer(args):  # after each poll interval, and at once when it closed
+                return
 
     def _nap_through(self, started: float, deadline: Optional[float], args: tuple) -> bool:
         """The nap phase: True once the condition holds, False when the window (or the deadline)

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,18 +34,16 @@ def pure_python(request) -> bool:
     return request.param
 
 
-def _count_posts(side: RingBuffer, bell: str = "_ring_data") -> list[int]:
-    """Counts `side`'s posts of the other side's semaphore (the wake-ups it pays): "_ring_data"
-    for a producer's, "_ring_space" for a consumer's."""
-    posts = [0]
-    ring = getattr(side, bell)
+def _count_posts(side: RingBuffer, kind: str = "data") -> Any:
+    """The wake-ups of `kind` ("data": the producer's, "space": the consumer's) from now on,
+    read at each use as `posts[0]` (the ring's own counters, kept in C)."""
+    start = side.wakeups()[kind]
 
-    def counted() -> None:
-        posts[0] += 1
-        ring()
+    class Posts:
+        def __getitem__(self, i: int) -> int:
+            return side.wakeups()[kind] - start
 
-    setattr(side, bell, counted)
-    return posts
+    return Posts()
 
 
 def _napping_pair(pure_python: bool, nap_window_s: float, poll_interval: float = 30.0):
@@ -89,7 +88,7 @@ def test_producer_naps_for_space_too(pure_python):
     """The producer's wait for space naps as well: the consumer's release then posts nothing."""
     tx = RingBuffer.create(1024, spin_us=0, poll_interval=30, nap_window_s=20.0, pure_python=pure_python)
     rx = RingBuffer.attach(tx.name, spin_us=0, pure_python=pure_python)
-    space_posts = _count_posts(rx, "_ring_space")
+    space_posts = _count_posts(rx, "space")
     try:
         sent = 0
         with pytest.raises(TimeoutError):
@@ -162,12 +161,11 @@ def test_last_message_of_a_peer_that_closes_during_the_naps_is_delivered():
         published.append(True)
         raise PeerClosedError("the peer closed")
 
-    def never_rung(timeout: float) -> bool:
-        raise AssertionError("the nap phase must not reach the semaphore")
+    def never_sleeps(timeout_ns: int) -> int:
+        raise AssertionError("the nap phase must not reach the sleep")
 
-    bell = type("Bell", (), {"wait": staticmethod(never_rung)})()
     waiter = Waiter(
-        spin=lambda ns: 0, arm=lambda: bool(published), disarm=lambda: None, bell=bell,
+        spin=lambda ns: 0, arm=lambda: bool(published), disarm=lambda: None, sleep=never_sleeps,
         check_peer=peer_publishes_and_closes, spin_us=0, poll_interval=0.01,
         nap=lambda window_ns, first_ns, max_ns: 0, nap_window_s=5.0,
     )
@@ -193,14 +191,16 @@ class _Condition:
         time.sleep(max(min(first_ns, window_ns) / 1e9, 0.0))
         return self.holds()
 
-    def wait(self, timeout: float) -> bool:  # the bell
+    def sleep(self, timeout_ns: int) -> int:  # the sleep phase
+        if self.holds():
+            return 1
         self.bell_waits += 1
-        time.sleep(max(min(timeout, self.ready_at - time.monotonic()), 0.0))
-        return bool(self.holds())
+        time.sleep(max(min(timeout_ns / 1e9, self.ready_at - time.monotonic()), 0.0))
+        return self.holds()
 
     def waiter(self, nap_window_s: float) -> Waiter:
         return Waiter(
-            spin=self.holds, arm=self.holds, disarm=lambda: None, bell=self, check_peer=lambda: None,
+            spin=self.holds, arm=self.holds, disarm=lambda: None, sleep=self.sleep, check_peer=lambda: None,
             spin_us=0, poll_interval=10.0, nap=self.nap, nap_window_s=nap_window_s,
         )
 

@@ -1,0 +1,623 @@
+"""IPC between two processes: the ring against iceoryx2, pipes, ZeroMQ and multiprocessing.
+
+    python -m ipc.bench --quick --json out.json --plot out.png
+
+For each transport and payload, a child process echoes what the parent sends:
+
+- busy:   round trips back to back (ping-pong), both sides polling; median and p99 round trip;
+- paced:  one round trip every 1 ms, so the receiver has gone to sleep each time (for iceoryx2,
+          whose subscriber cannot block, it waits on an iceoryx2 event the sender notifies);
+- msgs/s: one-way throughput, the parent sending back to back, acknowledged once at the end
+          (the ring sends it in batches: `push_many` / `pop_many`, one published tail per batch).
+
+Transports (`transport` in the JSON, `variant` where there are several):
+- shm: ipc.RingBuffer, one ring per direction;
+- iceoryx2: publish-subscribe of a fixed-size payload type, `send_copy` (copy) or a loaned
+  sample written in place (loan); the `bench` extra of the package (pip install iceoryx2);
+- pipe: a raw os.pipe per direction (length-prefixed writes, reads into a buffer), and
+  multiprocessing.Pipe (send_bytes / recv_bytes);
+- zmq: pyzmq PUSH/PULL over ipc:// (when pyzmq is installed);
+- queue: multiprocessing.Queue;
+- floor: two processes bouncing a counter between two cache lines in C (`_floor.c`, built
+  here with the system compiler): the machine's limit, no queue logic at all.
+
+The table's CHECK lines: the ring's median round trip below every peer's, busy and paced, at
+64 B, 1 KiB and 64 KiB; its one-way msg/s the highest of every row; its 64 B busy round trip
+within 10x the floor. Run it alone on the machine: it needs two idle cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+CASES = (
+    ("shm", "ring"),
+    ("iceoryx2", "copy"),
+    ("iceoryx2", "loan"),
+    ("pipe", "os.pipe"),
+    ("pipe", "multiprocessing"),
+    ("zmq", "push/pull"),
+    ("queue", "multiprocessing"),
+)
+RAW_SIZES = {"64B": 64, "1KiB": 1024, "64KiB": 64 << 10, "1MiB": 1 << 20}
+CHECKED = ("64B", "1KiB", "64KiB")  # the payloads of the acceptance checks
+FLOOR_FACTOR = 10.0
+PACE_S = 0.001
+BATCH = 64  # messages per push_many in the ring's throughput run
+_LEN = struct.Struct("=I")
+
+
+def label(transport: str, variant: str) -> str:
+    return transport if transport in ("shm", "zmq", "queue") else f"{transport} {variant}"
+
+
+@dataclass
+class Counts:
+    busy: int
+    paced: int
+    tput: int
+
+    @property
+    def warmup(self) -> int:
+        return max(5, self.busy // 10)
+
+
+def counts_for(size: int, quick: bool) -> Counts:
+    if size >= 1 << 20:
+        return Counts(50, 50, 100)
+    if size >= 16 << 10:
+        return Counts(500, 200, 1000) if quick else Counts(5000, 1000, 10000)
+    return Counts(2000, 200, 10000) if quick else Counts(20000, 1000, 100000)
+
+
+@dataclass
+class Payload:
+    """What is sent: raw bytes, or a message with its encode/decode (see benchmarks/ipc_latency.py)."""
+
+    name: str
+    make: Callable[[], Any]  # -> the object sent; a top-level function (it runs in the child too)
+    codec: Optional[Callable[[], tuple[Callable, Callable]]] = None  # -> (encode, decode)
+
+
+def raw_payload(name: str) -> Payload:
+    return Payload(name, _RawMaker(RAW_SIZES[name]))
+
+
+class _RawMaker:
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __call__(self) -> bytes:
+        return hashlib.shake_256(b"ipc.bench").digest(self.size)
+
+
+# ----------------------------------------------------------------------------- endpoints
+
+
+@dataclass
+class Endpoint:
+    send: Callable[[Any], Any]
+    recv: Callable[[], Any]
+    close: Callable[[], Any]
+    send_paced: Optional[Callable[[Any], Any]] = None  # the paced run's (a receiver that sleeps)
+    recv_paced: Optional[Callable[[], Any]] = None
+    send_many: Optional[Callable[[Any, int], Any]] = None  # the throughput run's
+    recv_many: Optional[Callable[[int], Any]] = None
+
+    def __post_init__(self) -> None:
+        self.send_paced = self.send_paced or self.send
+        self.recv_paced = self.recv_paced or self.recv
+        if self.send_many is None:
+            send = self.send
+
+            def send_many(obj: Any, count: int) -> None:
+                for _ in range(count):
+                    send(obj)
+
+            self.send_many = send_many
+        if self.recv_many is None:
+            recv = self.recv
+
+            def recv_many(count: int) -> None:
+                for _ in range(count):
+                    recv()
+
+            self.recv_many = recv_many
+
+
+def _typed(send_raw: Callable, recv_raw: Callable, payload: Payload) -> tuple[Callable, Callable]:
+    if payload.codec is None:
+        return send_raw, recv_raw
+    encode, decode = payload.codec()
+    return (lambda obj: send_raw(encode(obj))), (lambda: decode(recv_raw()))
+
+
+def _ring_endpoint(handles: dict, side: str, payload: Payload) -> Endpoint:
+    from ipc import RingBuffer
+
+    if side == "parent":
+        tx, rx = handles["rings"]
+    else:
+        tx = RingBuffer.attach(handles["names"][1])
+        rx = RingBuffer.attach(handles["names"][0])
+    close = lambda: (tx.close(), rx.close())  # noqa: E731
+    if payload.codec is not None:
+        encode, decode = payload.codec()
+        return Endpoint(lambda obj: tx.push(encode(obj)), lambda: rx.consume(decode), close)
+
+    def send_many(obj: bytes, count: int) -> None:
+        batch = [obj] * BATCH
+        for _ in range(count // BATCH):
+            tx.push_many(batch)
+        tx.push_many(batch[: count % BATCH])
+
+    def recv_many(count: int) -> None:
+        while count > 0:
+            count -= len(rx.pop_many(count))
+
+    return Endpoint(tx.push, rx.pop, close, send_many=send_many, recv_many=recv_many)
+
+
+def _pipe_endpoint(handles: dict, side: str, payload: Payload) -> Endpoint:
+    """Length-prefixed messages on a raw pipe per direction: one write, reads into a buffer.
+    (The pipes travel to the child as multiprocessing Connections; only their fds are used.)"""
+    reader, writer = handles["ends"][side]
+    r, w = reader.fileno(), writer.fileno()
+    buf = bytearray(max(4096, handles["size"] + 8))
+    view = memoryview(buf)
+    write, readinto = os.write, os.readv
+
+    def send_raw(data: bytes) -> None:
+        out = memoryview(_LEN.pack(len(data)) + data)
+        while out:
+            out = out[write(w, out):]
+
+    def recv_raw() -> bytes:
+        got = readinto(r, [view[:4]])
+        while got < 4:
+            got += readinto(r, [view[got:4]])
+        n = _LEN.unpack_from(buf)[0]
+        got = 0
+        while got < n:
+            got += readinto(r, [view[got:n]])
+        return bytes(view[:n])
+
+    send, recv = _typed(send_raw, recv_raw, payload)
+    return Endpoint(send, recv, lambda: (reader.close(), writer.close()))
+
+
+def _iceoryx2_endpoint(handles: dict, side: str, payload: Payload, loan: bool) -> Endpoint:
+    import iceoryx2 as iox
+
+    iox.set_log_level(iox.LogLevel.Error)
+    size = handles["size"]
+    kind = ctypes.c_uint8 * size
+    node = iox.NodeBuilder.new().create(iox.ServiceType.Ipc)
+    out_name, in_name = handles["services"] if side == "parent" else handles["services"][::-1]
+
+    def service(name: str) -> Any:
+        return (
+            node.service_builder(iox.ServiceName.new(name))
+            .publish_subscribe(kind)
+            .enable_safe_overflow(False)
+            .subscriber_max_buffer_size(256)
+            .open_or_create()
+        )
+
+    def event(name: str) -> Any:
+        return node.service_builder(iox.ServiceName.new(name + "-event")).event().open_or_create()
+
+    out_service, in_service = service(out_name), service(in_name)
+    pub = out_service.publisher_builder().backpressure_strategy(iox.BackpressureStrategy.RetryUntilDelivered).create()
+    sub = in_service.subscriber_builder().create()
+    give_up = time.monotonic() + 30
+    while out_service.dynamic_config.number_of_subscribers < 1 or in_service.dynamic_config.number_of_publishers < 1:
+        if time.monotonic() > give_up:  # a sample sent before the peer subscribed would be lost
+            raise TimeoutError(f"iceoryx2: the other side did not connect to {out_name} / {in_name}")
+        time.sleep(0.001)
+    pub.update_connections()
+    notifier = event(out_name).notifier_builder().create()
+    listener = event(in_name).listener_builder().create()
+    string_at, memmove = ctypes.string_at, ctypes.memmove
+
+    if loan:
+
+        def send_raw(data: bytes) -> None:
+            sample = pub.loan_uninit()
+            memmove(sample.payload_ptr, data, len(data))
+            sample.assume_init().send()
+
+    else:
+        send_copy = pub.send_copy
+
+        def send_raw(data: bytes) -> None:
+            send_copy(kind.from_buffer_copy(data))
+
+    def recv_raw() -> bytes:
+        while True:
+            sample = sub.receive()
+            if sample is not None:
+                data = string_at(sample.payload_ptr, size)
+                sample.delete()
+                return data
+
+    def send_paced_raw(data: bytes) -> None:
+        send_raw(data)
+        notifier.notify()
+
+    def recv_paced_raw() -> bytes:
+        while True:
+            sample = sub.receive()
+            if sample is not None:
+                data = string_at(sample.payload_ptr, size)
+                sample.delete()
+                return data
+            listener.blocking_wait()
+
+    send, recv = _typed(send_raw, recv_raw, payload)
+    send_paced, recv_paced = _typed(send_paced_raw, recv_paced_raw, payload)
+    keep = (node, pub, sub, notifier, listener)
+
+    def close() -> None:
+        for port in keep[:0:-1]:
+            port.delete()
+
+    return Endpoint(send, recv, close, send_paced=send_paced, recv_paced=recv_paced)
+
+
+def endpoint(transport: str, variant: str, handles: dict, side: str, payload: Payload) -> Endpoint:
+    """One side ("parent" or "child") of a transport."""
+    if transport == "shm":
+        return _ring_endpoint(handles, side, payload)
+    if transport == "iceoryx2":
+        return _iceoryx2_endpoint(handles, side, payload, loan=variant == "loan")
+    if transport == "pipe" and variant == "os.pipe":
+        return _pipe_endpoint(handles, side, payload)
+    if transport == "pipe":
+        conn = handles["conns"][0 if side == "parent" else 1]
+        send, recv = _typed(conn.send_bytes, conn.recv_bytes, payload)
+        return Endpoint(send, recv, conn.close)
+    if transport == "zmq":
+        import zmq
+
+        ctx = zmq.Context()
+        push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        for sock in (push, pull):
+            sock.setsockopt(zmq.LINGER, 0)
+        a, b = handles["paths"]
+        if side == "parent":
+            push.bind(a)
+            pull.bind(b)
+        else:
+            pull.connect(a)
+            push.connect(b)
+        send, recv = _typed(push.send, pull.recv, payload)
+        return Endpoint(send, recv, lambda: (push.close(), pull.close(), ctx.term()))
+    if transport == "queue":
+        to_child, to_parent = handles["queues"]
+        tx, rx = (to_child, to_parent) if side == "parent" else (to_parent, to_child)
+        send, recv = _typed(tx.put, rx.get, payload)
+        return Endpoint(send, recv, lambda: None)
+    raise ValueError(f"transport must be one of {sorted({t for t, _ in CASES})}, got {transport!r}")
+
+
+def child_main(transport: str, variant: str, payload: Payload, handles: dict, counts: Counts) -> None:
+    """The echo side: busy and paced round trips, then a throughput run acknowledged once."""
+    obj = payload.make()
+    end = endpoint(transport, variant, handles, "child", payload)
+    gc.disable()
+    send, recv = end.send, end.recv
+    for _ in range(counts.warmup + counts.busy):
+        send(recv())
+    send_paced, recv_paced = end.send_paced, end.recv_paced
+    for _ in range(counts.paced):
+        send_paced(recv_paced())
+    end.recv_many(counts.tput)
+    send(obj)
+    recv()  # the parent's "done": keeps our end open until the parent has read the ack
+    end.close()
+
+
+# ----------------------------------------------------------------------------- parent
+
+
+def _round_trips(send: Callable, recv: Callable, obj: Any, n: int, pace: float) -> list[float]:
+    rtts = []
+    next_at = time.perf_counter()
+    clock = time.perf_counter_ns
+    for _ in range(n):
+        if pace:
+            next_at += pace
+            delay = next_at - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+        t0 = clock()
+        send(obj)
+        recv()
+        rtts.append((clock() - t0) / 1000.0)
+    return rtts
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+
+
+def encoded_size(payload: Payload, obj: Any) -> int:
+    return len(obj) if payload.codec is None else len(payload.codec()[0](obj))
+
+
+def make_handles(transport: str, variant: str, size: int, ctx: Any) -> tuple[dict, dict, Callable]:
+    """(the parent's handles, what the child gets, cleanup)."""
+    if transport == "shm":
+        from ipc import RingBuffer
+
+        capacity = 8 << 20 if size >= (1 << 20) else 1 << 20
+        rings = tuple(RingBuffer.create(capacity) for _ in range(2))
+        return {"rings": rings}, {"names": [r.name for r in rings]}, lambda: [r.close() for r in rings]
+    if transport == "iceoryx2":
+        tag = f"ipcbench/{os.getpid()}-{time.monotonic_ns()}"
+        handles = {"services": [tag + "/to-child", tag + "/to-parent"], "size": size}
+        return handles, handles, lambda: None
+    if transport == "pipe" and variant == "os.pipe":
+        down, up = ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)  # (reader, writer) each
+        ends = {"parent": (up[0], down[1]), "child": (down[0], up[1])}
+        return {"ends": ends, "size": size}, {"ends": ends, "size": size}, lambda: None
+    if transport == "zmq":
+        tmp = tempfile.mkdtemp(prefix="ipcbench-")
+        paths = [f"ipc://{tmp}/a", f"ipc://{tmp}/b"]
+        return {"paths": paths}, {"paths": paths}, lambda: shutil.rmtree(tmp, ignore_errors=True)
+    if transport == "pipe":
+        conns = ctx.Pipe(duplex=True)
+        return {"conns": conns}, {"conns": conns}, lambda: None
+    queues = (ctx.Queue(), ctx.Queue())
+    return {"queues": queues}, {"queues": queues}, lambda: [q.close() for q in queues]
+
+
+def run_case(transport: str, variant: str, payload: Payload, quick: bool, ctx: Any) -> list[dict]:
+    obj = payload.make()
+    size = encoded_size(payload, obj)
+    counts = counts_for(size, quick)
+    parent_handles, child_handles, cleanup = make_handles(transport, variant, size, ctx)
+    child = ctx.Process(target=child_main, args=(transport, variant, payload, child_handles, counts), daemon=True)
+    child.start()
+    if transport == "pipe" and variant == "os.pipe":  # the child has its ends now: close ours
+        for conn in child_handles["ends"]["child"]:
+            conn.close()
+    try:
+        end = endpoint(transport, variant, parent_handles, "parent", payload)
+        send, recv = end.send, end.recv
+        gc.collect()
+        gc.disable()
+        try:
+            _round_trips(send, recv, obj, counts.warmup, 0.0)
+            busy = _round_trips(send, recv, obj, counts.busy, 0.0)
+            paced = _round_trips(end.send_paced, end.recv_paced, obj, counts.paced, PACE_S)
+            t0 = time.perf_counter()
+            end.send_many(obj, counts.tput)
+            recv()
+            tput = counts.tput / (time.perf_counter() - t0)
+            send(obj)
+        finally:
+            gc.enable()
+        child.join(timeout=60)
+        if child.exitcode != 0:
+            raise RuntimeError(f"{label(transport, variant)}/{payload.name} echo process exited with {child.exitcode}")
+        end.close()
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join()
+        cleanup()
+    row = dict(transport=transport, variant=variant, payload=payload.name, payload_bytes=size)
+    return [
+        dict(row, mode="busy", rtt_us_median=statistics.median(busy), rtt_us_p99=_p99(busy), msgs_per_s=tput),
+        dict(row, mode="paced", rtt_us_median=statistics.median(paced), rtt_us_p99=_p99(paced), msgs_per_s=None),
+    ]
+
+
+def build_floor() -> Optional[str]:
+    """The floor program, compiled into a private temporary directory; None without a compiler."""
+    from ipc._native import find_compiler
+
+    cc = find_compiler()
+    if cc is None:
+        return None
+    out = Path(tempfile.mkdtemp(prefix="ipcbench-floor-")) / "floor"
+    subprocess.run([cc, "-O2", "-o", str(out), str(Path(__file__).with_name("_floor.c"))], check=True, capture_output=True)
+    return str(out)
+
+
+def run_floor(quick: bool) -> list[dict]:
+    """Two processes, two cache lines, C spinning: the round trip no transport can beat here."""
+    program = build_floor()
+    if program is None:
+        return []
+    batches, iters = (21, 5000) if quick else (51, 20000)
+    try:
+        out = subprocess.run([program, str(batches), str(iters)], check=True, capture_output=True, text=True, timeout=120)
+    finally:
+        shutil.rmtree(Path(program).parent, ignore_errors=True)
+    means = [float(line) / 1000.0 for line in out.stdout.split()]
+    return [dict(transport="floor", variant="cacheline", payload="cacheline", payload_bytes=8, mode="busy",
+                 rtt_us_median=statistics.median(means), rtt_us_p99=max(means), msgs_per_s=None)]
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _index(rows: list[dict]) -> dict:
+    return {(r["transport"], r["variant"], r["payload"], r["mode"]): r for r in rows}
+
+
+def checks(rows: list[dict]) -> list[tuple[str, bool]]:
+    """(CHECK line, ok) for every acceptance target the rows allow to judge."""
+    by_key, out = _index(rows), []
+    payloads = list(dict.fromkeys(r["payload"] for r in rows if r["transport"] == "shm"))
+    for payload in payloads:
+        for mode in ("busy", "paced"):
+            shm = by_key.get(("shm", "ring", payload, mode))
+            peers = [r for (t, v, p, m), r in by_key.items() if p == payload and m == mode and t not in ("shm", "floor")]
+            if shm is None or not peers:
+                continue
+            if payload in CHECKED:
+                best = min(peers, key=lambda r: r["rtt_us_median"])
+                ok = shm["rtt_us_median"] < best["rtt_us_median"]
+                out.append((f"CHECK {'ok  ' if ok else 'FAIL'} {payload} {mode}: shm {shm['rtt_us_median']:.2f} µs < best peer "
+                            f"{label(best['transport'], best['variant'])} {best['rtt_us_median']:.2f} µs "
+                            f"(ratio {shm['rtt_us_median'] / best['rtt_us_median']:.3f})", ok))
+            if mode == "busy" and shm.get("msgs_per_s"):
+                best = max(peers, key=lambda r: r.get("msgs_per_s") or 0)
+                ok = shm["msgs_per_s"] > (best.get("msgs_per_s") or 0)
+                out.append((f"CHECK {'ok  ' if ok else 'FAIL'} {payload} one-way: shm {shm['msgs_per_s']:,.0f} msg/s > best peer "
+                            f"{label(best['transport'], best['variant'])} {best['msgs_per_s']:,.0f} "
+                            f"(ratio {shm['msgs_per_s'] / best['msgs_per_s']:.2f})", ok))
+    floor, shm64 = by_key.get(("floor", "cacheline", "cacheline", "busy")), by_key.get(("shm", "ring", "64B", "busy"))
+    if floor and shm64:
+        ratio = shm64["rtt_us_median"] / floor["rtt_us_median"]
+        ok = ratio <= FLOOR_FACTOR
+        out.append((f"CHECK {'ok  ' if ok else 'FAIL'} 64B busy: shm {shm64['rtt_us_median']:.2f} µs <= {FLOOR_FACTOR:g}x floor "
+                    f"{floor['rtt_us_median']:.3f} µs (ratio {ratio:.1f}x)", ok))
+    return out
+
+
+def format_table(rows: list[dict]) -> str:
+    by_key = _index(rows)
+    cases = [c for c in CASES if any(k[:2] == c for k in by_key)]
+    payloads = list(dict.fromkeys(r["payload"] for r in rows if r["transport"] != "floor"))
+    head = "| payload | bytes | mode | " + " | ".join(f"{label(*c)} µs (p99)" for c in cases) + " | shm / best peer |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for payload in payloads:
+        for mode in ("busy", "paced"):
+            cells = [by_key.get((*c, payload, mode)) for c in cases]
+            if not any(cells):
+                continue
+            size = next(c for c in cells if c)["payload_bytes"]
+            lat = [f"{c['rtt_us_median']:.2f} ({c['rtt_us_p99']:.0f})" if c else "-" for c in cells]
+            shm, peers = cells[0] if cases[0][0] == "shm" else None, [c for c in cells[1:] if c]
+            ratio = f"{shm['rtt_us_median'] / min(p['rtt_us_median'] for p in peers):.3f}" if shm and peers else "-"
+            lines.append(f"| {payload} | {size} | {mode} | " + " | ".join(lat) + f" | {ratio} |")
+    lines += ["", "| payload | " + " | ".join(f"{label(*c)} msg/s" for c in cases) + " | shm / best peer |",
+              "|" + "---|" * (len(cases) + 2)]
+    for payload in payloads:
+        cells = [by_key.get((*c, payload, "busy")) for c in cases]
+        rates = [c["msgs_per_s"] if c and c.get("msgs_per_s") else None for c in cells]
+        peers = [r for r in rates[1:] if r]
+        ratio = f"{rates[0] / max(peers):.2f}" if rates[0] and peers else "-"
+        lines.append(f"| {payload} | " + " | ".join(f"{r:,.0f}" if r else "-" for r in rates) + f" | {ratio} |")
+    floor = by_key.get(("floor", "cacheline", "cacheline", "busy"))
+    if floor:
+        lines.append(f"\nfloor (C, two cache lines, both sides spinning): {floor['rtt_us_median']:.3f} µs per round trip")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_key = _index(rows)
+    cases = [c for c in CASES if any(k[:2] == c for k in by_key)]
+    payloads = list(dict.fromkeys(r["payload"] for r in rows if r["transport"] != "floor"))
+    fig, axes = plt.subplots(3, 1, figsize=(13, 14))
+    width = 0.8 / max(1, len(cases))
+    panels = [("busy", "rtt_us_median", "busy round trip, median (µs, log)"),
+              ("paced", "rtt_us_median", "paced (1 ms apart, receiver asleep) round trip, median (µs, log)"),
+              ("busy", "msgs_per_s", "one-way throughput (messages/s, log)")]
+    for ax, (mode, key, title) in zip(axes, panels):
+        for i, case in enumerate(cases):
+            values = [(by_key.get((*case, p, mode)) or {}).get(key) or 0 for p in payloads]
+            bars = ax.bar([x + (i - (len(cases) - 1) / 2) * width for x in range(len(payloads))], values, width, label=label(*case))
+            if case[0] == "shm":
+                for bar, value in zip(bars, values):
+                    text = f"{value:.2f}" if key == "rtt_us_median" else f"{value / 1e6:.2f}M"
+                    ax.annotate(text, (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom", fontsize=7)
+        floor = by_key.get(("floor", "cacheline", "cacheline", "busy"))
+        if floor and mode == "busy" and key == "rtt_us_median":
+            ax.axhline(floor["rtt_us_median"], color="gray", linestyle=":", label=f"C floor {floor['rtt_us_median']:.3f} µs")
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(payloads)))
+        ax.set_xticklabels(payloads)
+        ax.set_title(title)
+        ax.grid(axis="y", which="both", alpha=0.3)
+        ax.legend(loc="upper right", fontsize=7, ncol=4)
+    fig.suptitle("IPC between two processes: ipc ring vs iceoryx2, pipes, ZeroMQ, multiprocessing")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def available(transport: str) -> bool:
+    module = {"iceoryx2": "iceoryx2", "zmq": "zmq"}.get(transport)
+    if module is None:
+        return True
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def main(argv: Optional[list[str]] = None, extra_payloads: Optional[dict[str, Payload]] = None, prog: Optional[str] = None) -> int:
+    payloads = {name: raw_payload(name) for name in RAW_SIZES}
+    payloads.update(extra_payloads or {})
+    transports = sorted({t for t, _ in CASES})
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer round trips (a couple of minutes)")
+    parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
+    parser.add_argument("--plot", metavar="PATH.png", help="draw the results")
+    parser.add_argument("--transports", default=",".join(transports), help="comma-separated subset")
+    parser.add_argument("--payloads", default=",".join(payloads), help="comma-separated subset")
+    parser.add_argument("--no-floor", action="store_true", help="skip the C floor")
+    args = parser.parse_args(argv)
+    chosen_t = [t for t in args.transports.split(",") if t]
+    chosen_p = [p for p in args.payloads.split(",") if p]
+    for name, chosen, allowed in (("transport", chosen_t, transports), ("payload", chosen_p, list(payloads))):
+        bad = sorted(set(chosen) - set(allowed))
+        if bad:
+            parser.error(f"unknown {name}(s) {bad}; choose from {allowed}")
+    cases = []
+    for case in CASES:
+        if case[0] in chosen_t:
+            if available(case[0]):
+                cases.append(case)
+            else:
+                print(f"skipping {label(*case)}: its package is not installed (pip install 'shmvllm[bench]')", file=sys.stderr)
+
+    ctx = mp.get_context("spawn")
+    started = time.monotonic()
+    rows = [] if args.no_floor else run_floor(args.quick)
+    for name in chosen_p:
+        for transport, variant in cases:
+            rows.extend(run_case(transport, variant, payloads[name], args.quick, ctx))
+            print(f"  {label(transport, variant):24s} {name:8s} done ({time.monotonic() - started:.0f} s)", file=sys.stderr)
+    print(format_table(rows))
+    results = checks(rows)
+    print()
+    for line, _ in results:
+        print(line)
+    failed = [line for line, ok in results if not ok]
+    print(f"\n{len(results) - len(failed)}/{len(results)} checks hold ({time.monotonic() - started:.0f} s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.plot:
+        plot(rows, args.plot)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(prog="python -m ipc.bench"))

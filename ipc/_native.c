@@ -495,11 +495,16 @@ static PyObject *py_take(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
 /* The bodies of RingBuffer.push and .pop for the common case, so that a message costs one call
  * from Python (futex rings: the wake-up, if any, happens in C). Bound per ring with
  * functools.partial; what they do not handle they hand to the Python method.
- *   push_fast(base, push, ring, data[, timeout]): a bytes object that fits in a record and in
- *     the ring now is pushed here; anything else is push(ring, data[, timeout]).
- *   pop_fast(base, spin_ns, pop, pop_rest, ring[, timeout]): without a timeout, take() (spin
- *     included); a result that is not a whole message goes to pop_rest(ring, result); with a
- *     timeout, pop(ring, timeout).
+ * `gate` is a bytearray of the ring object: while gate[0] (gate[1]) is nonzero, push (pop) goes
+ * to the Python method at once (the ring is closed, or a fragmented message is under way).
+ *   push_fast(base, gate, push, ring, data[, timeout]): a bytes object that fits in a record
+ *     and in the ring now is pushed here; anything else is push(ring, data[, timeout]).
+ *   pop_fast(base, gate, spin_ns, sleep_ns, closed_off, pop, pop_rest, ring[, timeout]): without a
+ *     timeout, the whole wait of the common case: peek, spin while empty (spin_ns), then sleep
+ *     once (ring_sleep, at most sleep_ns: the poll interval; 0 = no sleep here) and copy out the
+ *     message; a result that is not a whole message goes to pop_rest(ring, result, slept),
+ *     which looks at the peer first if we slept; with a timeout, pop(ring, timeout). The
+ *     Python code after a wake-up (cold caches after a long sleep) is what this saves. 
  * `ring` is a weak proxy, so that the ring does not keep itself alive through its own methods. */
 static PyObject *call_with_ring(PyObject *fn, PyObject *ring, PyObject *const *rest, Py_ssize_t nrest, PyObject *kwnames) {
     PyObject *argv[8];
@@ -519,32 +524,57 @@ static int no_timeout(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t fixed,
     return nargs == fixed || (nargs == fixed + 1 && args[fixed] == Py_None);
 }
 
+/* Whether the gate (args[1], a bytearray of 2) lets the fast path of `which` run. */
+static int gate_open(PyObject *gate, int which) {
+    return PyByteArray_CheckExact(gate) && PyByteArray_GET_SIZE(gate) == 2 && PyByteArray_AS_STRING(gate)[which] == 0;
+}
+
 static PyObject *py_push_fast(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     uint8_t *b;
-    if (nargs < 3 || base_arg(args, 1, 1, &b) < 0) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "push_fast(base, push, ring, ...)");
+    if (nargs < 4 || base_arg(args, 1, 1, &b) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "push_fast(base, gate, push, ring, ...)");
         return NULL;
     }
-    if (nargs >= 4 && no_timeout(args, nargs, 4, kwnames) && PyBytes_CheckExact(args[3]) && PyBytes_GET_SIZE(args[3]) <= INT32_MAX) {
-        int64_t r = ipc_push(b, (const uint8_t *)PyBytes_AS_STRING(args[3]), (int)PyBytes_GET_SIZE(args[3]));
+    if (nargs >= 5 && gate_open(args[1], 0) && no_timeout(args, nargs, 5, kwnames) && PyBytes_CheckExact(args[4])
+        && PyBytes_GET_SIZE(args[4]) <= INT32_MAX) {
+        int64_t r = ipc_push(b, (const uint8_t *)PyBytes_AS_STRING(args[4]), (int)PyBytes_GET_SIZE(args[4]));
         if (r >= 0) Py_RETURN_NONE;
     }
-    return call_with_ring(args[1], args[2], args + 3, nargs - 3, kwnames);
+    return call_with_ring(args[2], args[3], args + 4, nargs - 4, kwnames);
 }
 
 static PyObject *py_pop_fast(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     uint8_t *b;
-    if (nargs < 5 || base_arg(args, 1, 1, &b) < 0) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "pop_fast(base, spin_ns, pop, pop_rest, ring, ...)");
+    if (nargs < 8 || base_arg(args, 1, 1, &b) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "pop_fast(base, gate, spin_ns, sleep_ns, closed_off, pop, pop_rest, ring, ...)");
         return NULL;
     }
-    if (!no_timeout(args, nargs, 5, kwnames)) return call_with_ring(args[2], args[4], args + 5, nargs - 5, kwnames);
-    long long spin_ns = PyLong_AsLongLong(args[1]);
-    if (spin_ns == -1 && PyErr_Occurred()) return NULL;
-    PyObject *r = take(b, spin_ns);
-    if (r == NULL || PyBytes_CheckExact(r)) return r;
-    PyObject *out = call_with_ring(args[3], args[4], &r, 1, NULL);
-    Py_DECREF(r);
+    if (!gate_open(args[1], 1) || !no_timeout(args, nargs, 8, kwnames)) return call_with_ring(args[5], args[7], args + 8, nargs - 8, kwnames);
+    long long spin_ns = PyLong_AsLongLong(args[2]), sleep_ns = PyLong_AsLongLong(args[3]), closed_off = PyLong_AsLongLong(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    int64_t r = ipc_peek(b);
+    int slept = 0;
+    if (r == EMPTY && (spin_ns > 0 || sleep_ns > 0)) {
+        int s = 1;
+        Py_BEGIN_ALLOW_THREADS
+        if (spin_ns <= 0 || !spin_until(b, 0, 0, spin_ns)) {
+            s = sleep_ns > 0 ? ring_sleep(b, OFF_C_SLEEPING, closed_off, 0, 0, sleep_ns) : 0;
+            slept = sleep_ns > 0;
+        }
+        Py_END_ALLOW_THREADS
+        if (s == 0 && slept && PyErr_CheckSignals() < 0) return NULL;
+        r = ipc_peek(b);
+    }
+    PyObject *out;
+    if (r >= 0 && (r >> 60) == KIND_MSG) {
+        out = PyBytes_FromStringAndSize((const char *)b + (r & 0x3FFFFFFF), (Py_ssize_t)((r >> 30) & 0x3FFFFFFF));
+        if (out != NULL) ipc_release(b);
+        return out;
+    }
+    PyObject *rest[2] = {PyLong_FromLongLong(r), slept ? Py_True : Py_False};
+    if (rest[0] == NULL) return NULL;
+    out = call_with_ring(args[6], args[7], rest, 2, NULL);
+    Py_DECREF(rest[0]);
     return out;
 }
 

@@ -157,20 +157,24 @@ def _ring_endpoint(handles: dict, side: str, payload: Payload) -> Endpoint:
         tx = RingBuffer.attach(handles["names"][1])
         rx = RingBuffer.attach(handles["names"][0])
     close = lambda: (tx.close(), rx.close())  # noqa: E731
-    if payload.codec is not None:
-        encode, decode = payload.codec()
-        return Endpoint(lambda obj: tx.push(encode(obj)), lambda: rx.consume(decode), close)
+    encode, decode = payload.codec() if payload.codec is not None else (None, None)
 
-    def send_many(obj: bytes, count: int) -> None:
-        batch = [obj] * BATCH
-        for _ in range(count // BATCH):
-            tx.push_many(batch)
-        tx.push_many(batch[: count % BATCH])
+    def send_many(obj: Any, count: int) -> None:
+        while count > 0:
+            n = min(count, BATCH)
+            tx.push_many([encode(obj) for _ in range(n)] if encode else [obj] * n)
+            count -= n
 
     def recv_many(count: int) -> None:
         while count > 0:
-            count -= len(rx.pop_many(count))
+            batch = rx.pop_many(count)
+            if decode is not None:
+                for data in batch:
+                    decode(data)
+            count -= len(batch)
 
+    if payload.codec is not None:
+        return Endpoint(lambda obj: tx.push(encode(obj)), lambda: rx.consume(decode), close, send_many=send_many, recv_many=recv_many)
     return Endpoint(tx.push, rx.pop, close, send_many=send_many, recv_many=recv_many)
 
 

@@ -186,6 +186,7 @@ class RingBuffer:
         self._partial_total = 0
         self._send_abort = False
         self._fast_push = True  # not closed, no aborted fragmented message to announce
+        self._gate = bytearray(2)  # [0] / [1]: nonzero while push / pop must not take the C fast path
         self._finalizer: Optional[weakref.finalize] = None
         self._bells: "Optional[tuple[Doorbell, Doorbell]]" = None
 
@@ -228,16 +229,18 @@ class RingBuffer:
             self._spin_us, self._poll_interval, nap=ops.nap_producer, nap_window_s=self._nap_window_s,
         )
         self._take_spin_ns = self._data_waiter.spin_ns
-        self._accelerated: dict = {}
         if fast and ops.ext is not None:
             # push and pop as one C call each for the common case (see push_fast in _native.c):
-            # instance attributes that shadow the methods while the fast path applies.
+            # instance attributes that shadow the methods. The gate's bytes send the C paths to
+            # the methods while they must not run (see _accelerate), also for a caller that
+            # kept a reference to them.
             me, cls = weakref.proxy(self), type(self)
-            self._accelerated = {
-                "push": functools.partial(ops.ext.push_fast, ops.base, cls.push, me),
-                "pop": functools.partial(ops.ext.pop_fast, ops.base, self._take_spin_ns, cls.pop, cls._pop_rest, me),
-            }
-            self.__dict__.update(self._accelerated)
+            self.push = functools.partial(ops.ext.push_fast, ops.base, self._gate, cls.push, me)  # type: ignore[method-assign]
+            self.pop = functools.partial(  # type: ignore[method-assign]
+                ops.ext.pop_fast, ops.base, self._gate, self._take_spin_ns,
+                0 if self._nap_window_s > 0 else int(self._poll_interval * 1e9),  # naps: the Waiter's
+                peer_closed, cls.pop, cls._pop_rest, me,
+            )
         capacity = ops.load(L.OFF_CAPACITY)
         self.capacity = capacity
         self.max_payload = L.max_record_for(capacity) - 8
@@ -472,11 +475,10 @@ class RingBuffer:
             done += 1
 
     def _accelerate(self, name: str, on: bool) -> None:
-        """Installs (or removes, so that the method runs) the C fast path of `name`."""
-        if on and not self._closed and name in self._accelerated:
-            self.__dict__[name] = self._accelerated[name]
-        else:
-            self.__dict__.pop(name, None)
+        """Opens (or closes, so that the method runs) the gate of the C fast path of `name`:
+        closed for good once the ring is closed; for push while an aborted fragmented message
+        must be announced first, for pop while a fragmented message is being reassembled."""
+        self._gate[0 if name == "push" else 1] = 0 if on and not self._closed else 1
 
     def _push_slow(self, data: "bytes | bytearray | memoryview", timeout: Optional[float]) -> None:
         if self._closed:
@@ -650,8 +652,11 @@ class RingBuffer:
                         return fn(view)
             r = self._op_peek()
 
-    def _pop_rest(self, r: int) -> bytes:
-        """pop after the C fast path's look found `r`, not a whole message (it spun already)."""
+    def _pop_rest(self, r: int, slept: bool) -> bytes:
+        """pop after the C fast path's look found `r`, not a whole message: it spun already,
+        and if it `slept` a poll interval through, the peer is looked at first."""
+        if slept and r == L.EMPTY and self._data_waiter.look_at_peer():
+            r = self._op_peek()
         return self._consume_slow(bytes, r, None, spun=True)
 
     def _take_fragment(self, r: int) -> Optional[bytearray]:

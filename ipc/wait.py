@@ -365,6 +365,11 @@ class Waiter:
                 look_at = now + self.poll_interval
         return False
 
+    def look_at_peer(self, *args: int) -> bool:
+        """For a caller that slept a poll interval through itself: raises if the peer is gone
+        (and the condition still does not hold); True if the condition holds by now."""
+        return self._look_at_peer(args)
+
     def _look_at_peer(self, args: tuple) -> bool:
         """False if the peer is there; True if it is gone but the condition holds by now (its
         last publish landed between our look at the counter and our look at the peer); else

@@ -343,3 +343,23 @@ def test_channel_sends_and_receives_typed_messages(pair):
         receiver.recv(timeout=1)
     sender.send(_Pong(4))
     assert receiver.recv(timeout=1) == _Pong(4)  # the malformed message was consumed
+
+
+def test_kept_references_to_push_and_pop_respect_close_and_fragments(pair):
+    """push/pop may be C fast paths bound to the ring: a reference kept before close() raises
+    like the methods afterwards, and a fragmented message in progress goes the slow way."""
+    tx, rx = pair
+    push, pop = tx.push, rx.pop
+    big = bytes(range(256)) * 12  # fragments in a 1 KiB ring
+    thread = threading.Thread(target=push, args=(big,), kwargs={"timeout": 20})
+    thread.start()
+    assert pop(timeout=20) == big
+    thread.join()
+    push(b"last")
+    assert pop() == b"last"
+    tx.close()
+    with pytest.raises(ValueError, match="closed"):
+        push(b"after close")
+    rx.close()
+    with pytest.raises(ValueError, match="closed"):
+        pop()

@@ -154,8 +154,8 @@ def _ring_endpoint(handles: dict, side: str, payload: Payload) -> Endpoint:
     if side == "parent":
         tx, rx = handles["rings"]
     else:
-        tx = RingBuffer.attach(handles["names"][1])
-        rx = RingBuffer.attach(handles["names"][0])
+        tx = RingBuffer.attach(handles["names"][1], prefault=True)
+        rx = RingBuffer.attach(handles["names"][0], prefault=True)
     close = lambda: (tx.close(), rx.close())  # noqa: E731
     encode, decode = payload.codec() if payload.codec is not None else (None, None)
 
@@ -367,13 +367,22 @@ def encoded_size(payload: Payload, obj: Any) -> int:
     return len(obj) if payload.codec is None else len(payload.codec()[0](obj))
 
 
+def ring_capacity(size: int) -> int:
+    """A ring that holds a message of `size` bytes in one record (a record is at most a quarter
+    of the ring): 64 KiB at least, so that the lines of a ring of small messages stay in the
+    caches, and 8 MiB at most."""
+    capacity = 64 << 10
+    while capacity < 4 * (size + 64) and capacity < 8 << 20:
+        capacity *= 2
+    return capacity
+
+
 def make_handles(transport: str, variant: str, size: int, ctx: Any) -> tuple[dict, dict, Callable]:
     """(the parent's handles, what the child gets, cleanup)."""
     if transport == "shm":
         from ipc import RingBuffer
 
-        capacity = 8 << 20 if size >= (1 << 20) else 1 << 20
-        rings = tuple(RingBuffer.create(capacity) for _ in range(2))
+        rings = tuple(RingBuffer.create(ring_capacity(size), prefault=True) for _ in range(2))
         return {"rings": rings}, {"names": [r.name for r in rings]}, lambda: [r.close() for r in rings]
     if transport == "iceoryx2":
         tag = f"ipcbench/{os.getpid()}-{time.monotonic_ns()}"

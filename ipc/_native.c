@@ -347,7 +347,8 @@ int ipc_sleep_producer(uint8_t *b, int64_t n, int64_t closed_off, int64_t timeou
 }
 
 /* Spin until there is data / space, for at most ns nanoseconds (call it without the GIL):
- * re-check every pause instruction, read the clock and yield the CPU every 64 checks. */
+ * re-check after every pause instruction; read the clock and yield the CPU every 64 checks, so
+ * that a peer sharing our core (a loaded machine) gets to run within a couple of µs. */
 static int spin_until(uint8_t *b, int space, int64_t n, int64_t ns) {
     if (ready(b, space, n)) return 1;
     int64_t deadline = now_ns() + ns;

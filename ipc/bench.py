@@ -60,6 +60,7 @@ CHECKED = ("64B", "1KiB", "64KiB")  # the payloads of the acceptance checks
 FLOOR_FACTOR = 10.0
 PACE_S = 0.001
 BATCH = 64  # messages per push_many in the ring's throughput run
+BIG = 64 << 10  # raw payloads from this size are received in place where the transport can
 _LEN = struct.Struct("=I")
 
 
@@ -119,10 +120,21 @@ class Endpoint:
     recv_paced: Optional[Callable[[], Any]] = None
     send_many: Optional[Callable[[Any, int], Any]] = None  # the throughput run's
     recv_many: Optional[Callable[[int], Any]] = None
+    echo: Optional[Callable[[], Any]] = None  # receive one message and send it back (busy)
+
+    echo_paced: Optional[Callable[[], Any]] = None
 
     def __post_init__(self) -> None:
+        if self.echo is None:
+            send, recv = self.send, self.recv
+            self.echo = lambda: send(recv())
+        if self.send_paced is None and self.recv_paced is None:  # the paced run uses the busy calls
+            self.echo_paced = self.echo
         self.send_paced = self.send_paced or self.send
         self.recv_paced = self.recv_paced or self.recv
+        if self.echo_paced is None:
+            send_paced, recv_paced = self.send_paced, self.recv_paced
+            self.echo_paced = lambda: send_paced(recv_paced())
         if self.send_many is None:
             send = self.send
 
@@ -175,6 +187,14 @@ def _ring_endpoint(handles: dict, side: str, payload: Payload) -> Endpoint:
 
     if payload.codec is not None:
         return Endpoint(lambda obj: tx.push(encode(obj)), lambda: rx.consume(decode), close, send_many=send_many, recv_many=recv_many)
+    if handles["size"] >= BIG:  # read in place, and echo straight from one ring into the other
+
+        def recv_in_place(count: int) -> None:
+            for _ in range(count):
+                rx.consume(len)
+
+        return Endpoint(tx.push, lambda: rx.consume(len), close, send_many=send_many, recv_many=recv_in_place,
+                        echo=lambda: rx.consume(tx.push))
     return Endpoint(tx.push, rx.pop, close, send_many=send_many, recv_many=recv_many)
 
 
@@ -282,6 +302,27 @@ def _iceoryx2_endpoint(handles: dict, side: str, payload: Payload, loan: bool) -
         for port in keep[:0:-1]:
             port.delete()
 
+    if loan and payload.codec is None and size >= BIG:  # read in place, echo from sample to sample
+
+        def recv_in_place() -> int:
+            while True:
+                sample = sub.receive()
+                if sample is not None:
+                    sample.delete()
+                    return size
+
+        def echo() -> None:
+            while True:
+                sample = sub.receive()
+                if sample is not None:
+                    break
+            out = pub.loan_uninit()
+            memmove(out.payload_ptr, sample.payload_ptr, size)
+            out.assume_init().send()
+            sample.delete()
+
+        return Endpoint(send, recv_in_place, lambda: close(), send_paced=send_paced, recv_paced=recv_paced, echo=echo)
+
     return Endpoint(send, recv, close, send_paced=send_paced, recv_paced=recv_paced)
 
 
@@ -311,7 +352,12 @@ def endpoint(transport: str, variant: str, handles: dict, side: str, payload: Pa
         else:
             pull.connect(a)
             push.connect(b)
-        send, recv = _typed(push.send, pull.recv, payload)
+        if payload.codec is None and handles["size"] >= BIG:  # zero-copy frames, as pyzmq advises
+            send_raw = lambda data: push.send(data, copy=False)  # noqa: E731
+            recv_raw = lambda: pull.recv(copy=False).buffer  # noqa: E731
+        else:
+            send_raw, recv_raw = push.send, pull.recv
+        send, recv = _typed(send_raw, recv_raw, payload)
         return Endpoint(send, recv, lambda: (push.close(), pull.close(), ctx.term()))
     if transport == "queue":
         to_child, to_parent = handles["queues"]
@@ -326,12 +372,12 @@ def child_main(transport: str, variant: str, payload: Payload, handles: dict, co
     obj = payload.make()
     end = endpoint(transport, variant, handles, "child", payload)
     gc.disable()
-    send, recv = end.send, end.recv
+    send, recv, echo = end.send, end.recv, end.echo
     for _ in range(counts.warmup + counts.busy):
-        send(recv())
-    send_paced, recv_paced = end.send_paced, end.recv_paced
+        echo()
+    echo_paced = end.echo_paced
     for _ in range(counts.paced):
-        send_paced(recv_paced())
+        echo_paced()
     end.recv_many(counts.tput)
     send(obj)
     recv()  # the parent's "done": keeps our end open until the parent has read the ack
@@ -383,7 +429,7 @@ def make_handles(transport: str, variant: str, size: int, ctx: Any) -> tuple[dic
         from ipc import RingBuffer
 
         rings = tuple(RingBuffer.create(ring_capacity(size), prefault=True) for _ in range(2))
-        return {"rings": rings}, {"names": [r.name for r in rings]}, lambda: [r.close() for r in rings]
+        return {"rings": rings, "size": size}, {"names": [r.name for r in rings], "size": size}, lambda: [r.close() for r in rings]
     if transport == "iceoryx2":
         tag = f"ipcbench/{os.getpid()}-{time.monotonic_ns()}"
         handles = {"services": [tag + "/to-child", tag + "/to-parent"], "size": size}
@@ -395,7 +441,8 @@ def make_handles(transport: str, variant: str, size: int, ctx: Any) -> tuple[dic
     if transport == "zmq":
         tmp = tempfile.mkdtemp(prefix="ipcbench-")
         paths = [f"ipc://{tmp}/a", f"ipc://{tmp}/b"]
-        return {"paths": paths}, {"paths": paths}, lambda: shutil.rmtree(tmp, ignore_errors=True)
+        handles = {"paths": paths, "size": size}
+        return handles, handles, lambda: shutil.rmtree(tmp, ignore_errors=True)
     if transport == "pipe":
         conns = ctx.Pipe(duplex=True)
         return {"conns": conns}, {"conns": conns}, lambda: None

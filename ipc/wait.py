@@ -1,6 +1,7 @@
 """How a side of a ring waits: spin briefly, optionally nap, then sleep (a futex, or a semaphore).
 
-1. spin (`spin_us`): re-check the condition every few hundred ns, yielding the CPU every ~2 µs;
+1. spin (`spin_us`): re-check the condition after every pause instruction, yielding the CPU
+   every ~2 µs;
    the fastest answer, at the price of a busy core.
 2. nap (`nap_window_s`, default 0: no nap): sleep in short naps that grow (`NAP_FIRST_US`,
    doubling up to `NAP_MAX_US`), re-checking the condition after each, until the window ends.

@@ -193,6 +193,7 @@ def test_children_merge_into_one_output(tokenizer, input_processor, kind):
     processor = OutputProcessor(tokenizer)
     request, text, ids = input_processor.process_inputs("p", "Hi", SamplingParams(n=3, seed=1, output_kind=kind))
     parent = ParentRequest("p", request.sampling_params)
+    processor.add_parent(parent)
     for i, child_id in enumerate(parent.child_ids):
         import msgspec
 
@@ -219,6 +220,7 @@ def test_abort_parent_aborts_children(tokenizer, input_processor):
     processor = OutputProcessor(tokenizer)
     request, text, ids = input_processor.process_inputs("p", "Hi", SamplingParams(n=2))
     parent = ParentRequest("p", request.sampling_params)
+    processor.add_parent(parent)
     for i, child_id in enumerate(parent.child_ids):
         processor.add_request(request.__class__(child_id, request.prompt_token_ids, parent.child_params(i)), text, ids, parent, i)
     assert sorted(processor.abort_requests(["p"])) == ["0_p", "1_p"]
@@ -254,6 +256,7 @@ def test_child_error_reaches_the_parent_output(tokenizer, input_processor):
     processor = OutputProcessor(tokenizer)
     request, text, ids = input_processor.process_inputs("p", "Hi", SamplingParams(n=2))
     parent = ParentRequest("p", request.sampling_params)
+    processor.add_parent(parent)
     for i, child_id in enumerate(parent.child_ids):
         child = msgspec.structs.replace(request, request_id=child_id, sampling_params=parent.child_params(i))
         processor.add_request(child, text, ids, parent=parent, index=i)

@@ -23,6 +23,7 @@ from shmvllm.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineReady,
     FinishReason,
     SchedulerStats,
     now,
@@ -78,6 +79,13 @@ class EngineCore:
         vocab = self.model_config.vocab_size
         limit = self.model_config.max_logprobs
         return vocab if limit < 0 else min(limit, vocab)
+
+    def ready(self) -> EngineReady:
+        """The limits this engine serves under (its READY message): the frontend validates with them."""
+        return EngineReady(
+            self.num_kv_blocks, self.block_size, self.max_concurrency, self.scheduler.max_model_len,
+            self.model_config.vocab_size, self.max_logprobs,
+        )
 
     @property
     def max_concurrency(self) -> float:

@@ -27,6 +27,7 @@ from shmvllm.engine.messages import (
     EngineCoreRequest,
     EngineCoreShutdown,
     EngineCoreUtility,
+    EngineReady,
 )
 from shmvllm.engine.proc_manager import DEFAULT_READY_TIMEOUT_S, CoreEngineProcManager
 from shmvllm.engine.transport import TRANSPORTS, ChannelTimeout, Endpoint, PeerMissingError, open_frontend
@@ -65,21 +66,31 @@ class EngineCoreClient(ABC):
 
     @property
     @abstractmethod
-    def num_kv_blocks(self) -> int: ...
+    def ready(self) -> EngineReady:
+        """The engine's limits (its READY): KV blocks, max concurrency, the max_model_len the KV
+        cache allows, the vocabulary size, max_logprobs."""
 
     @property
-    @abstractmethod
-    def block_size(self) -> int: ...
+    def num_kv_blocks(self) -> int:
+        return self.ready.num_kv_blocks
 
     @property
-    @abstractmethod
+    def block_size(self) -> int:
+        return self.ready.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        return self.ready.max_concurrency
+
+    @property
     def vocab_size(self) -> int:
         """The engine's vocabulary size: token ids and logprobs stay below it."""
+        return self.ready.vocab_size
 
     @property
-    @abstractmethod
     def max_logprobs(self) -> int:
         """The most (prompt) logprobs a request may ask of this engine."""
+        return self.ready.max_logprobs
 
 
 class InprocClient(EngineCoreClient):
@@ -117,20 +128,8 @@ class InprocClient(EngineCoreClient):
         self.engine_core.shutdown()
 
     @property
-    def num_kv_blocks(self) -> int:
-        return self.engine_core.num_kv_blocks
-
-    @property
-    def block_size(self) -> int:
-        return self.engine_core.block_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine_core.model_config.vocab_size
-
-    @property
-    def max_logprobs(self) -> int:
-        return self.engine_core.max_logprobs
+    def ready(self) -> EngineReady:
+        return self.engine_core.ready()
 
 
 class EngineUtilityError(RuntimeError):
@@ -357,21 +356,5 @@ class SyncMPClient(EngineCoreClient):
         self._finalizer()
 
     @property
-    def num_kv_blocks(self) -> int:
-        return self._ready.num_kv_blocks
-
-    @property
-    def block_size(self) -> int:
-        return self._ready.block_size
-
-    @property
-    def max_concurrency(self) -> float:
-        return self._ready.max_concurrency
-
-    @property
-    def vocab_size(self) -> int:
-        return self._ready.vocab_size
-
-    @property
-    def max_logprobs(self) -> int:
-        return self._ready.max_logprobs
+    def ready(self) -> EngineReady:
+        return self._ready

@@ -132,13 +132,7 @@ class EngineCoreProc:
         except BaseException:
             self.endpoint.send(traceback.format_exc(), timeout=POLL_S)
             raise
-        core = self.engine_core
-        self.endpoint.send(
-            EngineReady(
-                core.num_kv_blocks, core.block_size, core.max_concurrency, core.scheduler.max_model_len,
-                core.model_config.vocab_size, core.max_logprobs,
-            )
-        )
+        self.endpoint.send(self.engine_core.ready())
 
     # ---- the process ---------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 
 import msgspec
 
-from shmvllm.engine.messages import EngineCoreRequest, now
+from shmvllm.engine.messages import EngineCoreRequest, EngineReady, now
 from shmvllm.engine.renderer import Renderer
 from shmvllm.pooling_params import PoolingParams
 from shmvllm.sampling_params import SamplingParams
@@ -57,11 +57,13 @@ class InputProcessor:
         if generates:
             self.eos_token_id, self.extra_eos_token_ids = _eos_token_ids(renderer.tokenizer, model_dir)
 
-    def set_engine_limits(self, vocab_size: int, max_logprobs: int) -> None:
-        """The running engine's vocabulary size and max_logprobs (from its READY: resolved, and
-        never above the vocabulary)."""
-        self.vocab_size = vocab_size
-        self.max_logprobs = max_logprobs
+    def set_engine_limits(self, ready: EngineReady) -> None:
+        """The running engine's limits, from its READY: max_model_len (clamped to what the KV
+        cache holds), the vocabulary size and max_logprobs (resolved, never above the vocabulary).
+        Every request is validated against these, once, here."""
+        self.max_model_len = ready.max_model_len
+        self.vocab_size = ready.vocab_size
+        self.max_logprobs = ready.max_logprobs
 
     def process_inputs(
         self,

@@ -44,8 +44,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = FrontendStats()
         self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess, transport=transport)
-        # The engine's own limits (READY carries them), which requests are validated against.
-        self.input_processor.set_engine_limits(self.engine_core.vocab_size, self.engine_core.max_logprobs)
+        # The engine's own limits (READY carries them: max_model_len clamped to what the KV cache
+        # holds, the vocabulary, max_logprobs), which requests are validated against.
+        self.input_processor.set_engine_limits(self.engine_core.ready)
 
     @property
     def model_config(self) -> Any:
@@ -81,15 +82,14 @@ class LLMEngine:
         request, prompt_text, prompt_ids = self.input_processor.process_inputs(
             request_id, prompt, params, arrival_time, priority, tokenization_kwargs
         )
-        if request_id in self.output_processor.request_states or request_id in self.output_processor.parents:
-            raise ValueError(f"request_id {request_id!r} is already in use.")
         if params.n == 1:
+            self.output_processor.add_request(request, prompt_text, prompt_ids)  # reserves the id
             with self._undone_on_failure(request_id) as sent:
-                self.output_processor.add_request(request, prompt_text, prompt_ids)
                 self.engine_core.add_request(request)
                 sent.append(request_id)
             return
         parent = ParentRequest(request_id, request.sampling_params)
+        self.output_processor.add_parent(parent)  # reserves the id and its children's
         with self._undone_on_failure(request_id) as sent:
             for index, child_id in enumerate(parent.child_ids):
                 child = msgspec.structs.replace(request, request_id=child_id, sampling_params=parent.child_params(index))
@@ -151,10 +151,8 @@ class LLMEngine:
         self._queue_pooling_request(request, prompt_text, prompt_ids)
 
     def _queue_pooling_request(self, request: EngineCoreRequest, prompt_text: Optional[str], prompt_ids: list[int]) -> None:
-        if request.request_id in self.output_processor.parents:
-            raise ValueError(f"request_id {request.request_id!r} is already in use.")
+        self.output_processor.add_pooling_request(request.request_id, prompt_text, prompt_ids)  # reserves the id
         with self._undone_on_failure(request.request_id) as sent:
-            self.output_processor.add_pooling_request(request.request_id, prompt_text, prompt_ids)
             self.engine_core.add_request(request)
             sent.append(request.request_id)
 

@@ -7,13 +7,19 @@ The output processor keeps one `RequestState` per request in the engine (a reque
 is n child requests in the engine, merged back by their `ParentRequest`). A request that hits a
 stop string finishes here, in the frontend; `reqs_to_abort` tells the caller to abort it in the
 engine, which does not know about stop strings.
+
+Request ids: the output processor is the one owner of the ids in use. `reserve` claims a
+request's id and, for n > 1, its children's engine ids (`ParentRequest.child_ids`) in one go,
+or raises ValueError naming the id taken before anything is registered or sent; an id is free
+again once its request (for a parent: all its children) finished or was aborted. The engine's
+own duplicate check (EngineCore._validate) is the defensive one behind it.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import msgspec
 import numpy as np
@@ -129,7 +135,37 @@ class OutputProcessor:
         self.request_states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
         self.pooling_states: dict[str, PoolingRequestState] = {}
+        # every id in use (external ids and children's engine ids) -> the external id holding it
+        self._reserved: dict[str, str] = {}
         self._token_text: dict[int, str] = {}
+
+    def reserve(self, request_id: str, child_ids: Sequence[str] = ()) -> None:
+        """Claims `request_id` and its children's ids; ValueError (nothing claimed) if any is in use."""
+        ids = [request_id, *child_ids]
+        for rid in ids:
+            owner = self._reserved.get(rid)
+            if owner is None:
+                continue
+            if rid == request_id:
+                raise ValueError(f"request_id {request_id!r} is already in use.")
+            raise ValueError(
+                f"request_id {request_id!r}: its child request id {rid!r} (for n > 1) is already in use by "
+                f"request {owner!r}."
+            )
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"request_id {request_id!r} collides with one of its own child ids {list(child_ids)}.")
+        for rid in ids:
+            self._reserved[rid] = request_id
+
+    def add_parent(self, parent: ParentRequest) -> None:
+        """Reserves a request with n > 1 and its children's ids; `add_request` then adds each child."""
+        self.reserve(parent.request_id, parent.child_ids)
+        self.parents[parent.request_id] = parent
+
+    def _release(self, external_id: str, child_ids: Iterable[str] = ()) -> None:
+        self._reserved.pop(external_id, None)
+        for rid in child_ids:
+            self._reserved.pop(rid, None)
 
     def add_request(
         self,
@@ -139,14 +175,16 @@ class OutputProcessor:
         parent: Optional[ParentRequest] = None,
         index: int = 0,
     ) -> None:
+        """Registers a request; without a parent it reserves its id first (ValueError if taken). A
+        child's id was reserved by `add_parent`."""
         rid = request.request_id
-        if rid in self.request_states:
-            raise ValueError(f"request_id {rid!r} is already in use.")
         params = request.sampling_params
         assert params is not None, "the output processor handles generation requests"
         external_id = parent.request_id if parent is not None else rid
-        if parent is not None:
-            self.parents[external_id] = parent
+        if parent is None:
+            self.reserve(rid)
+        elif self.parents.get(external_id) is not parent or rid not in parent.child_ids:
+            raise ValueError(f"request {rid!r} is not a child of a parent added with add_parent.")
         self.request_states[rid] = RequestState(
             request_id=rid,
             external_id=external_id,
@@ -165,8 +203,7 @@ class OutputProcessor:
         )
 
     def add_pooling_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int]) -> None:
-        if request_id in self.request_states or request_id in self.pooling_states:
-            raise ValueError(f"request_id {request_id!r} is already in use.")
+        self.reserve(request_id)
         self.pooling_states[request_id] = PoolingRequestState(prompt, prompt_token_ids)
 
     def has_unfinished_requests(self) -> bool:
@@ -179,6 +216,15 @@ class OutputProcessor:
         """Forgets these requests (external ids or engine ids); returns the engine ids to abort."""
         engine_ids = []
         for rid in request_ids:
+            owner = self._reserved.get(rid)
+            if owner is None:
+                continue
+            if owner != rid:  # a child's engine id: the child alone stops, its id stays its parent's
+                if self.request_states.pop(rid, None) is not None:
+                    engine_ids.append(rid)
+                    self.parents[owner].unfinished.discard(rid)
+                    self._release_parent_if_done(self.parents[owner])
+                continue
             parent = self.parents.pop(rid, None)
             ids = parent.child_ids if parent is not None else [rid]
             for engine_id in ids:
@@ -186,7 +232,13 @@ class OutputProcessor:
                     engine_ids.append(engine_id)
                 elif self.pooling_states.pop(engine_id, None) is not None:
                     engine_ids.append(engine_id)
+            self._release(rid, ids)
         return engine_ids
+
+    def _release_parent_if_done(self, parent: ParentRequest) -> None:
+        if parent.finished:
+            self.parents.pop(parent.request_id, None)
+            self._release(parent.request_id, parent.child_ids)
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
         result = OutputProcessorOutput()
@@ -204,6 +256,8 @@ class OutputProcessor:
             completion = self._make_completion(state)
             if state.finished:
                 self.request_states.pop(state.request_id)
+                if state.parent is None:
+                    self._release(state.request_id)
             self._collect(state, completion, by_external_id)
         result.request_outputs.extend(by_external_id.values())
         return result
@@ -215,6 +269,7 @@ class OutputProcessor:
         state = self.pooling_states.pop(output.request_id, None)
         if state is None:
             return None
+        self._release(output.request_id)
         data = np.frombuffer(output.pooling_output, dtype="<f4") if output.pooling_output is not None else _NO_VECTOR
         return PoolingRequestOutput(
             request_id=output.request_id,
@@ -327,8 +382,7 @@ class OutputProcessor:
             return
         completions = parent.merge(state.request_id, completion)
         parent.error = parent.error or state.error
-        if parent.finished:
-            self.parents.pop(parent.request_id, None)
+        self._release_parent_if_done(parent)
         if completions is None:
             return
         previous = by_external_id.get(parent.request_id)

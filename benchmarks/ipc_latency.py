@@ -1,6 +1,6 @@
 """IPC latency between two processes: the shared-memory ring against iceoryx2, pipes, ZeroMQ and
 multiprocessing — `python -m ipc.bench` (see ipc/bench.py for the method) plus engine-shaped
-msgspec messages (shmvllm.engine.messages): an EngineCoreRequest with 32 and with 2,048 prompt
+msgspec messages (shmvllm.boundary.messages): an EngineCoreRequest with 32 and with 2,048 prompt
 token ids, and an EngineCoreOutputs batch of 64 one-token outputs, encoded, sent, decoded,
 re-encoded and sent back (the ring decodes in place from its memory, the others from bytes).
 
@@ -24,7 +24,7 @@ from ipc.bench import Payload, main  # noqa: E402
 
 
 def _message(name: str) -> Any:
-    from shmvllm.engine import messages as m
+    from shmvllm.boundary import messages as m
     from shmvllm.sampling_params import SamplingParams
 
     if name.startswith("req"):
@@ -48,12 +48,10 @@ class _Codec:
         self.name = name
 
     def __call__(self) -> tuple[Callable, Callable]:
-        import msgspec
+        from shmvllm.boundary import messages as m
 
-        from shmvllm.engine import messages as m
-
-        kind = m.EngineCoreRequestMsg if self.name.startswith("req") else m.EngineCoreOutputs
-        return msgspec.msgpack.Encoder().encode, msgspec.msgpack.Decoder(type=kind).decode
+        decode = m.decode_to_engine if self.name.startswith("req") else m.decode_from_engine
+        return m.make_encoder().encode, decode
 
 
 MESSAGES = {name: Payload(name, _Make(name), _Codec(name)) for name in ("req32", "req2048", "out64")}

@@ -13,10 +13,11 @@ import enum
 import json as _json
 import logging
 import math
-import os
 from typing import Any, Optional, Union
 
 import msgspec
+
+from shmvllm import envs
 
 logger = logging.getLogger(__name__)
 
@@ -34,15 +35,11 @@ _set_field = msgspec.Struct.__setattr__  # a field assignment without re-validat
 
 def max_n_sequences() -> int:
     """The largest n: $SHMVLLM_MAX_N_SEQUENCES, else DEFAULT_MAX_N_SEQUENCES."""
-    raw = os.environ.get(MAX_N_SEQUENCES_ENV)
-    if raw is None:
+    value = envs.SHMVLLM_MAX_N_SEQUENCES()
+    if value is None:
         return DEFAULT_MAX_N_SEQUENCES
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
     if value < 1:
-        raise ValueError(f"{MAX_N_SEQUENCES_ENV} must be a positive int, got {raw!r}.")
+        raise ValueError(f"{MAX_N_SEQUENCES_ENV} must be a positive int, got {value}.")
     return value
 
 

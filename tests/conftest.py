@@ -31,6 +31,27 @@ def leaked_shm_entries() -> set[str]:
     return leaked
 
 
+ENGINE_PROGRAM = "shmvllm.engine.core_proc"
+
+
+def engine_children() -> set[int]:
+    """The live engine processes this process started (`python -m shmvllm.engine.core_proc`)."""
+    found = set()
+    me = os.getpid()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if stat[0] == "Z" or int(stat[1]) != me:
+                continue
+            if ENGINE_PROGRAM in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                found.add(int(entry.name))
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+    return found
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_shm_left_behind():
     """After the whole suite, nothing of ours may stay in /dev/shm."""

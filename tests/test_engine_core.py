@@ -12,7 +12,7 @@ import torch
 
 from shmvllm.config import EngineArgs
 from shmvllm.engine.core import EngineCore
-from shmvllm.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+from shmvllm.boundary.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from shmvllm.sampling_params import SamplingParams
 
 MAX_TOKENS = 10

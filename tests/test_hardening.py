@@ -7,7 +7,6 @@ still be alive and serving. Each test names the numbered defect of the issue it 
 from __future__ import annotations
 
 import math
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -17,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import leaked_shm_entries
+from conftest import engine_children, leaked_shm_entries
 from ipc.segment import pid_alive
 from shmvllm import LLM, SamplingParams
 
@@ -74,7 +73,7 @@ def test_1_logprobs_above_the_engines_limit_are_refused_before_queuing(llm, fiel
 
 def test_1_the_engine_refuses_logprobs_above_its_limit_sent_past_the_frontend(llm):
     """Defence in depth: a request that skipped the frontend's check finishes alone with ERROR."""
-    from shmvllm.engine.messages import EngineCoreRequest, FinishReason
+    from shmvllm.boundary.messages import EngineCoreRequest, FinishReason
 
     client = llm.llm_engine.engine_core
     request = EngineCoreRequest(
@@ -100,7 +99,7 @@ def collect_output(client, request_id: str, timeout: float = 30.0):
 def test_a_request_the_engine_cannot_decode_finishes_with_error(llm):
     """Defence in depth: params the engine's own validation refuses on decoding (here n=0,
     forced past the frontend's) fail that request, not the busy loop."""
-    from shmvllm.engine.messages import EngineCoreRequest, FinishReason
+    from shmvllm.boundary.messages import EngineCoreRequest, FinishReason
     from shmvllm.sampling_params import _set_field
 
     params = SamplingParams(max_tokens=2)
@@ -341,10 +340,10 @@ def test_8_bad_engine_args_are_refused_before_the_engine_starts(tiny_llama_dir, 
         raise AssertionError("the engine process was started")
 
     monkeypatch.setattr(proc_manager.CoreEngineProcManager, "__init__", no_engine)
-    children = set(multiprocessing.active_children())
+    children = engine_children()
     with pytest.raises((TypeError, ValueError), match=name):
         LLM(str(tiny_llama_dir), **{**ENGINE_ARGS, name: value})
-    assert set(multiprocessing.active_children()) <= children
+    assert engine_children() <= children
 
 
 # ---- 10. no way to bound a call --------------------------------------------------------------

@@ -83,7 +83,7 @@ def test_4_llm_in_a_nearly_full_dev_shm_is_a_clear_error(tiny_llama_dir):
     assert done.returncode == 0, f"exit {done.returncode} (SIGBUS is -7 / 135)\n{done.stdout}\n{done.stderr}"
     error = next(line for line in done.stdout.splitlines() if line.startswith(("ERROR", "NO ERROR")))
     assert error.startswith("ERROR SharedMemoryFullError"), error
-    for words in ("needed", "free", "/dev/shm", "SHMVLLM_RING_CAPACITY", "transport='zmq'"):
+    for words in ("needed", "free", "/dev/shm", "SHMVLLM_RING_CAPACITY"):
         assert words in error
     assert done.stdout.splitlines()[-1].strip() == "LEFT", done.stdout  # nothing behind
 
@@ -136,14 +136,14 @@ def test_4_rings_never_sigbus_even_when_the_check_is_raced():
 
 
 def test_4_ring_capacity_env_is_validated(monkeypatch):
-    from shmvllm.engine import transport
+    from shmvllm.boundary import channel
 
     for raw in ("abc", "12", "0", str(1 << 40)):
         monkeypatch.setenv("SHMVLLM_RING_CAPACITY", raw)
         with pytest.raises(ValueError, match="SHMVLLM_RING_CAPACITY"):
-            transport.ring_capacity()
+            channel.ring_capacity()
     monkeypatch.setenv("SHMVLLM_RING_CAPACITY", "65536")
-    assert transport.ring_capacity() == 65536
+    assert channel.ring_capacity() == 65536
 
 
 # ---- 5. the sweep --------------------------------------------------------------------------
@@ -158,7 +158,7 @@ def _dead_pid() -> int:
 @pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm listing to sweep")
 def test_5_sweep_skips_and_logs_what_it_cannot_remove_or_does_not_own(caplog):
     from ipc import sweep_stale_segments
-    from shmvllm.engine import transport
+    from shmvllm.boundary import channel
 
     pid = _dead_pid()
     directory = SHM_DIR / f"ipcring-{pid}-{secrets.token_hex(8)}"
@@ -174,7 +174,7 @@ def test_5_sweep_skips_and_logs_what_it_cannot_remove_or_does_not_own(caplog):
     try:
         with caplog.at_level(logging.WARNING, logger="ipc.segment"):
             removed = sweep_stale_segments()
-            endpoint, _ = transport.open_frontend("shm")  # what every LLM() does first
+            endpoint, _ = channel.open_frontend()  # what every LLM() does first
             endpoint.close()
         assert "/" + ours.name in removed and not ours.exists()
         assert directory.exists() and "not a regular file" in caplog.text and directory.name in caplog.text

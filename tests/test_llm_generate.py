@@ -7,7 +7,7 @@ import random
 import pytest
 
 from shmvllm import LLM, SamplingParams
-from shmvllm.engine.messages import EngineCoreRequest
+from shmvllm.boundary.messages import EngineCoreRequest
 from shmvllm.sampling_params import RequestOutputKind
 
 MAX_MODEL_LEN = 256

@@ -365,7 +365,7 @@ def test_embedding_task_runs_the_pooling_runner(tiny_bert_dir):
 def test_prompt_logprobs_cover_a_prompt_whose_prefix_is_cached(tiny_llama_dir):
     """Through EngineCore: a prompt_logprobs request skips prefix-cache hits, so every prompt row comes."""
     from shmvllm.engine.core import EngineCore
-    from shmvllm.engine.messages import EngineCoreRequest
+    from shmvllm.boundary.messages import EngineCoreRequest
 
     config = EngineArgs(model=str(tiny_llama_dir), max_model_len=256, block_size=BLOCK_SIZE,
                         num_kv_blocks=64).create_engine_config()

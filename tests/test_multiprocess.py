@@ -1,11 +1,10 @@
-"""The engine in its own process: same outputs as in-process over shm and zmq, and every way
+"""The engine in its own process: same outputs as in-process over the rings, and every way
 it can end (shutdown, garbage collection, kill -9 of either side, a failing step, a failing
 start, Ctrl-C) leaves no process and nothing in /dev/shm behind."""
 
 from __future__ import annotations
 
 import gc
-import multiprocessing
 import multiprocessing.util
 import os
 import shutil
@@ -19,14 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import leaked_shm_entries
+from conftest import engine_children, leaked_shm_entries
 from ipc.segment import pid_alive
 from shmvllm import LLM, SamplingParams
 from shmvllm.config import EngineArgs
-from shmvllm.engine import transport
+from shmvllm.boundary import channel
 from shmvllm.engine.core_client import EngineUtilityError, SyncMPClient
 from shmvllm.engine.exceptions import EngineDeadError, EngineStartupError
-from shmvllm.engine.messages import EngineCoreRequest
+from shmvllm.boundary.messages import EngineCoreRequest
 from shmvllm.executor.uniproc import UniProcExecutor
 
 ENGINE_ARGS = dict(max_model_len=1024, num_kv_blocks=512)
@@ -39,9 +38,9 @@ def nothing_left_behind():
     before = leaked_shm_entries()
     yield
     deadline = time.monotonic() + 5
-    while multiprocessing.active_children() and time.monotonic() < deadline:
+    while engine_children() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not multiprocessing.active_children(), "an engine process outlived its test"
+    assert not engine_children(), "an engine process outlived its test"
     assert not leaked_shm_entries() - before
 
 
@@ -58,14 +57,14 @@ def token_ids(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def test_outputs_identical_across_inproc_shm_and_zmq(tiny_llama_dir):
+def test_outputs_identical_in_process_and_over_shm(tiny_llama_dir):
     """Step counts may differ: requests reach a separate engine while it is already stepping."""
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True)
     results = {}
-    for multiprocess, transport in ((False, "shm"), (True, "shm"), (True, "zmq")):
-        with LLM(str(tiny_llama_dir), multiprocess=multiprocess, transport=transport, **ENGINE_ARGS) as llm:
+    for multiprocess in (False, True):
+        with LLM(str(tiny_llama_dir), multiprocess=multiprocess, **ENGINE_ARGS) as llm:
             client = llm.llm_engine.engine_core
-            results[(multiprocess, transport)] = (
+            results[multiprocess] = (
                 token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)),
                 token_ids(llm.generate(PROMPTS, seeded, use_tqdm=False)),
                 [o.outputs[0].text for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)],
@@ -75,23 +74,20 @@ def test_outputs_identical_across_inproc_shm_and_zmq(tiny_llama_dir):
             pid = getattr(client, "engine_pid", None)
         if pid is not None:
             wait_until_dead(pid, 2.0)
-    inproc = results[(False, "shm")]
+    inproc = results[False]
     assert len(inproc[0]) == 4 and all(len(ids) == 24 for ids in inproc[0])
-    assert results[(True, "shm")] == inproc
-    assert results[(True, "zmq")] == inproc
+    assert results[True] == inproc
 
 
-def make_client(tiny_llama_dir, transport: str = "shm", **kwargs) -> SyncMPClient:
+def make_client(tiny_llama_dir, **kwargs) -> SyncMPClient:
     config = EngineArgs(model=str(tiny_llama_dir), **ENGINE_ARGS).create_engine_config()
-    return SyncMPClient(config, transport, **kwargs)
+    return SyncMPClient(config, **kwargs)
 
 
-def test_utility_calls_return_results_and_exceptions(tiny_llama_dir, monkeypatch):
-    monkeypatch.setenv("SHMVLLM_CHANNEL_TIMING", "1")  # the spawned engine times its channel calls
+def test_utility_calls_return_results_and_exceptions(tiny_llama_dir):
     client = make_client(tiny_llama_dir)
     pid = client.engine_pid
     assert client.get_stats()["num_kv_blocks"] == client.num_kv_blocks == 512
-    assert client.call_utility("channel_seconds") > 0  # the answers above went out through timed sends
     with pytest.raises(EngineUtilityError, match="TypeError"):
         client.call_utility("abort_requests", 5)
     with pytest.raises(EngineUtilityError, match="AttributeError.*no_such_method"):
@@ -115,10 +111,10 @@ def add_many(client: SyncMPClient, count: int, prompt_len: int = 100, max_tokens
 
 
 def test_full_rings_both_ways_do_not_deadlock(tiny_llama_dir, monkeypatch):
-    """The frontend adds while nobody reads the outputs: the engine blocks on its full output
-    ring and stops reading its input, so the frontend, blocked on the full input ring, must
-    drain the outputs meanwhile. A deadlock makes the watchdog kill the engine (EngineDeadError)."""
-    monkeypatch.setattr(transport, "RING_CAPACITY", 1 << 16)
+    """The frontend adds while nobody reads the outputs: the engine's outputs wait in its outbox
+    (backlogged, it stops stepping) while it keeps draining its input, so the frontend's blocked
+    sends complete. A deadlock makes the watchdog kill the engine (EngineDeadError)."""
+    monkeypatch.setattr(channel, "RING_CAPACITY", 1 << 16)
     client = make_client(tiny_llama_dir)
     # ~6 s alone, ~35 s beside one CPU-bound process on 2 cores (before and after the nap
     # phase): a deadlock never ends, so the watchdog's bound needs no tightness
@@ -136,9 +132,9 @@ def test_full_rings_both_ways_do_not_deadlock(tiny_llama_dir, monkeypatch):
 
 
 def test_shutdown_with_a_full_output_ring_is_clean(tiny_llama_dir, monkeypatch):
-    """The engine is blocked on outputs nobody read: shutdown drains them, so the engine reads
+    """The engine holds outputs nobody read: it drains its input all the same, so it reads
     SHUTDOWN and exits by itself (code 0) instead of being terminated after a timeout."""
-    monkeypatch.setattr(transport, "RING_CAPACITY", 1 << 14)
+    monkeypatch.setattr(channel, "RING_CAPACITY", 1 << 14)
     client = make_client(tiny_llama_dir)
     add_many(client, 64, prompt_len=10, max_tokens=500)  # ~6 KiB in, ~600 B out per step
     time.sleep(1.0)  # the engine fills the output ring and blocks
@@ -183,9 +179,8 @@ class FailingExecutor(UniProcExecutor):
         return super().execute_model(scheduler_output)
 
 
-@pytest.mark.parametrize("io_threads", [False, True], ids=["poll", "threads"])
-def test_exception_in_step_raises_engine_dead_error(tiny_llama_dir, io_threads):
-    client = make_client(tiny_llama_dir, executor_class=FailingExecutor, io_threads=io_threads)
+def test_exception_in_step_raises_engine_dead_error(tiny_llama_dir):
+    client = make_client(tiny_llama_dir, executor_class=FailingExecutor)
     try:
         request = EngineCoreRequest(
             request_id="r0", prompt_token_ids=EngineCoreRequest.pack_token_ids([1, 2, 3]),
@@ -202,8 +197,8 @@ def test_exception_in_step_raises_engine_dead_error(tiny_llama_dir, io_threads):
         client.shutdown()
 
 
-def kill_engine_during_generate(tiny_llama_dir, transport: str) -> float:
-    with LLM(str(tiny_llama_dir), transport=transport, **ENGINE_ARGS) as llm:
+def kill_engine_during_generate(tiny_llama_dir) -> float:
+    with LLM(str(tiny_llama_dir), **ENGINE_ARGS) as llm:
         pid = llm.llm_engine.engine_core.engine_pid
         killed_at: list[float] = []
 
@@ -223,16 +218,14 @@ def kill_engine_during_generate(tiny_llama_dir, transport: str) -> float:
     return raised_at - killed_at[0]
 
 
-@pytest.mark.parametrize("transport", ["shm", "zmq"])
-def test_kill_engine_during_generate_raises_within_2s(tiny_llama_dir, transport):
-    trials = 3 if transport == "shm" else 1
-    for _ in range(trials):
-        assert kill_engine_during_generate(tiny_llama_dir, transport) < 2.0
+def test_kill_engine_during_generate_raises_within_2s(tiny_llama_dir):
+    for _ in range(3):
+        assert kill_engine_during_generate(tiny_llama_dir) < 2.0
 
 
 @pytest.mark.slow
 def test_kill_engine_during_generate_20_trials(tiny_llama_dir):
-    delays = [kill_engine_during_generate(tiny_llama_dir, "shm") for _ in range(20)]
+    delays = [kill_engine_during_generate(tiny_llama_dir) for _ in range(20)]
     assert max(delays) < 2.0, delays
 
 
@@ -252,7 +245,7 @@ if __name__ == "__main__":
     # Ctrl-C as in a terminal, even when the test runs where SIGINT is ignored (a shell's
     # background job): Python leaves an inherited SIG_IGN in place.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    llm = LLM({model!r}, transport={transport!r}, max_model_len=1024, num_kv_blocks=512)
+    llm = LLM({model!r}, max_model_len=1024, num_kv_blocks=512)
     client = llm.llm_engine.engine_core
     print("ENGINE", client.engine_pid, client.addresses.to_engine, flush=True)
     params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
@@ -266,34 +259,31 @@ if __name__ == "__main__":
 """
 
 
-def start_frontend(tmp_path: Path, tiny_llama_dir, transport: str) -> tuple[subprocess.Popen, int, str]:
-    proc = run_script(tmp_path, FRONTEND.format(model=str(tiny_llama_dir), transport=transport))
+def start_frontend(tmp_path: Path, tiny_llama_dir) -> tuple[subprocess.Popen, int, str]:
+    proc = run_script(tmp_path, FRONTEND.format(model=str(tiny_llama_dir)))
     _, pid, address = proc.stdout.readline().split()
     assert proc.stdout.readline().strip() == "GENERATING"
     time.sleep(0.5)
     return proc, int(pid), address
 
 
-@pytest.mark.parametrize("transport", ["shm", "zmq"])
-def test_kill_frontend_engine_exits_within_2s(tmp_path, tiny_llama_dir, transport):
-    proc, engine_pid, address = start_frontend(tmp_path, tiny_llama_dir, transport)
+def test_kill_frontend_engine_exits_within_2s(tmp_path, tiny_llama_dir):
+    proc, engine_pid, _ = start_frontend(tmp_path, tiny_llama_dir)
     try:
         assert pid_alive(engine_pid)
         proc.kill()
         proc.wait(timeout=10)
         assert wait_until_dead(engine_pid, 2.0) < 2.0
         deadline = time.monotonic() + 2.0  # the engine removes what the frontend left
-        while (Path(address).parent.exists() if transport == "zmq" else leaked_shm_entries()) and time.monotonic() < deadline:
+        while leaked_shm_entries() and time.monotonic() < deadline:
             time.sleep(0.02)
-        if transport == "zmq":
-            assert not Path(address).parent.exists()
     finally:
         proc.kill()
         proc.communicate()
 
 
 def test_ctrl_c_during_generate_aborts_and_leaves_nothing(tmp_path, tiny_llama_dir):
-    proc, engine_pid, _ = start_frontend(tmp_path, tiny_llama_dir, "shm")
+    proc, engine_pid, _ = start_frontend(tmp_path, tiny_llama_dir)
     try:
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)
@@ -318,14 +308,15 @@ def test_a_new_shm_channel_sweeps_rings_of_dead_runs(tmp_path):
     dead = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout.strip()
     left = Path("/dev/shm") / dead.lstrip("/")
     assert left.exists()
-    endpoint, _ = transport.open_frontend("shm")
+    endpoint, _ = channel.open_frontend()
     endpoint.close()
     assert not left.exists()
 
 
-def test_unknown_transport_is_a_value_error(tiny_llama_dir):
-    with pytest.raises(ValueError, match="transport"):
-        LLM(str(tiny_llama_dir), transport="carrier-pigeon", **ENGINE_ARGS)
+def test_transport_is_no_knob(tiny_llama_dir):
+    """The shared-memory rings are the channel; ZeroMQ is only the benchmark's peer."""
+    with pytest.raises(TypeError, match="transport"):
+        LLM(str(tiny_llama_dir), transport="zmq", **ENGINE_ARGS)
 
 
 @pytest.mark.parametrize(
@@ -338,5 +329,5 @@ def test_frontend_naps_only_when_the_engine_leaves_it_a_core(monkeypatch, omp, c
     else:
         monkeypatch.setenv("OMP_NUM_THREADS", omp)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
-    assert transport.frontend_nap_window() == (transport.FRONTEND_NAP_WINDOW_S if napping else 0.0)
+    assert channel.frontend_nap_window() == (channel.FRONTEND_NAP_WINDOW_S if napping else 0.0)
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from shmvllm.engine.input_processor import InputProcessor
-from shmvllm.engine.messages import EngineCoreOutput, FinishReason, Logprobs
+from shmvllm.boundary.messages import EngineCoreOutput, FinishReason, Logprobs
 from shmvllm.engine.output_processor import OutputProcessor, ParentRequest
 from shmvllm.engine.renderer import Renderer
 from shmvllm.sampling_params import RequestOutputKind, SamplingParams
@@ -57,12 +57,12 @@ def text_ids(tokenizer, text=TEXT):
 
 def test_input_processor_sets_eos_and_caps_max_tokens(input_processor):
     request, text, ids = input_processor.process_inputs("a", "Hello there", SamplingParams(max_tokens=1000))
-    assert text == "Hello there" and request.prompt_token_ids_list == ids
+    assert text == "Hello there" and request.prompt_token_ids.tolist() == ids
     params = request.sampling_params
     assert params.eos_token_id == 2  # <|im_end|>
     assert params.max_tokens == 64 - len(ids)
     request, _, _ = input_processor.process_inputs("b", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=None))
-    assert request.sampling_params.max_tokens == 61 and request.prompt_token_ids_list == [1, 2, 3]
+    assert request.sampling_params.max_tokens == 61 and request.prompt_token_ids.tolist() == [1, 2, 3]
 
 
 @pytest.mark.parametrize(

@@ -62,8 +62,8 @@ def _marked_pids() -> dict[int, str]:
 
 
 def engine_pids() -> list[int]:
-    """The engine processes (spawned by multiprocessing) under this test's replicas."""
-    return sorted(pid for pid, cmd in _marked_pids().items() if "spawn_main" in cmd)
+    """The engine processes (`python -m shmvllm.engine.core_proc`) under this test's replicas."""
+    return sorted(pid for pid, cmd in _marked_pids().items() if "shmvllm.engine.core_proc" in cmd)
 
 
 def environ_of(pid: int) -> dict[str, str]:

@@ -9,7 +9,7 @@ from shmvllm.config import CacheConfig, SchedulerConfig
 from shmvllm.core.request import Request, RequestStatus
 from shmvllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from shmvllm.core.sched.scheduler import Scheduler
-from shmvllm.engine.messages import FinishReason, Logprobs
+from shmvllm.boundary.messages import FinishReason, Logprobs
 from shmvllm.pooling_params import PoolingParams
 from shmvllm.sampling_params import SamplingParams
 
@@ -269,7 +269,7 @@ def test_pooling_request_is_scheduled_whole_and_finishes_with_its_vector():
     runner = ModelRunnerOutput(req_ids=["gen", "emb"], sampled_token_ids=[[7], []], pooler_output={"emb": vector})
     outputs = {o.request_id: o for o in sched.update_from_output(out, runner).outputs}
     assert outputs["emb"].finish_reason == FinishReason.STOP
-    assert np.frombuffer(outputs["emb"].pooling_output, dtype="<f4").tolist() == vector.tolist()
+    assert outputs["emb"].pooling_output.tolist() == vector.tolist()
     assert "emb" not in sched.requests
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from shmvllm import LLM, SamplingParams
-from shmvllm.engine.messages import EngineCoreRequest
+from shmvllm.boundary.messages import EngineCoreRequest
 from shmvllm.sampling_params import GuidedDecodingParams, StructuredOutputsParams
 from shmvllm.structured_output.bitmask import TokenBitmaskApplier
 from shmvllm.structured_output.spec import choice_as_ebnf, grammar_spec
@@ -395,7 +395,7 @@ def test_padded_vocab_masks_ids_the_tokenizer_lacks(padded_vocab_llama_dir):
 def test_engine_fails_only_the_request_whose_grammar_does_not_compile(tiny_llama_dir):
     from shmvllm.config import EngineArgs
     from shmvllm.engine.core import EngineCore
-    from shmvllm.engine.messages import FinishReason
+    from shmvllm.boundary.messages import FinishReason
 
     config = EngineArgs(model=str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=256,
                         num_kv_blocks=64).create_engine_config()

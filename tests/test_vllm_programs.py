@@ -2,7 +2,7 @@
 examples/offline_inference/basic/, written afresh) run unchanged after install_as_vllm(), each as
 `python program.py` in its own interpreter, with the engine in its own process, on the shipped
 models. install_as_vllm() runs from a sitecustomize.py on PYTHONPATH (the README's recipe), so it
-runs in the spawned engine process too, which re-imports the program's main module."""
+runs in the engine process too (which never imports the program itself)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING, Optional
 
-from shmvllm.engine.messages import EngineCoreRequest, FinishReason
+from shmvllm.boundary.messages import EngineCoreRequest, FinishReason
 from shmvllm.pooling_params import PoolingParams
 from shmvllm.sampling_params import SamplingParams
 
@@ -82,7 +82,7 @@ class Request:
     def from_engine_core_request(cls, req: EngineCoreRequest) -> "Request":
         return cls(
             request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids_list,
+            prompt_token_ids=req.prompt_token_ids.tolist(),
             sampling_params=req.sampling_params,
             pooling_params=req.pooling_params,
             arrival_time=req.arrival_time,

@@ -19,7 +19,7 @@ from shmvllm.core.request import Request, RequestStatus
 from shmvllm.core.sched.output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from shmvllm.core.sched.scheduler import Scheduler
 from shmvllm.executor.errors import WorkerDeadError
-from shmvllm.engine.messages import (
+from shmvllm.boundary.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,

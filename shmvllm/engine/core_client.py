@@ -1,8 +1,8 @@
 """EngineCoreClient: the LLMEngine's handle on the EngineCore, wherever that runs.
 
 `make_client` picks the implementation: `SyncMPClient` (the engine in its own process, reached
-over shared-memory rings; the default) or `InprocClient` (the engine in this process, which the
-tests and debugging use). Both expose the same calls.
+over the shared-memory channel of shmvllm.boundary; the default) or `InprocClient` (the engine
+in this process, which the tests and debugging use). Both expose the same calls.
 """
 
 from __future__ import annotations
@@ -15,32 +15,34 @@ import os
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ipc import PeerGoneError
+from shmvllm.boundary.channel import Addresses, ChannelTimeout, Endpoint, FrontendInbox, open_frontend
 from shmvllm.config import EngineConfig
-from shmvllm.engine.core_proc import ENGINE_FAILED_CALL_ID, POLL_S, decode_outputs
+from shmvllm.engine.core_proc import POLL_S
 from shmvllm.engine.exceptions import EngineDeadError, EngineTimeoutError
-from shmvllm.engine.messages import (
+from shmvllm.boundary.messages import (
     EngineCoreAbort,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreShutdown,
     EngineCoreUtility,
+    EngineFailed,
     EngineReady,
+    make_encoder,
 )
 from shmvllm.engine.proc_manager import DEFAULT_READY_TIMEOUT_S, CoreEngineProcManager
-from shmvllm.engine.transport import TRANSPORTS, ChannelTimeout, Endpoint, PeerMissingError, open_frontend
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCoreClient(ABC):
     @staticmethod
-    def make_client(config: EngineConfig, multiprocess: bool = True, transport: str = "shm") -> "EngineCoreClient":
-        """SyncMPClient when multiprocess (its `transport` picks the channel), else InprocClient."""
+    def make_client(config: EngineConfig, multiprocess: bool = True) -> "EngineCoreClient":
+        """SyncMPClient when multiprocess, else InprocClient."""
         if multiprocess:
-            return SyncMPClient(config, transport=transport)
+            return SyncMPClient(config)
         return InprocClient(config)
 
     @abstractmethod
@@ -136,9 +138,8 @@ class EngineUtilityError(RuntimeError):
     """A UTILITY call raised in the engine; the message carries the engine's exception text."""
 
 
-_PEER_ERRORS = (PeerGoneError, PeerMissingError)
-_MAX_DRAIN = 4096  # messages taken off the output channel in one go while waiting for something else
 ABORT_SEND_TIMEOUT_S = 1.0  # an abort waits this long for room on a full input ring, then gives up
+SHUTDOWN_SEND_TIMEOUT_S = 1.0
 
 
 class _EngineResources:
@@ -151,11 +152,8 @@ class _EngineResources:
         self.pid = os.getpid()  # a child forked from this process inherits the finalizer, not the engine
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """SHUTDOWN, wait (then terminate/kill), then remove the channel. Idempotent.
-
-        While it waits it discards what the engine still sends: an engine blocked on a full
-        output ring would otherwise never read the SHUTDOWN and be killed after `timeout`.
-        """
+        """SHUTDOWN, wait (then terminate/kill), then remove the channel. Idempotent. The engine
+        drains its input whatever it has to send, so SHUTDOWN gets through a full output ring."""
         if self.closed or os.getpid() != self.pid:
             return
         self.closed = True
@@ -163,62 +161,57 @@ class _EngineResources:
             if self.manager is not None:
                 if self.manager.is_alive():
                     try:
-                        self.endpoint.send(EngineCoreShutdown(), timeout=1.0, while_full=self._discard_outputs)
-                    except Exception:  # a full or broken channel: the manager terminates it
+                        self.endpoint.send(make_encoder().encode(EngineCoreShutdown()), SHUTDOWN_SEND_TIMEOUT_S)
+                    except Exception:  # a stuck or broken channel: the manager terminates it
                         pass
-                self.manager.shutdown(timeout, while_waiting=self._discard_outputs)
+                self.manager.shutdown(timeout)
         finally:
             self.endpoint.close()
 
-    def _discard_outputs(self) -> None:
-        try:
-            for _ in range(_MAX_DRAIN):
-                if self.endpoint.try_recv(len) is None:
-                    return
-        except Exception:  # a broken channel: nothing more to drain
-            pass
+
+ChannelFactory = Callable[[], "tuple[Endpoint, Addresses]"]
 
 
 class SyncMPClient(EngineCoreClient):
-    """The engine in its own process, reached over a transport ("shm" rings or "zmq" sockets).
+    """The engine in its own process, reached over the channel (shmvllm.boundary.channel).
 
     Every blocking call waits with the GIL released and looks at the engine process at least
     every POLL_S seconds, so a dead engine becomes an EngineDeadError, never a hang. The engine
     stops on `shutdown()`, when this client is garbage-collected, and at interpreter exit.
 
-    io_threads: serve with vLLM's input/output threads instead of polling from the busy loop
-    (default from the environment variable SHMVLLM_ENGINE_IO=threads|poll, else polling).
+    Sends simply block while the input ring is full (the engine drains it every turn of its
+    loop: see the channel's flow-control rule).
+
     executor_class: for the engine's EngineCore (tests inject faults with it).
+    channel: what creates the channel (default: the shared-memory rings); benchmarks/ passes
+    its own (a ZeroMQ peer, a timed endpoint), whose Addresses name the engine side's opener.
     """
 
     def __init__(
         self,
         config: EngineConfig,
-        transport: str = "shm",
         *,
-        io_threads: Optional[bool] = None,
         executor_class: Optional[type] = None,
         ready_timeout: float = DEFAULT_READY_TIMEOUT_S,
+        channel: ChannelFactory = open_frontend,
     ) -> None:
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        if io_threads is None:
-            io_threads = os.environ.get("SHMVLLM_ENGINE_IO", "poll") == "threads"
-        self.transport = transport
-        self._endpoint, self.addresses = open_frontend(transport)
+        self._endpoint, self.addresses = channel()
+        self._inbox = FrontendInbox(self._endpoint)
+        self._encode = make_encoder().encode
         resources = _EngineResources(self._endpoint)
-        # multiprocessing's finalizers run at exit before it joins its children, so the engine
-        # gets SHUTDOWN first instead of being waited for forever.
+        # multiprocessing's finalizers run at exit (atexit), before the interpreter tears down
+        # what a shutdown needs: the engine gets SHUTDOWN first.
         self._finalizer = multiprocessing.util.Finalize(self, resources.shutdown, exitpriority=100)
         try:
-            self._manager = resources.manager = CoreEngineProcManager(config, self.addresses, io_threads, executor_class)
-            self._ready = self._manager.wait_for_ready(self._endpoint, ready_timeout)
+            self._manager = resources.manager = CoreEngineProcManager(config, self.addresses, executor_class)
+            self._ready = self._manager.wait_for_ready(self._inbox, ready_timeout)
         except BaseException:
             self._finalizer()
             raise
+        # Step outputs that arrive while a utility call waits for its answer, for get_output.
         self._pending: collections.deque[EngineCoreOutputs] = collections.deque()
-        # The output channel has one reader at a time: get_output, a utility call waiting for
-        # its reply, or a send that drains outputs while the input ring is full.
+        # The output channel has one reader at a time: get_output, or a utility call waiting
+        # for its reply.
         self._recv_lock = threading.RLock()
         # How long a send may wait for room on a full input ring (None: as long as it takes).
         self.request_timeout_s: Optional[float] = None
@@ -242,58 +235,54 @@ class SyncMPClient(EngineCoreClient):
         return EngineDeadError(self._dead)
 
     def _send(self, msg: Any, timeout: Optional[float] = None) -> None:
-        """Sends to the engine. While the input ring is full, the engine's outputs are moved
-        to `_pending`: the engine stops reading its input while it waits for room on the
-        output ring, so a frontend that only waited would wait for ever. ChannelTimeout after
+        """Sends to the engine, blocking while the input ring is full. ChannelTimeout after
         `timeout` s without room; without a `timeout`, EngineTimeoutError after
-        `request_timeout_s` (if set)."""
+        `request_timeout_s` (if set). EngineDeadError within ~POLL_S of the engine's death."""
         self._check_usable()
+        data = self._encode(msg)
         limit = self.request_timeout_s if timeout is None else timeout
-        try:
-            self._endpoint.send(msg, timeout=limit, while_full=self._drain_outputs)
-        except _PEER_ERRORS as exc:
-            raise self._died(str(exc)) from exc
-        except ChannelTimeout:
-            if timeout is not None:
-                raise
-            state = self._manager.state()
-            raise EngineTimeoutError(
-                f"the engine process (pid {self._manager.pid}) took no input for {limit} s (request_timeout_s); "
-                f"it is {state}", state,
-            ) from None
+        deadline = None if limit is None else time.monotonic() + limit
+        while True:
+            wait = POLL_S if deadline is None else max(min(POLL_S, deadline - time.monotonic()), 0.0)
+            try:
+                self._endpoint.send(data, wait)
+                return
+            except PeerGoneError as exc:
+                raise self._died(str(exc)) from exc
+            except ChannelTimeout:
+                if not self._manager.is_alive():
+                    raise self._died(f"it exited with code {self._manager.exitcode}") from None
+                if deadline is None or time.monotonic() < deadline:
+                    continue
+                if timeout is not None:
+                    raise
+                state = self._manager.state()
+                raise EngineTimeoutError(
+                    f"the engine process (pid {self._manager.pid}) took no input for {limit} s (request_timeout_s); "
+                    f"it is {state}", state,
+                ) from None
 
-    def _drain_outputs(self) -> None:
-        if not self._recv_lock.acquire(blocking=False):
-            return  # another thread is reading the outputs: the engine gets room all the same
-        try:
-            for _ in range(_MAX_DRAIN):
-                outputs = self._endpoint.try_recv(decode_outputs)
-                if outputs is None:
-                    return
-                self._pending.append(self._checked(outputs))
-        finally:
-            self._recv_lock.release()
-
-    def _checked(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
-        utility = outputs.utility_output
-        if utility is not None and utility.call_id == ENGINE_FAILED_CALL_ID:
-            raise self._died(f"it failed:\n{utility.failure_message}")
-        return outputs
+    def _checked(self, msg: Any) -> EngineCoreOutputs:
+        if isinstance(msg, EngineFailed):
+            raise self._died(f"it failed:\n{msg.traceback}")
+        if not isinstance(msg, EngineCoreOutputs):
+            raise self._died(f"it sent an unexpected {type(msg).__name__}")
+        return msg
 
     def _recv(self, timeout: Optional[float] = None) -> EngineCoreOutputs:
         """The engine's next message; EngineDeadError within ~POLL_S of its death,
         EngineTimeoutError (naming the engine's state) when nothing came within `timeout` s."""
         self._check_usable()
-        endpoint = self._endpoint
+        inbox = self._inbox
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait = POLL_S if deadline is None else max(min(POLL_S, deadline - time.monotonic()), 0.0)
             try:
-                outputs = endpoint.recv(decode_outputs, wait)
+                msg = inbox.recv(wait)
             except ChannelTimeout:
                 if not self._manager.is_alive():
-                    outputs = endpoint.try_recv(decode_outputs)  # what it said before it died
-                    if outputs is None:
+                    msg = inbox.try_recv()  # what it said before it died
+                    if msg is None:
                         raise self._died(f"it exited with code {self._manager.exitcode}") from None
                 elif deadline is not None and time.monotonic() >= deadline:
                     state = self._manager.state()
@@ -303,9 +292,9 @@ class SyncMPClient(EngineCoreClient):
                     ) from None
                 else:
                     continue
-            except _PEER_ERRORS as exc:
+            except PeerGoneError as exc:
                 raise self._died(str(exc)) from exc
-            return self._checked(outputs)
+            return self._checked(msg)
 
     # ---- the client API -------------------------------------------------------------------
 

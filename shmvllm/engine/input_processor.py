@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 
 import msgspec
 
-from shmvllm.engine.messages import EngineCoreRequest, EngineReady, now
+from shmvllm.boundary.messages import EngineCoreRequest, EngineReady, now
 from shmvllm.engine.renderer import Renderer
 from shmvllm.pooling_params import PoolingParams
 from shmvllm.sampling_params import SamplingParams

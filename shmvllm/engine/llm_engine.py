@@ -14,10 +14,10 @@ from typing import Any, Iterator, Optional, Union
 
 import msgspec
 
+from shmvllm.boundary.messages import EngineCoreOutputs, EngineCoreRequest, now
 from shmvllm.config import EngineArgs, EngineConfig
 from shmvllm.engine.core_client import EngineCoreClient
 from shmvllm.engine.input_processor import InputProcessor, PromptType, check_priority
-from shmvllm.engine.messages import EngineCoreOutputs, EngineCoreRequest, now
 from shmvllm.engine.output_processor import OutputProcessor, ParentRequest
 from shmvllm.engine.renderer import Renderer, load_tokenizer
 from shmvllm.metrics import FrontendStats, Metric
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, multiprocess: bool = True, transport: str = "shm"):
+    def __init__(self, config: EngineConfig, multiprocess: bool = True):
         self.config = config
         model_config = config.model_config
         self.tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(
@@ -43,7 +43,7 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = FrontendStats()
-        self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess, transport=transport)
+        self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess)
         # The engine's own limits (READY carries them: max_model_len clamped to what the KV cache
         # holds, the vocabulary, max_logprobs), which requests are validated against.
         self.input_processor.set_engine_limits(self.engine_core.ready)
@@ -54,8 +54,8 @@ class LLMEngine:
         return self.config.model_config
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, multiprocess: bool = True, transport: str = "shm") -> "LLMEngine":
-        return cls(engine_args.create_engine_config(), multiprocess=multiprocess, transport=transport)
+    def from_engine_args(cls, engine_args: EngineArgs, multiprocess: bool = True) -> "LLMEngine":
+        return cls(engine_args.create_engine_config(), multiprocess=multiprocess)
 
     def get_tokenizer(self) -> Any:
         if self.tokenizer is None:

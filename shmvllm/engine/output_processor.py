@@ -1,7 +1,7 @@
 """EngineCoreOutputs -> RequestOutputs: detokenization, stop strings, logprobs, n > 1 merging.
 
 Pooling (embedding) requests take a short path: their one output carries the pooled vector as
-raw float32 bytes, which becomes a numpy view of those bytes (no copy) in a PoolingRequestOutput.
+a float32 array, which the PoolingRequestOutput holds as it is.
 
 The output processor keeps one `RequestState` per request in the engine (a request with n > 1
 is n child requests in the engine, merged back by their `ParentRequest`). A request that hits a
@@ -25,7 +25,7 @@ import msgspec
 import numpy as np
 
 from shmvllm.engine.detokenizer import IncrementalDetokenizer, byte_fallback_token_ids, special_token_ids
-from shmvllm.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, Logprobs
+from shmvllm.boundary.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, Logprobs
 from shmvllm.logprobs import create_prompt_logprobs, create_sample_logprobs
 from shmvllm.outputs import (
     CompletionOutput,
@@ -270,7 +270,7 @@ class OutputProcessor:
         if state is None:
             return None
         self._release(output.request_id)
-        data = np.frombuffer(output.pooling_output, dtype="<f4") if output.pooling_output is not None else _NO_VECTOR
+        data = output.pooling_output if output.pooling_output is not None else _NO_VECTOR
         return PoolingRequestOutput(
             request_id=output.request_id,
             outputs=PoolingOutput(data=data),

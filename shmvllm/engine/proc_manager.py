@@ -1,30 +1,36 @@
 """CoreEngineProcManager: starts the engine process, waits for READY, watches it, stops it.
 
-The engine process is spawned (a fresh interpreter; never forked, so no torch or thread state
-is inherited) with the channel's addresses, not its objects. It answers READY (`EngineReady`)
-once its KV cache is sized, or its start-up traceback, which becomes an `EngineStartupError`
-here. A child that dies without a word is noticed through its process sentinel.
+The engine process is its own program, `python -m shmvllm.engine.core_proc` (a fresh
+interpreter; never forked, so no torch or thread state is inherited, and not multiprocessing's
+spawn, so the caller's main module is never imported again: a script without a main guard,
+`python -c` and a notebook cell all work). Its `EngineProcArgs` (the config and the channel's
+addresses, msgpack) go to its stdin. It answers READY (`EngineReady`)
+once its KV cache is sized, or `EngineFailed` with its start-up traceback, which becomes an
+`EngineStartupError` here. A child that dies without a word is noticed by polling it.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
+import subprocess
+import sys
 import time
-from typing import Any, Callable, Optional
+from pathlib import Path
+from typing import Any, Optional
 
 from ipc.segment import pid_alive
+from shmvllm import envs
+from shmvllm.boundary.channel import Addresses, ChannelTimeout, FrontendInbox
+from shmvllm.boundary.messages import EngineFailed, EngineReady
 from shmvllm.config import EngineConfig
-from shmvllm.engine.core_proc import POLL_S, EngineCoreProc, decode_handshake
+from shmvllm.engine.core_proc import POLL_S, EngineProcArgs, encode_proc_args, qualified_name
 from shmvllm.engine.exceptions import EngineStartupError
-from shmvllm.engine.messages import EngineReady
-from shmvllm.engine.transport import Addresses, ChannelTimeout, Endpoint
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_READY_TIMEOUT_S = 600.0
-_DRAIN_EVERY_S = 0.02
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def describe_process(pid: int) -> str:
@@ -50,24 +56,29 @@ class CoreEngineProcManager:
         self,
         config: EngineConfig,
         addresses: Addresses,
-        io_threads: bool = False,
         executor_class: Optional[type] = None,
     ) -> None:
-        context = multiprocessing.get_context("spawn")
-        self.proc = context.Process(
-            target=EngineCoreProc.run_engine_core,
-            name="EngineCore",
-            kwargs=dict(
-                config=config,
-                addresses=addresses,
-                parent_pid=os.getpid(),
-                io_threads=io_threads,
-                executor_class=executor_class,
-                log_level=logging.getLogger("shmvllm").getEffectiveLevel(),
-            ),
+        args = EngineProcArgs.build(
+            config,
+            addresses,
+            parent_pid=os.getpid(),
+            executor_class=None if executor_class is None else qualified_name(executor_class),
+            log_level=logging.getLogger("shmvllm").getEffectiveLevel(),
+            sys_path=[p for p in sys.path if p],
         )
+        payload = encode_proc_args(args)
+        # the directory that holds the shmvllm package first on its path, so that it runs this
+        # shmvllm whatever the working directory
+        env = envs.child_environment(pythonpath_first=_PACKAGE_ROOT)
         self.started = time.monotonic()
-        self.proc.start()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "shmvllm.engine.core_proc"], stdin=subprocess.PIPE, env=env, close_fds=True,
+        )
+        try:
+            self.proc.stdin.write(payload)
+            self.proc.stdin.close()
+        except OSError:  # it died at once: wait_for_ready reports its exit
+            pass
 
     @property
     def pid(self) -> Optional[int]:
@@ -81,28 +92,35 @@ class CoreEngineProcManager:
 
     @property
     def exitcode(self) -> Optional[int]:
-        return self.proc.exitcode
+        """The exit code; -N when signal N ended it; None while it runs."""
+        return self.proc.poll()
 
     def is_alive(self) -> bool:
-        return self.proc.is_alive()
+        return self.proc.poll() is None
 
-    def wait_for_ready(self, endpoint: Endpoint, timeout: float = DEFAULT_READY_TIMEOUT_S) -> EngineReady:
+    def join(self, timeout: float) -> None:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def wait_for_ready(self, inbox: FrontendInbox, timeout: float = DEFAULT_READY_TIMEOUT_S) -> EngineReady:
         """Blocks until READY; EngineStartupError with the child's traceback when it failed."""
         deadline = self.started + timeout
         while True:
             try:
-                answer = endpoint.recv(decode_handshake, POLL_S)
+                answer = inbox.recv(POLL_S)
                 break
             except ChannelTimeout:
                 pass
-            except Exception as exc:  # the ring reports a dead peer before the sentinel does
-                raise self._startup_error(endpoint, f"the channel failed: {exc}") from exc
+            except Exception as exc:  # the ring reports a dead peer before the poll does
+                raise self._startup_error(inbox, f"the channel failed: {exc}") from exc
             if not self.is_alive():
-                raise self._startup_error(endpoint, "it exited")
+                raise self._startup_error(inbox, "it exited")
             if time.monotonic() > deadline:
                 raise EngineStartupError(f"the engine process (pid {self.pid}) sent no READY within {timeout:.0f} s.")
-        if isinstance(answer, str):
-            raise EngineStartupError(f"the engine process (pid {self.pid}) failed to start:\n{answer}")
+        if not isinstance(answer, EngineReady):
+            raise self._failed(answer)
         logger.info(
             "engine process %d ready in %.1f s: %d KV blocks x %d tokens (%.2fx max concurrency at max_model_len=%d)",
             self.pid, time.monotonic() - self.started, answer.num_kv_blocks, answer.block_size,
@@ -110,34 +128,32 @@ class CoreEngineProcManager:
         )
         return answer
 
-    def _startup_error(self, endpoint: Endpoint, what: str) -> EngineStartupError:
-        self.proc.join(timeout=2 * POLL_S)
+    def _failed(self, answer: Any) -> EngineStartupError:
+        if isinstance(answer, EngineFailed):
+            return EngineStartupError(f"the engine process (pid {self.pid}) failed to start:\n{answer.traceback}")
+        return EngineStartupError(f"the engine process (pid {self.pid}) answered {type(answer).__name__} before READY.")
+
+    def _startup_error(self, inbox: FrontendInbox, what: str) -> EngineStartupError:
+        self.join(2 * POLL_S)
         try:
-            answer: Any = endpoint.try_recv(decode_handshake)
+            answer: Any = inbox.try_recv()
         except Exception:
             answer = None
-        if isinstance(answer, str):
-            return EngineStartupError(f"the engine process (pid {self.pid}) failed to start:\n{answer}")
+        if answer is not None:
+            return self._failed(answer)
         return EngineStartupError(
             f"the engine process (pid {self.pid}) died before READY ({what}; exit code {self.exitcode}); "
             "its own output above says why."
         )
 
-    def shutdown(self, timeout: float = 5.0, while_waiting: Optional[Callable[[], None]] = None) -> None:
-        """Waits `timeout` s for the process to exit (after SHUTDOWN), calling `while_waiting`
-        every few ms meanwhile, then terminates, then kills."""
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Waits `timeout` s for the process to exit (after SHUTDOWN), then terminates, then kills."""
         proc = self.proc
-        if proc.pid is None:
-            return
-        deadline = time.monotonic() + timeout
-        while proc.exitcode is None and (remaining := deadline - time.monotonic()) > 0:
-            if while_waiting is not None:
-                while_waiting()
-            proc.join(remaining if while_waiting is None else min(remaining, _DRAIN_EVERY_S))
-        if proc.exitcode is None:
+        self.join(timeout)
+        if self.is_alive():
             logger.warning("engine process %d did not exit in %.1f s: terminating it", proc.pid, timeout)
             proc.terminate()
-            proc.join(2.0)
-        if proc.exitcode is None:
+            self.join(2.0)
+        if self.is_alive():
             proc.kill()
-            proc.join(2.0)
+            self.join(2.0)

@@ -44,7 +44,7 @@ UseTqdm = Union[bool, Callable[..., Any]]
 POOLING_TOKENIZE_CHUNK = 256
 # Requests in flight (sent, not yet finished) stay under this many engine steps' worth, so the
 # engine always has work queued while the frontend's memory and the progress bar stay bounded.
-# (A full ring cannot deadlock the two sides: SyncMPClient drains outputs while it waits to send.)
+# (A full ring cannot deadlock the two sides: see the flow-control rule in shmvllm/boundary/channel.py.)
 POOLING_MAX_IN_FLIGHT_STEPS = 2  # x max_num_seqs
 
 
@@ -56,8 +56,7 @@ class LLM:
     vLLM's engine arguments, accepted where they make no difference here and refused with a
     ValueError naming them where they ask for what shmvllm lacks (README, "Porting from vLLM").
     An argument vLLM does not have either is a TypeError. multiprocess: run the engine in its
-    own process (the default) or in this one. transport: the channel to the engine process
-    ("shm": shared-memory rings; "zmq": ZeroMQ sockets). request_timeout_s: a call that gets no
+    own process (the default; over shared-memory rings) or in this one. request_timeout_s: a call that gets no
     output from the engine for this long raises EngineTimeoutError (a TimeoutError naming the
     engine's state) and aborts its requests (None: wait as long as it takes; the engine's death
     is noticed either way).
@@ -74,7 +73,6 @@ class LLM:
         model: str = DEFAULT_MODEL,
         *,
         multiprocess: bool = True,
-        transport: str = "shm",
         request_timeout_s: Optional[float] = None,
         **engine_args: Any,
     ):
@@ -88,7 +86,7 @@ class LLM:
             raise ValueError(f"request_timeout_s must be a positive number of seconds or None, got {request_timeout_s!r}.")
         self.request_timeout_s = request_timeout_s
         self.engine_args = EngineArgs(model=model, **engine_args)
-        self.llm_engine = LLMEngine.from_engine_args(self.engine_args, multiprocess=multiprocess, transport=transport)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args, multiprocess=multiprocess)
         self.llm_engine.set_request_timeout(request_timeout_s)
         self.model_config = self.llm_engine.model_config
         self.supported_tasks: tuple[str, ...] = ("embed",) if self.model_config.is_embedding else ("generate",)

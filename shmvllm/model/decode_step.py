@@ -21,11 +21,11 @@ figures say little): 5.3 tok/s native step against 4.0 layer by layer, 200 token
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Any, Optional
 
 import torch
 
+from shmvllm import envs
 from shmvllm.model.attention import AttentionMetadata
 from shmvllm.model.kernels import cpu_kernels, quant_kernels
 from shmvllm.model.linear import FEW_ROWS, Linear
@@ -61,7 +61,7 @@ class _Model(ctypes.Structure):
 
 
 def enabled() -> bool:
-    return os.environ.get("SHMVLLM_FUSED_DECODE", "1") != "0"
+    return envs.SHMVLLM_FUSED_DECODE()
 
 
 def _fn(lib: ctypes.CDLL, name: str) -> int:

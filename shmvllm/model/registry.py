@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from shmvllm import envs
+
 logger = logging.getLogger(__name__)
 
 
@@ -53,7 +55,7 @@ CACHE_ENV = "SHMVLLM_CACHE"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "shmvllm"))
+    return envs.SHMVLLM_CACHE()
 
 
 def writable_cache_dir() -> Path:
@@ -64,7 +66,7 @@ def writable_cache_dir() -> Path:
         directory.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=directory).close()
     except OSError as exc:
-        source = f"${CACHE_ENV}" if CACHE_ENV in os.environ else f"the default (${CACHE_ENV} is not set)"
+        source = f"${CACHE_ENV}" if envs.SHMVLLM_CACHE_IS_SET() else f"the default (${CACHE_ENV} is not set)"
         raise OSError(
             exc.errno,
             f"the model cache {str(directory)!r} ({source}) is not writable: {exc.strerror or exc}; "

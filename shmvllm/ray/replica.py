@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from shmvllm import envs
 from shmvllm.engine.exceptions import EngineDeadError
 from shmvllm.entrypoints.llm import LLM
 from shmvllm.ray.config import (
@@ -44,7 +45,7 @@ class Replica:
     def __init__(self, config: ProcessorConfig) -> None:
         # The engine process inherits the environment: its torch runs as many threads as Ray
         # gave this replica CPUs.
-        os.environ["OMP_NUM_THREADS"] = str(config.num_cpus)
+        envs.set_omp_num_threads(config.num_cpus)
         self.config = config
         self.llm: Optional[LLM] = None
         self.janitor: Optional[Janitor] = None  # set before starting it: __del__ calls close()

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import sys
 from typing import Callable, Optional
 
 import torch
+
+from shmvllm import envs
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
@@ -28,7 +29,7 @@ MADV_HUGEPAGE = 14
 
 @functools.lru_cache(maxsize=1)
 def _madvise() -> Optional[Callable[[int, int, int], int]]:
-    if not sys.platform.startswith("linux") or os.environ.get("SHMVLLM_HUGE_PAGES", "1") == "0":
+    if not sys.platform.startswith("linux") or not envs.SHMVLLM_HUGE_PAGES():
         return None
     try:
         libc = ctypes.CDLL(None, use_errno=True)

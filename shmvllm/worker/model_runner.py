@@ -17,7 +17,7 @@ import torch
 
 from shmvllm.config import EngineConfig
 from shmvllm.core.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from shmvllm.engine.messages import Logprobs
+from shmvllm.boundary.messages import Logprobs
 from shmvllm.model.attention import AttentionMetadata, PrefillSeq, build_attention_metadata
 from shmvllm.model.loader import get_model, torch_dtype
 from shmvllm.model.logits_processors import RequestLogitsProcessors

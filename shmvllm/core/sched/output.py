@@ -10,7 +10,7 @@ from typing import Optional
 
 import numpy as np
 
-from shmvllm.engine.messages import Logprobs
+from shmvllm.boundary.messages import Logprobs
 from shmvllm.pooling_params import PoolingParams
 from shmvllm.sampling_params import SamplingParams
 

@@ -35,7 +35,7 @@ from shmvllm.core.sched.output import (
     SchedulerOutput,
 )
 from shmvllm.core.sched.request_queue import RequestQueue
-from shmvllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats, now
+from shmvllm.boundary.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats, now
 
 if TYPE_CHECKING:
     from shmvllm.structured_output.manager import StructuredOutputManager
@@ -313,11 +313,11 @@ class Scheduler:
     ) -> Optional[EngineCoreOutput]:
         req_id = request.request_id
         new_token_ids: list[int] = []
-        pooling_output: Optional[bytes] = None
+        pooling_output: Optional[np.ndarray] = None
         if request.is_pooling:
             pooled = runner_output.pooler_output.get(req_id)
             if pooled is not None:
-                pooling_output = np.ascontiguousarray(pooled, dtype="<f4").tobytes()
+                pooling_output = np.ascontiguousarray(pooled, dtype="<f4")
                 request.status = RequestStatus.FINISHED_STOPPED
         else:
             so_request = request.structured_output_request

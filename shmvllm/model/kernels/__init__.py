@@ -32,6 +32,7 @@ from typing import Optional
 import torch  # loaded first: the kernels bind to the libgomp.so.1 that torch loaded
 
 from ipc._native import find_compiler, private_dir  # the ring's C helper is built the same way
+from shmvllm import envs
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # -ffast-math lets gcc vectorize expf through glibc's libmvec; the kernels never see inf or NaN.
@@ -112,7 +113,7 @@ def _build(stem: str, source: Path, cflags: list[str], signatures: dict, include
     """Compiles `source` (which #includes `includes`) with `cflags` into the private cache (once
     per sources, flags and CPU) and loads it; None, with a warning, when there is no compiler or
     the build fails."""
-    if os.environ.get("SHMVLLM_NATIVE_KERNELS", "1") == "0" or platform.machine() not in ("x86_64", "aarch64"):
+    if not envs.SHMVLLM_NATIVE_KERNELS() or platform.machine() not in ("x86_64", "aarch64"):
         return None
     cc = find_compiler()
     if cc is None:
@@ -222,7 +223,7 @@ def quant_kernels(isa: Optional[str] = None) -> Optional[ctypes.CDLL]:
     """The block-quantized GEMM kernels (quant_kernels.c) for `isa`, default the best this CPU
     runs, or ``$SHMVLLM_QUANT_ISA`` (avx512 | avx2 | portable) when set; None when they cannot be
     built. Asking for a build the CPU cannot run is a ValueError."""
-    isa = isa or os.environ.get("SHMVLLM_QUANT_ISA") or None
+    isa = isa or envs.SHMVLLM_QUANT_ISA()
     names = [name for name, _, _ in QUANT_ISAS]
     if isa is not None and isa not in names:
         raise ValueError(f"SHMVLLM_QUANT_ISA / isa must be one of {names}, got {isa!r}.")

@@ -1,0 +1,321 @@
+"""The channel between the frontend and the engine process, and its one flow-control rule.
+
+`Endpoint` is one side of a bidirectional channel of whole byte messages. The product's is
+`ShmEndpoint`: two `ipc.RingBuffer`s (frontend -> engine, engine -> frontend), created by the
+frontend (`open_frontend`), attached by the engine by name (`open_engine`); receiving hands the
+decoder the message in the ring's own memory. Other implementations (benchmarks/ has one over
+ZeroMQ, and one that times the engine's channel calls) plug in through `Addresses.opener`, the
+function the engine process calls to open its side.
+
+Flow control (the whole rule; nothing else in shmvllm waits for room):
+
+- The engine never blocks on a send. `EngineOutbox.send` pushes an encoded message if the
+  output ring has room, else keeps it, in order, in a local queue that the busy loop flushes
+  as far as the ring allows at every turn. A message longer than the ring can take in one go
+  travels as pieces (first byte 0xC1, which msgpack never uses) that `FrontendInbox` joins.
+- The engine always drains its input: every turn of its busy loop takes every message (or
+  fragment) the input ring holds, whatever the outbox holds.
+- Back-pressure: while the outbox holds more than `OUTBOX_RING_MULTIPLE` rings' worth of bytes,
+  the engine takes no step, so it admits no new request and produces nothing; requests that
+  arrive meanwhile wait in the scheduler's queue. The outbox is so bounded by that limit plus
+  one step's outputs.
+- The frontend's sends may simply block (with a timeout, to watch the engine's health).
+
+Why this cannot deadlock: a deadlock needs a cycle of waits. The engine waits on nothing the
+frontend holds: it never waits for room, and when it waits for input it wakes within
+`FLUSH_POLL_S` to flush whenever its outbox is not empty. The frontend waits either for room
+in the input ring, which the engine empties within one turn of its loop (one step), or for
+output, which the engine's outbox delivers as soon as the frontend has read what the ring
+holds. So every wait of the frontend ends within about one engine step, and the engine never
+waits on the frontend: no cycle, whatever the rings' sizes or the messages' lengths (tested
+with rings of a few KiB both ways: tests/test_boundary.py).
+
+The creator removes the rings on `close()`; `remove_orphaned` is for the engine when the
+frontend died without closing, and `open_frontend` sweeps the rings of runs where both
+processes died.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from abc import ABC, abstractmethod
+from typing import Any, Callable, Optional
+
+import msgspec
+
+from ipc import RingTimeoutError
+from shmvllm import envs
+from shmvllm.boundary.messages import decode_from_engine, make_encoder
+
+RING_CAPACITY = 4 << 20  # bytes per ring; SHMVLLM_RING_CAPACITY overrides it
+# A receive that found nothing in time, or a send that found no room: the channel's own
+# TimeoutError (a TimeoutError raised by a signal handler during the wait is not one).
+ChannelTimeout = RingTimeoutError
+OUTBOX_RING_MULTIPLE = 4  # the engine stops stepping while its outbox holds more than this many rings' bytes
+FLUSH_POLL_S = 0.001  # how long an engine with a non-empty outbox waits for input before it flushes again
+# The frontend waits for each step's outputs by napping through this window before it sleeps
+# on the ring's semaphore (see ipc.wait). While it naps, the engine's send is a copy and a
+# counter store; once it sleeps, the send also wakes it: a futex wake of another process,
+# 23-31 µs on a 2-core VM, on the engine's critical path at every step. The naps are paid in
+# the frontend's CPU instead (~100 µs a wait for a 10 ms step, against ~75 µs to be woken), so
+# they are only worth it where the frontend has a core of its own: when the engine's torch
+# threads take every core, each nap's wake-up preempts one of them and holds up the other at the
+# next barrier (SmolLM2-135M single-sequence decode on 2 cores: 3.5% slower with naps). Hence
+# `frontend_nap_window()`. 20 ms covers the tiny model's steps in benchmarks/e2e_overhead.py
+# (1 and ~10 ms); a step that outlasts it (a 64-sequence step of a 135M model, ~170 ms, where the
+# wake-up is < 0.1%) makes the waiter, seeing its recent waits do, sleep at once.
+FRONTEND_NAP_WINDOW_S = 0.02
+# No spin before napping or sleeping: the engine answers after a step, or after waking up when
+# idle (tens of µs at least), so a spin would mostly burn CPU that on two cores the engine may
+# need (the ipc default, 200 µs, is 14% of a core at 1.4 ms steps).
+FRONTEND_SPIN_US = 0.0
+
+Decode = Callable[[Any], Any]
+
+_PIECE = 0xC1  # a first byte msgpack never uses: this message is a piece of a longer one
+_MORE, _LAST = 0, 1
+
+
+class Addresses(msgspec.Struct, frozen=True):
+    """What the engine needs to reach the frontend: the function that opens its side
+    ("module:function", called with these Addresses) and the two directions' names."""
+
+    opener: str
+    to_engine: str
+    to_frontend: str
+
+
+class Endpoint(ABC):
+    """One side of the channel: whole byte messages, in order, each way.
+
+    max_message: the longest message `try_send` takes (longer ones go through `send`, or in
+    pieces through an `EngineOutbox`).
+    """
+
+    max_message: int
+
+    @abstractmethod
+    def send(self, data: bytes, timeout: Optional[float] = None) -> None:
+        """Sends one message of any length; blocks while there is no room, ChannelTimeout
+        after `timeout` s (nothing of the message is delivered then). The peer's death raises
+        (ipc.PeerGoneError for the rings)."""
+
+    @abstractmethod
+    def try_send(self, data: bytes) -> bool:
+        """Sends one message of at most `max_message` bytes if there is room now; never blocks."""
+
+    @abstractmethod
+    def recv(self, decode: Decode, timeout: Optional[float]) -> Any:
+        """`decode(message)` of the next message (the view is valid only during the call);
+        ChannelTimeout when none came in `timeout` s."""
+
+    @abstractmethod
+    def try_recv(self, decode: Decode) -> Any:
+        """The next message decoded, or None when no whole one is there (never blocks)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Closes this side; the creator also removes the channel's segments."""
+
+    def remove_orphaned(self) -> None:
+        """The engine's side, after the frontend died without closing: removes what it left."""
+
+
+class ShmEndpoint(Endpoint):
+    def __init__(self, send_ring: Any, recv_ring: Any) -> None:
+        self._send_ring, self._recv_ring = send_ring, recv_ring
+        self._push, self._consume = send_ring.push, recv_ring.consume
+        self.max_message = send_ring.max_payload
+        # The engine polls this after every step: the ring's own method, without a Python frame
+        # of ours around it (each costs a few µs when a step has just evicted the caches).
+        self.try_recv = recv_ring.try_consume  # type: ignore[method-assign]
+
+    def send(self, data: bytes, timeout: Optional[float] = None) -> None:
+        self._push(data, timeout)
+
+    def try_send(self, data: bytes) -> bool:
+        try:
+            self._push(data, 0.0)
+        except ChannelTimeout:
+            return False
+        return True
+
+    def recv(self, decode: Decode, timeout: Optional[float]) -> Any:
+        return self._consume(decode, timeout)
+
+    def try_recv(self, decode: Decode) -> Any:  # replaced per instance in __init__
+        return self._recv_ring.try_consume(decode)
+
+    def close(self) -> None:
+        self._send_ring.close()
+        self._recv_ring.close()
+
+    def remove_orphaned(self) -> None:
+        from ipc import sweep_stale_segments
+
+        sweep_stale_segments()
+
+
+class EngineOutbox:
+    """The engine's sending side of the rule above: `send` never blocks."""
+
+    def __init__(self, endpoint: Endpoint, limit_bytes: int) -> None:
+        self.endpoint = endpoint
+        self.limit_bytes = limit_bytes
+        self._encode = make_encoder().encode
+        self._queue: collections.deque[bytes] = collections.deque()
+        self._queued_bytes = 0
+
+    def send(self, msg: Any) -> None:
+        data = self._encode(msg)
+        if len(data) > self.endpoint.max_message:
+            self._queue_pieces(data)
+        elif self._queue or not self.endpoint.try_send(data):
+            self._queue.append(data)
+            self._queued_bytes += len(data)
+        if self._queue:
+            self.flush()
+
+    def _queue_pieces(self, data: bytes) -> None:
+        step = self.endpoint.max_message - 2
+        view = memoryview(data)
+        for start in range(0, len(data), step):
+            flag = _LAST if start + step >= len(data) else _MORE
+            piece = bytes((_PIECE, flag)) + view[start : start + step]
+            self._queue.append(piece)
+            self._queued_bytes += len(piece)
+
+    def flush(self) -> None:
+        """Sends what waits, in order, as far as there is room."""
+        queue, try_send = self._queue, self.endpoint.try_send
+        while queue and try_send(queue[0]):
+            self._queued_bytes -= len(queue.popleft())
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._queue)
+
+    @property
+    def backlogged(self) -> bool:
+        """Over the limit: the engine takes no step until the frontend has read some."""
+        return self._queued_bytes > self.limit_bytes
+
+    def drain_for(self, seconds: float) -> bool:
+        """Flushes for up to `seconds` (the engine's last words before it exits); True if all went."""
+        import time
+
+        deadline = time.monotonic() + seconds
+        while True:
+            self.flush()
+            if not self._queue or time.monotonic() >= deadline:
+                return not self._queue
+            time.sleep(FLUSH_POLL_S)
+
+
+class FrontendInbox:
+    """The frontend's receiving side: decodes the engine's messages, joining pieces."""
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.endpoint = endpoint
+        self._pieces: list[bytes] = []
+
+    def _take(self, buf: Any) -> Any:
+        if buf[0] != _PIECE:
+            return decode_from_engine(buf)
+        self._pieces.append(bytes(buf[2:]))
+        if buf[1] != _LAST:
+            return None
+        data, self._pieces = b"".join(self._pieces), []
+        return decode_from_engine(data)
+
+    def recv(self, timeout: Optional[float]) -> Any:
+        """The next whole message; ChannelTimeout when none came in `timeout` s."""
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            msg = self.endpoint.recv(self._take, remaining)
+            if msg is not None:
+                return msg
+
+    def try_recv(self) -> Any:
+        """The next whole message, or None (never blocks)."""
+        while True:
+            msg = self.endpoint.try_recv(self._take)
+            if msg is not None or not self._pieces:
+                return msg
+            # a piece arrived: the rest may be there too
+
+
+def ring_capacity() -> int:
+    """The rings' capacity: $SHMVLLM_RING_CAPACITY (bytes, a multiple of 8 in the ring's bounds),
+    else RING_CAPACITY."""
+    from ipc import layout
+
+    value = envs.SHMVLLM_RING_CAPACITY()
+    if value is None:
+        return RING_CAPACITY
+    if value % 8 or not layout.MIN_CAPACITY <= value <= layout.MAX_CAPACITY:
+        raise ValueError(
+            f"SHMVLLM_RING_CAPACITY must be a multiple of 8 in [{layout.MIN_CAPACITY}, {layout.MAX_CAPACITY}] "
+            f"bytes, got {value}."
+        )
+    return value
+
+
+def _check_shm_space(capacity: int) -> None:
+    """A clear error, before anything is created, when /dev/shm cannot hold both rings."""
+    from ipc import SharedMemoryFullError, layout
+    from ipc.segment import SEMAPHORE_BYTES, SHM_DIR, free_bytes
+
+    needed = 2 * (layout.HEADER_SIZE + capacity + 2 * SEMAPHORE_BYTES)
+    free = free_bytes()
+    if free is not None and free < needed:
+        raise SharedMemoryFullError(
+            needed, free, SHM_DIR,
+            f"the two frontend<->engine rings (SHMVLLM_RING_CAPACITY={capacity} bytes each)",
+        ).with_hint(
+            f"free space in {SHM_DIR}, or set SHMVLLM_RING_CAPACITY to fewer bytes (messages longer than "
+            "a quarter of it travel in fragments)"
+        )
+
+
+def frontend_nap_window() -> float:
+    """FRONTEND_NAP_WINDOW_S when the engine's torch threads (OMP_NUM_THREADS, which the engine
+    process inherits, else torch's default of one per core) leave this process a core; else 0."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    engine_threads = envs.OMP_NUM_THREADS() or cores
+    return FRONTEND_NAP_WINDOW_S if engine_threads < cores else 0.0
+
+
+def open_frontend() -> tuple[Endpoint, Addresses]:
+    """Creates the rings; returns the frontend's endpoint and the engine's addresses."""
+    from ipc import RingBuffer, sweep_stale_segments
+
+    sweep_stale_segments()  # what runs killed with kill -9 (both processes) left behind
+    capacity = ring_capacity()
+    _check_shm_space(capacity)
+    to_engine = RingBuffer.create(capacity, prefault=True)
+    try:
+        to_frontend = RingBuffer.create(
+            capacity, prefault=True, spin_us=FRONTEND_SPIN_US, nap_window_s=frontend_nap_window()
+        )
+    except BaseException:
+        to_engine.close()
+        raise
+    return ShmEndpoint(to_engine, to_frontend), Addresses(f"{__name__}:open_engine", to_engine.name, to_frontend.name)
+
+
+def open_engine(addresses: Addresses) -> Endpoint:
+    """The engine's endpoint, attached to the rings the frontend created."""
+    from ipc import RingBuffer
+
+    recv_ring = RingBuffer.attach(addresses.to_engine, prefault=True)
+    try:
+        send_ring = RingBuffer.attach(addresses.to_frontend, prefault=True)
+    except BaseException:
+        recv_ring.close()
+        raise
+    return ShmEndpoint(send_ring, recv_ring)

@@ -1,0 +1,258 @@
+"""Every message that crosses the frontend/engine process boundary, and their one codec.
+
+Frontend -> engine (`ToEngine`, tagged): `EngineCoreRequest` (ADD), `EngineCoreAbort`,
+`EngineCoreUtility`, `EngineCoreShutdown`. Engine -> frontend (`FromEngine`, tagged):
+`EngineReady` once (the engine's real limits), then `EngineCoreOutputs` (a step's outputs, or a
+utility call's answer), or `EngineFailed` (why it could not start, or why it stopped serving).
+
+Bulk numbers are numpy arrays in the messages (prompt token ids, logprobs, pooled vectors): the
+codec carries each as one msgpack extension (dtype, shape, raw little-endian bytes), so that
+encoding and decoding stay O(1) Python objects per array and nobody above the codec builds or
+parses bytes. The scheduler and the model runner hand over these types and arrays as they are;
+`shmvllm.core` and `shmvllm.worker` import this module, never `shmvllm.engine`.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+import time
+from typing import Any, Literal, Optional, Union
+
+import msgspec
+import numpy as np
+
+from shmvllm.pooling_params import PoolingParams
+from shmvllm.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request finished; `str()` gives vLLM's strings ("stop", "length", ...)."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+_STRUCT = dict(array_like=True, omit_defaults=True, gc=False)
+
+# ---- frontend -> engine ------------------------------------------------------------------
+
+
+class EngineCoreRequest(msgspec.Struct, tag=0, **_STRUCT):  # type: ignore[call-arg]
+    """ADD: one request. `prompt_token_ids` is an int32 array."""
+
+    request_id: str
+    prompt_token_ids: np.ndarray
+    sampling_params: Optional[SamplingParams] = None
+    pooling_params: Optional[PoolingParams] = None
+    arrival_time: float = 0.0
+    priority: int = 0
+
+    @staticmethod
+    def pack_token_ids(token_ids: "list[int] | np.ndarray") -> np.ndarray:
+        return np.asarray(token_ids, dtype="<i4")
+
+
+class EngineCoreAbort(msgspec.Struct, tag=1, **_STRUCT):  # type: ignore[call-arg]
+    """ABORT: stop these requests and free what they hold."""
+
+    request_ids: list[str]
+
+
+class EngineCoreUtility(msgspec.Struct, tag=2, **_STRUCT):  # type: ignore[call-arg]
+    """UTILITY: call `EngineCore.<method>(*args)`; the answer comes back as a `UtilityOutput`."""
+
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class EngineCoreShutdown(msgspec.Struct, tag=3, **_STRUCT):  # type: ignore[call-arg]
+    """SHUTDOWN: finish the busy loop and exit cleanly."""
+
+
+ToEngine = Union[EngineCoreRequest, EngineCoreAbort, EngineCoreUtility, EngineCoreShutdown]
+
+# ---- engine -> frontend ------------------------------------------------------------------
+
+
+class Logprobs(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    """Logprobs of some positions, as arrays (what the runner computes, as the frontend reads it).
+
+    token_ids: int32 [rows, width]; column 0 is the sampled (or, for prompt logprobs, the
+    actual next prompt) token, columns 1.. the top-k tokens by logprob.
+    logprobs: float32 [rows, width], matching token_ids.
+    ranks: int32 [rows], the rank (1 = most likely) of column 0's token.
+    """
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    ranks: np.ndarray
+
+    @property
+    def num_rows(self) -> int:
+        return self.token_ids.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.token_ids.shape[1]
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.token_ids, self.logprobs, self.ranks
+
+    @classmethod
+    def from_arrays(cls, token_ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray) -> "Logprobs":
+        return cls(
+            np.ascontiguousarray(token_ids, dtype="<i4"),
+            np.ascontiguousarray(logprobs, dtype="<f4"),
+            np.ascontiguousarray(ranks, dtype="<i4"),
+        )
+
+
+class EngineCoreOutput(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    """What one request produced in one engine step.
+
+    new_logprobs: one row per new token, when the request asked for logprobs.
+    new_prompt_logprobs: rows for the prompt positions computed in this step (prefill may be
+    chunked, so they can arrive in pieces); the first prompt token has no row.
+    pooling_output: the pooled vector (float32) of an embedding request.
+    stop_reason: the stop token id that finished the request, if one did.
+    error: set with finish_reason ERROR when the engine could not serve this request.
+    """
+
+    request_id: str
+    new_token_ids: list[int] = []
+    new_logprobs: Optional[Logprobs] = None
+    new_prompt_logprobs: Optional[Logprobs] = None
+    finish_reason: Optional[FinishReason] = None
+    stop_reason: Union[int, str, None] = None
+    pooling_output: Optional[np.ndarray] = None
+    num_cached_tokens: int = 0
+    error: Optional[str] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class UtilityOutput(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    """The answer to an `EngineCoreUtility` call: its result, or the failure's text."""
+
+    call_id: int
+    result: Any = None
+    failure_message: Optional[str] = None
+
+
+class SchedulerStats(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, tag=0, **_STRUCT):  # type: ignore[call-arg]
+    """Everything one engine step (or one utility call) sends to the frontend."""
+
+    engine_index: int = 0
+    outputs: list[EngineCoreOutput] = []
+    finished_requests: Optional[list[str]] = None
+    utility_output: Optional[UtilityOutput] = None
+    scheduler_stats: Optional[SchedulerStats] = None
+    timestamp: float = 0.0
+
+
+class EngineReady(msgspec.Struct, tag=1, **_STRUCT):  # type: ignore[call-arg]
+    """The engine's first message: it is loaded and serving, with these limits (the frontend
+    validates every request against them).
+
+    max_model_len: the configured one, clamped to what the KV cache holds.
+    max_concurrency: how many requests of max_model_len tokens the KV cache holds at once.
+    max_logprobs: resolved: never -1, never above vocab_size.
+    """
+
+    num_kv_blocks: int
+    block_size: int
+    max_concurrency: float
+    max_model_len: int
+    vocab_size: int
+    max_logprobs: int
+
+
+class EngineFailed(msgspec.Struct, tag=2, **_STRUCT):  # type: ignore[call-arg]
+    """The engine's last message: it could not start ("startup", instead of READY) or its busy
+    loop failed ("serving"); `traceback` is the engine's own."""
+
+    stage: Literal["startup", "serving"]
+    traceback: str
+
+
+FromEngine = Union[EngineCoreOutputs, EngineReady, EngineFailed]
+
+# ---- the codec ---------------------------------------------------------------------------
+
+_NDARRAY_EXT = 1
+_ARRAY_HEAD = struct.Struct("<4sB")  # dtype (numpy's str, e.g. "<i4", padded), ndim; then ndim uint32 dims
+
+
+def _encode_ext(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        array = np.ascontiguousarray(obj)
+        if array.dtype.byteorder == ">" or array.dtype.kind not in "iuf" or array.dtype.itemsize > 8:
+            raise TypeError(f"the codec carries little-endian int/float arrays, got dtype {array.dtype}")
+        head = _ARRAY_HEAD.pack(array.dtype.str.encode(), array.ndim) + struct.pack(f"<{array.ndim}I", *array.shape)
+        return msgspec.msgpack.Ext(_NDARRAY_EXT, head + array.tobytes())
+    raise NotImplementedError(f"the boundary codec cannot encode a {type(obj).__name__}")
+
+
+def _decode_ext(code: int, data: memoryview) -> Any:
+    if code != _NDARRAY_EXT:
+        raise msgspec.ValidationError(f"unknown msgpack extension type {code}")
+    dtype, ndim = _ARRAY_HEAD.unpack_from(data)
+    shape = struct.unpack_from(f"<{ndim}I", data, _ARRAY_HEAD.size)
+    # a copy: `data` may be the ring's memory, which the next message overwrites
+    return np.frombuffer(data, dtype.rstrip(b"\0").decode(), offset=_ARRAY_HEAD.size + 4 * ndim).reshape(shape).copy()
+
+
+def make_encoder() -> msgspec.msgpack.Encoder:
+    """An encoder for either direction (one per sending endpoint: encoders are not thread-safe)."""
+    return msgspec.msgpack.Encoder(enc_hook=_encode_ext)
+
+
+_decode_to_engine = msgspec.msgpack.Decoder(ToEngine, ext_hook=_decode_ext).decode
+_decode_raw = msgspec.msgpack.Decoder(ext_hook=_decode_ext).decode
+decode_from_engine = msgspec.msgpack.Decoder(FromEngine, ext_hook=_decode_ext).decode
+
+
+class UndecodableRequest(msgspec.Struct, gc=False):
+    """A message the engine could not decode (a field its own validation refuses, say): an ADD
+    whose request id could still be read finishes with ERROR; anything else is logged."""
+
+    request_id: Optional[str]
+    error: str
+
+
+def decode_to_engine(buf: Any) -> Any:
+    """The frontend's next message; an UndecodableRequest instead of an exception, so that one
+    malformed message cannot stop the engine's busy loop."""
+    try:
+        return _decode_to_engine(buf)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        request_id = None
+        try:
+            raw = _decode_raw(buf)
+            if isinstance(raw, list) and len(raw) > 1 and raw[0] == 0:  # ADD's tag
+                request_id = raw[1] if isinstance(raw[1], str) else None
+        except Exception:  # not even msgpack: nothing to answer
+            pass
+        return UndecodableRequest(request_id, f"the engine could not decode the request: {exc}")
+
+
+def now() -> float:
+    return time.monotonic()

@@ -1,0 +1,104 @@
+"""Every environment variable shmvllm reads, in one place (as vLLM's envs.py).
+
+Each is read when it is used (`envs.NAME()`), not at import, so that a test or a program that
+sets one before the call is obeyed; a bad value raises ValueError naming the variable. The
+engine process inherits the frontend's environment. README.md has the same table.
+
+| variable | default | what it does |
+|---|---|---|
+| SHMVLLM_CACHE | ~/.cache/shmvllm | where converted models (GGUF -> HF directories) are cached |
+| SHMVLLM_RING_CAPACITY | 4194304 | bytes of each frontend<->engine ring (a multiple of 8) |
+| SHMVLLM_MAX_N_SEQUENCES | 16384 | the largest SamplingParams.n (vLLM's VLLM_MAX_N_SEQUENCES) |
+| SHMVLLM_NATIVE_KERNELS | 1 | 0: never build or load the C kernels (torch paths only) |
+| SHMVLLM_QUANT_ISA | the CPU's best | avx512, avx2 or portable: which quantized GEMM build to load |
+| SHMVLLM_FUSED_DECODE | 1 | 0: no fused C decode step for single-sequence decode |
+| SHMVLLM_HUGE_PAGES | 1 | 0: no madvise(MADV_HUGEPAGE) on weights and the KV cache |
+| OMP_NUM_THREADS | one per core | the engine's torch threads (read to decide whether the frontend naps) |
+
+The ipc/ library reads its own (IPC_NATIVE_CACHE, IPC_PURE_PYTHON, CC): it is a separate
+package with no shmvllm knowledge, documented in its own modules.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+
+def _raw(name: str) -> Optional[str]:
+    return os.environ.get(name)
+
+
+def _flag(name: str, default: bool) -> bool:
+    raw = _raw(name)
+    if raw is None or raw == "":
+        return default
+    if raw not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {raw!r}.")
+    return raw == "1"
+
+
+def _int(name: str) -> Optional[int]:
+    raw = _raw(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}.") from None
+
+
+def SHMVLLM_CACHE() -> Path:
+    raw = _raw("SHMVLLM_CACHE")
+    return Path(raw) if raw else Path.home() / ".cache" / "shmvllm"
+
+
+def SHMVLLM_CACHE_IS_SET() -> bool:
+    return bool(_raw("SHMVLLM_CACHE"))
+
+
+def SHMVLLM_RING_CAPACITY() -> Optional[int]:
+    return _int("SHMVLLM_RING_CAPACITY")
+
+
+def SHMVLLM_MAX_N_SEQUENCES() -> Optional[int]:
+    return _int("SHMVLLM_MAX_N_SEQUENCES")
+
+
+def SHMVLLM_NATIVE_KERNELS() -> bool:
+    return _flag("SHMVLLM_NATIVE_KERNELS", True)
+
+
+def SHMVLLM_QUANT_ISA() -> Optional[str]:
+    return _raw("SHMVLLM_QUANT_ISA") or None
+
+
+def SHMVLLM_FUSED_DECODE() -> bool:
+    return _flag("SHMVLLM_FUSED_DECODE", True)
+
+
+def SHMVLLM_HUGE_PAGES() -> bool:
+    return _flag("SHMVLLM_HUGE_PAGES", True)
+
+
+def OMP_NUM_THREADS() -> Optional[int]:
+    """The value, or None when unset or not a positive int (torch then uses its default)."""
+    raw = _raw("OMP_NUM_THREADS")
+    try:
+        value = int(raw) if raw else 0
+    except ValueError:
+        return None
+    return value if value > 0 else None
+
+
+def set_omp_num_threads(count: int) -> None:
+    """Sets OMP_NUM_THREADS for engine processes started from now on (they inherit it)."""
+    os.environ["OMP_NUM_THREADS"] = str(count)
+
+
+def child_environment(pythonpath_first: str) -> dict[str, str]:
+    """The environment of an engine process: this one's, with `pythonpath_first` leading PYTHONPATH."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (pythonpath_first, env.get("PYTHONPATH"))))
+    return env

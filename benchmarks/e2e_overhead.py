@@ -1,5 +1,9 @@
 """What the engine process costs: LLM.generate in-process vs multiprocess over shm vs over zmq.
 
+The zmq peer and the timing of the engine's channel calls live in benchmarks/channels.py: both
+implement the product's Endpoint interface and are swapped in from outside
+(`channels.engine_channel`); the product itself only has the shared-memory rings.
+
 A tiny random Llama (2 layers, hidden 64, SmolLM2's tokenizer; built in a temp dir) keeps the
 model's share of a step small, so the frontend/engine channel shows. Two workloads, greedy with
 ignore_eos: 1 prompt x 256 tokens and 64 prompts x 64 tokens. All LLMs live side by side and the
@@ -23,22 +27,20 @@ each repetition (the in-process run of the same repetition, a few seconds apart)
 median over the repetitions (--stat min: fastest wall minus fastest in-process wall);
 overhead_iqr_us is the spread of those per-repetition figures (interquartile range); a check
 whose margin is inside the medians' ~95% intervals (1.57 IQR / sqrt(repeats)) says so.
-channel_us_per_step = the engine busy loop's own time in channel calls (encode + send, receive +
-decode, and the wake-ups and preemptions they cause) per step, timed inside the engine process
-(SHMVLLM_CHANNEL_TIMING=1; the median over the repetitions): the transport's cost on the engine's
-critical path. A step-sized sum of tens of µs, it is much steadier than a difference of walls.
-Polling engine only (with io threads the channel calls run in other threads).
+channel_us_per_step = the engine busy loop's own time in channel calls (send and try_send,
+try_recv with its decoding, and the wake-ups and preemptions they cause) per step, timed inside
+the engine process by the TimedEndpoint around its endpoint (the median over the repetitions):
+the transport's cost on the engine's critical path. Encoding (the same codec for both) happens
+before the send and is not in it. A step-sized sum of tens of µs, it is much steadier than a
+difference of walls.
 
-    python benchmarks/e2e_overhead.py [--repeats 30] [--io poll|threads|both] [--threads 1]
+    python benchmarks/e2e_overhead.py [--repeats 30] [--threads 1]
                                       [--stat median|min] [--json out.json] [--plot out.png]
 
 After the table it prints one CHECK line per acceptance item of the issue, "holds" or "FAILS"
 with the figures: shm's overhead per step <= 1/3 of zmq's (engine channel time, client level,
 and generate level where zmq's overhead is positive), and multiprocess-over-shm wall <= 1.05x
 in-process on 64x64.
-
---io picks how the engine process moves messages (see shmvllm/engine/core_proc.py): polling
-from the busy loop, or vLLM's input/output threads; `both` runs every transport both ways.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ from typing import Any
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import channels  # noqa: E402  (benchmarks/channels.py, next to this file)
 
 WORKLOADS = {"1x256": (1, 256), "64x64": (64, 64)}
 _REQUEST_IDS = itertools.count()
@@ -87,14 +91,14 @@ def build_tiny_llama(target: Path) -> Path:
     return target
 
 
-def make_llm(model_dir: Path, mode: str, transport: str, io: str) -> Any:
+def make_llm(model_dir: Path, mode: str, transport: str) -> Any:
     from shmvllm import LLM
 
-    os.environ["SHMVLLM_ENGINE_IO"] = io
-    return LLM(
-        str(model_dir), multiprocess=(mode == "multiprocess"), transport=transport,
-        max_model_len=512, num_kv_blocks=1024, max_num_seqs=128,
-    )
+    kwargs = dict(max_model_len=512, num_kv_blocks=1024, max_num_seqs=128)
+    if mode == "inproc":
+        return LLM(str(model_dir), multiprocess=False, **kwargs)
+    with channels.engine_channel(channels.CHANNELS[transport]):
+        return LLM(str(model_dir), **kwargs)
 
 
 def _prompts(workload: str) -> tuple[list[str], Any]:
@@ -133,15 +137,14 @@ def _through_client(llm: Any, workload: str) -> tuple[float, int]:
 LEVELS = {"generate": _generate, "client": _through_client}
 
 
-def _channel_seconds(llm: Any, cfg: tuple[str, str, str]) -> float:
-    """The engine busy loop's time in channel calls so far (0 in-process; NaN with io threads)."""
+def _channel_seconds(llm: Any, cfg: tuple[str, str]) -> float:
+    """The engine busy loop's time in channel calls so far (0 in-process)."""
     if cfg[0] == "inproc":
         return 0.0
-    seconds = llm.llm_engine.engine_core.call_utility("channel_seconds")
-    return float("nan") if seconds is None else seconds
+    return channels.engine_channel_seconds(llm.llm_engine.engine_core.addresses)
 
 
-def run_workload(llm: Any, cfg: tuple[str, str, str], level: str, workload: str) -> tuple[float, int, int, float]:
+def run_workload(llm: Any, cfg: tuple[str, str], level: str, workload: str) -> tuple[float, int, int, float]:
     """(wall seconds, output tokens, engine steps, channel seconds) of one run."""
     client = llm.llm_engine.engine_core
     steps_before, channel_before = client.get_stats()["num_steps"], _channel_seconds(llm, cfg)
@@ -150,7 +153,7 @@ def run_workload(llm: Any, cfg: tuple[str, str, str], level: str, workload: str)
     return wall, tokens, steps, _channel_seconds(llm, cfg) - channel_before
 
 
-def measure(model_dir: Path, configs: list[tuple[str, str, str]], repeats: int, stat_name: str) -> list[dict[str, Any]]:
+def measure(model_dir: Path, configs: list[tuple[str, str]], repeats: int, stat_name: str) -> list[dict[str, Any]]:
     llms = {cfg: make_llm(model_dir, *cfg) for cfg in configs}
     runs: dict[tuple, list[tuple[float, int, int, float]]] = {}
     try:
@@ -169,7 +172,9 @@ def measure(model_dir: Path, configs: list[tuple[str, str, str]], repeats: int, 
                     for cfg in order:
                         runs.setdefault((level, workload, cfg), []).append(run_workload(llms[cfg], cfg, level, workload))
     finally:
-        for llm in llms.values():
+        for cfg, llm in llms.items():
+            if cfg[0] != "inproc":
+                channels.remove_timing_file(llm.llm_engine.engine_core.addresses)
             llm.shutdown()
     return [
         _row(level, workload, cfg, runs[(level, workload, cfg)], runs[(level, workload, configs[0])], stat_name)
@@ -177,9 +182,9 @@ def measure(model_dir: Path, configs: list[tuple[str, str, str]], repeats: int, 
     ]
 
 
-def _row(level: str, workload: str, cfg: tuple[str, str, str], results: list, base: list, stat_name: str) -> dict[str, Any]:
+def _row(level: str, workload: str, cfg: tuple[str, str], results: list, base: list, stat_name: str) -> dict[str, Any]:
     """One table row from the repetitions of one config and of in-process (`base`), in step."""
-    mode, transport, io = cfg
+    mode, transport = cfg
     walls = [r[0] for r in results]
     steps = results[-1][2]
     paired = [(r[0] - b[0]) / r[2] * 1e6 for r, b in zip(results, base)]
@@ -190,7 +195,7 @@ def _row(level: str, workload: str, cfg: tuple[str, str, str], results: list, ba
     channels = [r[3] / r[2] * 1e6 for r in results]
     channel = statistics.median(channels)
     return {
-        "level": level, "mode": mode, "transport": transport, "io": io, "workload": workload,
+        "level": level, "mode": mode, "transport": transport, "workload": workload,
         "wall_s": round(wall, 4), "tokens": results[-1][1], "steps": steps, "repeats": len(results),
         "overhead_us_per_step": round(overhead, 1), "overhead_iqr_us": round(_iqr(paired), 1),
         "channel_us_per_step": None if channel != channel else round(channel, 1),
@@ -207,11 +212,11 @@ def _iqr(values: list[float]) -> float:
 
 
 def print_report(rows: list[dict[str, Any]]) -> None:
-    print(f"{'level':<10}{'mode':<13}{'transport':<10}{'io':<9}{'workload':<9}{'wall_s':>9}{'tokens':>8}{'steps':>7}"
+    print(f"{'level':<10}{'mode':<13}{'transport':<10}{'workload':<9}{'wall_s':>9}{'tokens':>8}{'steps':>7}"
           f"{'overhead us/step':>18}{'(IQR)':>8}{'channel us/step':>17}")
     for r in rows:
         channel = "-" if r["channel_us_per_step"] is None else f"{r['channel_us_per_step']:.1f}"
-        print(f"{r['level']:<10}{r['mode']:<13}{r['transport']:<10}{r['io']:<9}{r['workload']:<9}{r['wall_s']:>9.3f}"
+        print(f"{r['level']:<10}{r['mode']:<13}{r['transport']:<10}{r['workload']:<9}{r['wall_s']:>9.3f}"
               f"{r['tokens']:>8}{r['steps']:>7}{r['overhead_us_per_step']:>18.1f}{r['overhead_iqr_us']:>8.1f}{channel:>17}")
     print()
     for line in checks(rows):
@@ -234,18 +239,18 @@ def _third(what: str, shm: dict[str, Any], zmq: dict[str, Any], key: str) -> str
 
 
 def checks(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per acceptance item and measure (engines polling their channel, the default)."""
-    by = {(r["level"], r["workload"], r["transport"], r["io"]): r for r in rows}
+    """One line per acceptance item and measure."""
+    by = {(r["level"], r["workload"], r["transport"]): r for r in rows}
     lines = []
     for workload in WORKLOADS:
         for level in LEVELS:
-            shm, zmq = by.get((level, workload, "shm", "poll")), by.get((level, workload, "zmq", "poll"))
+            shm, zmq = by.get((level, workload, "shm")), by.get((level, workload, "zmq"))
             if shm is None or zmq is None:
                 continue
             lines.append(_third(f"{workload} {level}, engine channel time/step", shm, zmq, "channel_us_per_step"))
             lines.append(_third(f"{workload} {level}, overhead/step vs in-process", shm, zmq, "overhead_us_per_step"))
     for level in LEVELS:
-        shm, inproc = by.get((level, "64x64", "shm", "poll")), by[(level, "64x64", "none", "-")]
+        shm, inproc = by.get((level, "64x64", "shm")), by[(level, "64x64", "none")]
         if shm is not None:
             ratio = shm["wall_s"] / inproc["wall_s"]
             lines.append(f"CHECK shm wall <= 1.05x in-process, 64x64 {level}: {'holds' if ratio <= 1.05 else 'FAILS'} "
@@ -264,16 +269,15 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     fig, axes = plt.subplots(1, len(WORKLOADS), figsize=(6 * len(WORKLOADS), 4.5))
     for ax, workload in zip(axes, WORKLOADS):
         sel = [r for r in rows if r["workload"] == workload and r["mode"] == "multiprocess"]
-        series = sorted({(r["transport"], r["io"]) for r in sel})
+        series = sorted({r["transport"] for r in sel})
         width = 0.8 / len(series)
-        for k, (transport, io) in enumerate(series):
+        for k, transport in enumerate(series):
             values = []
             for level, key, _ in measures:
-                row = next(r for r in sel if (r["level"], r["transport"], r["io"]) == (level, transport, io))
+                row = next(r for r in sel if (r["level"], r["transport"]) == (level, transport))
                 values.append(row[key] or 0.0)
             xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(measures))]
-            ax.bar(xs, values, width, label=f"{transport} ({io})",
-                   color=("tab:green" if transport == "shm" else "tab:red"), alpha=1.0 if io == "poll" else 0.5)
+            ax.bar(xs, values, width, label=transport, color=("tab:green" if transport == "shm" else "tab:red"))
         ax.set_xticks(range(len(measures)), [label for _, _, label in measures])
         ax.axhline(0, color="black", linewidth=0.8)
         ax.set_title(f"{workload}: µs per engine step (vs in-process)")
@@ -288,14 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1, help="torch threads in every process")
     parser.add_argument("--stat", choices=("median", "min"), default="median")
-    parser.add_argument("--io", choices=("poll", "threads", "both"), default="poll")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--plot", metavar="PATH.png")
     args = parser.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch loads; the engine inherits it
-    os.environ["SHMVLLM_CHANNEL_TIMING"] = "1"
-    ios = ("poll", "threads") if args.io == "both" else (args.io,)
-    configs = [("inproc", "none", "-")] + [("multiprocess", t, io) for t in ("shm", "zmq") for io in ios]
+    configs = [("inproc", "none")] + [("multiprocess", t) for t in ("shm", "zmq")]
     with tempfile.TemporaryDirectory(prefix="e2e-overhead-") as tmp:
         model_dir = build_tiny_llama(Path(tmp) / "tiny-llama")
         load_before = os.getloadavg()[0]

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shmvllm.engine.detokenizer import IncrementalDetokenizer, byte_fallback_token_ids, special_token_ids
+from shmvllm.engine.detokenizer import IncrementalDetokenizer, added_token_ids, byte_fallback_token_ids, special_token_ids
 
 TEXTS = [
     "The capital of France is Paris.",
@@ -145,3 +145,19 @@ def test_skip_last_keeps_the_id_but_not_its_text(smollm2_tokenizer):
     detok.flush()
     assert detok.token_ids == ids
     assert detok.output_text == smollm2_tokenizer.decode(ids[:-1])
+
+
+@pytest.mark.parametrize("spaces", [True, False])
+def test_spaces_between_special_tokens(smollm2_tokenizer, spaces):
+    """True: each visible added token is joined to its neighbours with a space (the slow
+    tokenizers' rule, which transformers' fast decode ignores); False: the tokenizer's decode."""
+    tok = smollm2_tokenizer
+    start, end = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    ids = tok.encode("hello", add_special_tokens=False) + [start, end] + tok.encode(" world", add_special_tokens=False)
+    specials = special_token_ids(tok)
+    detok = IncrementalDetokenizer(tok, False, frozenset(), specials, added_token_ids(tok) if spaces else frozenset())
+    streamed = stream(detok, ids, random.Random(0))
+    expected = "hello <|im_start|> <|im_end|>  world" if spaces else tok.decode(ids, skip_special_tokens=False)
+    assert streamed == expected == detok.output_text
+    hidden = IncrementalDetokenizer(tok, True, frozenset(), specials, added_token_ids(tok) if spaces else frozenset())
+    assert stream(hidden, ids, random.Random(0)) == tok.decode(ids, skip_special_tokens=True)  # skipped: no spaces

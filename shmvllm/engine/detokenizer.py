@@ -13,6 +13,12 @@ and text is emitted only at a clean boundary: the window's text does not end in 
 last token it decodes (a skipped special token does not split a byte run) is not a
 byte-fallback token. At such a boundary the decoders are stateless, so the
 emitted pieces concatenate to the full decode. `flush()` emits what is held back at the end.
+
+spaces_between_special_tokens (vLLM's SamplingParams field, transformers' slow-tokenizer rule):
+each added token that shows in the text (special ones only with skip_special_tokens=False) is
+joined to its neighbours with a space. transformers' fast tokenizers ignore the flag, so the
+detokenizer applies it itself: the window is decoded in runs split at those tokens, joined with
+" " (False: the tokenizer's own decode, which joins them without).
 """
 
 from __future__ import annotations
@@ -30,6 +36,12 @@ def byte_fallback_token_ids(tokenizer: Any) -> frozenset[int]:
     if sum(1 for token in vocab if _BYTE_TOKEN.match(token)) < 256:
         return frozenset()
     return frozenset(i for token, i in vocab.items() if _BYTE_TOKEN.match(token))
+
+
+def added_token_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids of the tokenizer's added tokens (special or not): where spaces_between_special_tokens
+    puts its spaces."""
+    return frozenset(getattr(tokenizer, "added_tokens_decoder", {}) or {})
 
 
 def special_token_ids(tokenizer: Any) -> frozenset[int]:
@@ -50,11 +62,16 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         byte_token_ids: frozenset[int] = frozenset(),
         special_ids: frozenset[int] = frozenset(),
+        spaced_ids: frozenset[int] = frozenset(),
     ):
         """byte_token_ids: from `byte_fallback_token_ids`; special_ids: from `special_token_ids`
-        (needed only with byte tokens and skip_special_tokens)."""
+        (needed with byte tokens and skip_special_tokens, and for spaced_ids); spaced_ids: the
+        added tokens (`added_token_ids`) to join with spaces (spaces_between_special_tokens),
+        empty for none."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # the added tokens that show in the text and get spaces around them
+        self.spaced_ids = spaced_ids - special_ids if skip_special_tokens else spaced_ids
         self.byte_token_ids = byte_token_ids
         self.skipped_ids = special_ids if skip_special_tokens else frozenset()
         self.token_ids: list[int] = []
@@ -93,12 +110,26 @@ class IncrementalDetokenizer:
         return False
 
     def _window_texts(self) -> tuple[str, str]:
-        decode = self.tokenizer.decode
-        skip = self.skip_special_tokens
         window = self._ids[self._prefix_offset:]
         prefix_len = self._read_offset - self._prefix_offset
-        prefix_text = decode(window[:prefix_len], skip_special_tokens=skip) if prefix_len else ""
-        return prefix_text, decode(window, skip_special_tokens=skip)
+        prefix_text = self._decode(window[:prefix_len]) if prefix_len else ""
+        return prefix_text, self._decode(window)
+
+    def _decode(self, ids: list[int]) -> str:
+        decode, skip, spaced = self.tokenizer.decode, self.skip_special_tokens, self.spaced_ids
+        if not spaced or spaced.isdisjoint(ids):
+            return decode(ids, skip_special_tokens=skip)
+        parts: list[str] = []
+        start = 0
+        for i, token_id in enumerate(ids):
+            if token_id in spaced:
+                if i > start:
+                    parts.append(decode(ids[start:i], skip_special_tokens=skip))
+                parts.append(decode([token_id], skip_special_tokens=False))
+                start = i + 1
+        if start < len(ids):
+            parts.append(decode(ids[start:], skip_special_tokens=skip))
+        return " ".join(part for part in parts if part)
 
     def _emit(self, delta: str) -> str:
         self._prefix_offset = self._read_offset

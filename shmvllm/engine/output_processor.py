@@ -24,7 +24,12 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import msgspec
 import numpy as np
 
-from shmvllm.engine.detokenizer import IncrementalDetokenizer, byte_fallback_token_ids, special_token_ids
+from shmvllm.engine.detokenizer import (
+    IncrementalDetokenizer,
+    added_token_ids,
+    byte_fallback_token_ids,
+    special_token_ids,
+)
 from shmvllm.boundary.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, Logprobs
 from shmvllm.logprobs import create_prompt_logprobs, create_sample_logprobs
 from shmvllm.outputs import (
@@ -131,7 +136,8 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.byte_token_ids = byte_fallback_token_ids(tokenizer) if tokenizer is not None else frozenset()
-        self.special_ids = special_token_ids(tokenizer) if self.byte_token_ids else frozenset()
+        self.special_ids = special_token_ids(tokenizer) if tokenizer is not None else frozenset()
+        self.added_ids = added_token_ids(tokenizer) if tokenizer is not None else frozenset()
         self.request_states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
         self.pooling_states: dict[str, PoolingRequestState] = {}
@@ -194,7 +200,8 @@ class OutputProcessor:
             prompt_token_ids=prompt_token_ids,
             params=params,
             detokenizer=IncrementalDetokenizer(
-                self.tokenizer, params.skip_special_tokens, self.byte_token_ids, self.special_ids
+                self.tokenizer, params.skip_special_tokens, self.byte_token_ids, self.special_ids,
+                self.added_ids if params.spaces_between_special_tokens else frozenset(),
             ),
             logprobs=create_sample_logprobs(params.flat_logprobs) if params.logprobs is not None else None,
             prompt_logprobs=create_prompt_logprobs(params.flat_logprobs) if params.prompt_logprobs is not None else None,

@@ -4,7 +4,6 @@ engine, a killed engine ends every stream with EngineDeadError, nothing left beh
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
 import signal
 import threading
@@ -12,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import leaked_shm_entries
+from conftest import engine_children, leaked_shm_entries
 from shmvllm import LLM, AsyncLLM, EngineArgs, EngineDeadError, PoolingParams, RequestOutputKind, SamplingParams
 
 ENGINE_ARGS = dict(max_model_len=512, num_kv_blocks=512)
@@ -25,9 +24,9 @@ def nothing_left_behind():
     threads_before = set(threading.enumerate())
     yield
     deadline = time.monotonic() + 5
-    while multiprocessing.active_children() and time.monotonic() < deadline:
+    while engine_children() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not multiprocessing.active_children(), "an engine process outlived its test"
+    assert not engine_children(), "an engine process outlived its test"
     assert not leaked_shm_entries() - before
     assert not [t for t in set(threading.enumerate()) - threads_before if t.is_alive()], "a thread outlived its test"
 

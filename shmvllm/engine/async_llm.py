@@ -133,13 +133,13 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
 class AsyncLLM:
     """vLLM's AsyncLLM: `async for out in llm.generate(prompt, params, request_id)`.
 
-    The engine runs in its own process (transport "shm" or "zmq"). sampling_params.output_kind:
+    The engine runs in its own process, over the shared-memory rings. sampling_params.output_kind:
     DELTA yields each new piece, CUMULATIVE (the default) the whole text so far (a consumer
     slower than the engine skips to the newest), FINAL_ONLY only the finished output.
     """
 
-    def __init__(self, config: EngineConfig, transport: str = "shm") -> None:
-        self.engine = LLMEngine(config, multiprocess=True, transport=transport)
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config, multiprocess=True)
         self.model_config = self.engine.model_config
         self._reader = _OutputReader(self.engine)
         # Before the engine client's own finalizer (priority 100): the reader must stop reading
@@ -147,13 +147,13 @@ class AsyncLLM:
         self._finalizer = multiprocessing.util.Finalize(self, self._reader.stop, exitpriority=101)
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, transport: str = "shm", **kwargs: Any) -> "AsyncLLM":
+    def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> "AsyncLLM":
         """vLLM's constructor (its start_engine_loop, usage_context, ... are accepted and have no effect
         here: the reader thread always runs)."""
         unknown = sorted(set(kwargs) - _ACCEPTED_FROM_ENGINE_ARGS)
         if unknown:
             raise TypeError(f"AsyncLLM.from_engine_args() got unexpected arguments {unknown}.")
-        return cls(engine_args.create_engine_config(), transport=transport)
+        return cls(engine_args.create_engine_config())
 
     # ---- requests ------------------------------------------------------------------------
 

@@ -183,31 +183,31 @@ def _outputs(model_dir, requests, multiprocess: bool) -> list:
 LOGPROB_ATOL = 1e-3  # the two runs batch requests differently: the sums run in other orders
 
 
+def _rank_close(a: int, b: int) -> bool:
+    """A rank counts the vocabulary's higher logprobs: float noise moves it past near-ties."""
+    return abs(a - b) <= max(2, a // 1000)
+
+
 def _rows_differ(got: list, expected: list) -> Optional[str]:
     """Why two logprob lists differ beyond float noise (None: they agree): each row the same
-    tokens with the same ranks, logprobs within LOGPROB_ATOL; a top-k token may differ only
-    where its logprob ties (within LOGPROB_ATOL) with the one in its place."""
+    tokens, logprobs within LOGPROB_ATOL, ranks within near-ties; a top-k token may be in one
+    run only where it ties (within LOGPROB_ATOL) with the other run's last place."""
     if len(got) != len(expected):
         return f"{len(got)} rows, not {len(expected)}"
     for r, (a, b) in enumerate(zip(got, expected)):
-        if (a is None) != (b is None):
-            return f"row {r}: {a} vs {b}"
-        if a is None:
+        if a is None or b is None:
+            if a is not b:
+                return f"row {r}: {a} vs {b}"
             continue
         for token in set(a) | set(b):
             x, y = a.get(token), b.get(token)
-            if x is None or y is None:
-                present = x or y
-                tie = min(abs(present.logprob - other.logprob) for other in (b if x is None else a).values())
-                if tie > LOGPROB_ATOL:
-                    return f"row {r}: token {token} only in one run"
-            elif abs(x.logprob - y.logprob) > LOGPROB_ATOL or (x.rank != y.rank and abs(x.logprob - y.logprob) > 0):
-                if x.rank != y.rank and not any(
-                    abs(o.logprob - x.logprob) <= LOGPROB_ATOL for t, o in a.items() if t != token
-                ):
+            if x is not None and y is not None:
+                if abs(x.logprob - y.logprob) > LOGPROB_ATOL or not _rank_close(x.rank, y.rank):
                     return f"row {r}: token {token}: {x} vs {y}"
-                if abs(x.logprob - y.logprob) > LOGPROB_ATOL:
-                    return f"row {r}: token {token}: {x} vs {y}"
+            else:
+                present, other_row = (x, b) if y is None else (y, a)
+                if abs(present.logprob - min(o.logprob for o in other_row.values())) > LOGPROB_ATOL:
+                    return f"row {r}: token {token} ({present}) only in one run"
     return None
 
 

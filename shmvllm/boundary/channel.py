@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import os
+import time
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Optional
 
@@ -75,6 +76,7 @@ Decode = Callable[[Any], Any]
 
 _PIECE = 0xC1  # a first byte msgpack never uses: this message is a piece of a longer one
 _MORE, _LAST = 0, 1
+_TOOK_A_PIECE = object()  # what FrontendInbox._take returns for a piece that is not the last
 
 
 class Addresses(msgspec.Struct, frozen=True):
@@ -203,8 +205,6 @@ class EngineOutbox:
 
     def drain_for(self, seconds: float) -> bool:
         """Flushes for up to `seconds` (the engine's last words before it exits); True if all went."""
-        import time
-
         deadline = time.monotonic() + seconds
         while True:
             self.flush()
@@ -225,28 +225,25 @@ class FrontendInbox:
             return decode_from_engine(buf)
         self._pieces.append(bytes(buf[2:]))
         if buf[1] != _LAST:
-            return None
+            return _TOOK_A_PIECE
         data, self._pieces = b"".join(self._pieces), []
         return decode_from_engine(data)
 
     def recv(self, timeout: Optional[float]) -> Any:
-        """The next whole message; ChannelTimeout when none came in `timeout` s."""
-        import time
-
+        """The next whole message; ChannelTimeout when none came in `timeout` s (the pieces
+        taken so far stay for the next call)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             msg = self.endpoint.recv(self._take, remaining)
-            if msg is not None:
+            if msg is not _TOOK_A_PIECE:
                 return msg
 
     def try_recv(self) -> Any:
-        """The next whole message, or None (never blocks)."""
-        while True:
-            msg = self.endpoint.try_recv(self._take)
-            if msg is not None or not self._pieces:
-                return msg
-            # a piece arrived: the rest may be there too
+        """The next whole message, or None when none is there yet (never blocks)."""
+        while (msg := self.endpoint.try_recv(self._take)) is _TOOK_A_PIECE:
+            pass
+        return msg
 
 
 def ring_capacity() -> int:

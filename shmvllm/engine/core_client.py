@@ -19,9 +19,6 @@ from typing import Any, Callable, Optional
 
 from ipc import PeerGoneError
 from shmvllm.boundary.channel import Addresses, ChannelTimeout, Endpoint, FrontendInbox, open_frontend
-from shmvllm.config import EngineConfig
-from shmvllm.engine.core_proc import POLL_S
-from shmvllm.engine.exceptions import EngineDeadError, EngineTimeoutError
 from shmvllm.boundary.messages import (
     EngineCoreAbort,
     EngineCoreOutputs,
@@ -32,6 +29,9 @@ from shmvllm.boundary.messages import (
     EngineReady,
     make_encoder,
 )
+from shmvllm.config import EngineConfig
+from shmvllm.engine.core_proc import POLL_S
+from shmvllm.engine.exceptions import EngineDeadError, EngineTimeoutError
 from shmvllm.engine.proc_manager import DEFAULT_READY_TIMEOUT_S, CoreEngineProcManager
 
 logger = logging.getLogger(__name__)

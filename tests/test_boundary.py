@@ -148,11 +148,13 @@ def tiny_llama_8k_dir(tmp_path_factory, smollm2_dir):
     return _save_tiny_causal_lm(config, smollm2_dir, tmp_path_factory.mktemp("tiny-llama-8k"))
 
 
-def _many_large_requests(count: int, long_every: int, short_max: int, long_prompt_logprobs: bool) -> list:
-    """`count` prompts, all with logprobs: every `long_every`-th 4k-8k tokens long (dozens of
+def _many_large_requests(
+    count: int, long_every: int, mid_every: int, short_max: int, long_prompt_logprobs: bool
+) -> list:
+    """`count` prompts, all with logprobs: every `long_every`-th 4k-8k tokens long (8-16
     ring-fulls to the engine; with `long_prompt_logprobs` as many back, in pieces), every
-    `long_every`-th from half-way 256-512 tokens with prompt logprobs (a few ring-fulls back),
-    the others log-uniform up to `short_max` tokens."""
+    `mid_every`-th from half-way 256-512 tokens with prompt logprobs (2-5 ring-fulls back),
+    the others log-uniform up to `short_max` tokens; the first exactly 8192."""
     import math
     import random
 
@@ -162,7 +164,7 @@ def _many_large_requests(count: int, long_every: int, short_max: int, long_promp
         prompt_logprobs = None
         if i % long_every == 0:
             n, prompt_logprobs = rng.randint(4096, 8192), (1 if long_prompt_logprobs else None)
-        elif i % long_every == long_every // 2:
+        elif i % mid_every == mid_every // 2:
             n, prompt_logprobs = rng.randint(256, 512), 1
         else:
             n = int(math.exp(rng.uniform(0, math.log(short_max))))
@@ -227,11 +229,11 @@ def _check_tiny_rings_match_in_process(model_dir, monkeypatch, requests) -> None
 
 
 def test_tiny_rings_1000_requests_with_long_prompts_match_in_process(tiny_llama_8k_dir, monkeypatch):
-    """1,000 requests over 4 KiB rings both ways, logprobs on for all: 10 of 4k-8k tokens (8-16
-    ring-fulls each to the engine), 10 with prompt logprobs (2-5 ring-fulls back, in pieces),
-    the rest up to 256 tokens. (Prompt logprobs of the 8k prompts cost ~30 s a run on 2 loaded
-    cores, the 8k prompts of the issue's full size ~200 s: see the slow test below.)"""
-    requests = _many_large_requests(1000, 100, 256, long_prompt_logprobs=False)
+    """1,000 requests over 4 KiB rings both ways, logprobs on for all: 3 of 4k-8k tokens (one of
+    8192; 8-16 ring-fulls each to the engine), 10 with prompt logprobs (2-5 ring-fulls back, in
+    pieces), the rest up to 128 tokens. The issue's full size (prompts log-uniform up to 8k,
+    many with prompt logprobs) takes minutes on 2 loaded cores: the slow test below."""
+    requests = _many_large_requests(1000, 334, 100, 128, long_prompt_logprobs=False)
     _check_tiny_rings_match_in_process(tiny_llama_8k_dir, monkeypatch, requests)
 
 
@@ -239,7 +241,7 @@ def test_tiny_rings_1000_requests_with_long_prompts_match_in_process(tiny_llama_
 def test_tiny_rings_1000_requests_up_to_8k_match_in_process(tiny_llama_8k_dir, monkeypatch):
     """The issue's full size: 1,000 prompts log-uniform up to 8k tokens, every tenth 4k-8k with
     prompt logprobs (tens of ring-fulls each way): minutes a run on 2 loaded cores, hence `slow`."""
-    requests = _many_large_requests(1000, 10, 8192, long_prompt_logprobs=True)
+    requests = _many_large_requests(1000, 10, 20, 8192, long_prompt_logprobs=True)
     _check_tiny_rings_match_in_process(tiny_llama_8k_dir, monkeypatch, requests)
 
 

@@ -13,6 +13,8 @@ engine process inherits the frontend's environment. README.md has the same table
 | SHMVLLM_QUANT_ISA | the CPU's best | avx512, avx2 or portable: which quantized GEMM build to load |
 | SHMVLLM_FUSED_DECODE | 1 | 0: no fused C decode step for single-sequence decode |
 | SHMVLLM_HUGE_PAGES | 1 | 0: no madvise(MADV_HUGEPAGE) on weights and the KV cache |
+| SHMVLLM_CPU_BF16 | from /proc/cpuinfo | 1 / 0: whether the CPU has native bf16 dot products |
+| SHMVLLM_TP_ALLREDUCE | gloo | gloo or shm: how tensor-parallel ranks all-reduce |
 | OMP_NUM_THREADS | one per core | the engine's torch threads (read to decide whether the frontend naps) |
 
 The ipc/ library reads its own (IPC_NATIVE_CACHE, IPC_PURE_PYTHON, CC): it is a separate
@@ -80,6 +82,15 @@ def SHMVLLM_FUSED_DECODE() -> bool:
 
 def SHMVLLM_HUGE_PAGES() -> bool:
     return _flag("SHMVLLM_HUGE_PAGES", True)
+
+
+def SHMVLLM_CPU_BF16() -> Optional[str]:
+    """The raw value ("0" / "1" expected; checked by the caller), or None when unset."""
+    return _raw("SHMVLLM_CPU_BF16")
+
+
+def SHMVLLM_TP_ALLREDUCE() -> str:
+    return _raw("SHMVLLM_TP_ALLREDUCE") or "gloo"
 
 
 def OMP_NUM_THREADS() -> Optional[int]:

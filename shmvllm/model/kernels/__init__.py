@@ -161,7 +161,7 @@ _BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 AVX512-BF16 / AMX-BF16,
 def native_bf16() -> tuple[bool, str]:
     """(whether this CPU has native bf16 dot products, why): from /proc/cpuinfo's flags, or
     ``$SHMVLLM_CPU_BF16`` = 1 / 0 when set."""
-    forced = os.environ.get(BF16_ENV)
+    forced = envs.SHMVLLM_CPU_BF16()
     if forced is not None:
         if forced not in ("0", "1"):
             raise ValueError(f"{BF16_ENV} must be 0 or 1, got {forced!r}.")

@@ -14,11 +14,12 @@ larger than a slot, and the logits' gather, always use gloo.
 from __future__ import annotations
 
 import datetime
-import os
 from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
+
+from shmvllm import envs
 
 if TYPE_CHECKING:
     from ipc.arena import Arena
@@ -31,7 +32,7 @@ def use_arena() -> bool:
     where the C helper builds) or gloo (the default, or SHMVLLM_TP_ALLREDUCE=gloo)."""
     from ipc.arena import arena_available
 
-    value = os.environ.get("SHMVLLM_TP_ALLREDUCE", "gloo")
+    value = envs.SHMVLLM_TP_ALLREDUCE()
     if value not in ("gloo", "shm"):
         raise ValueError(f"SHMVLLM_TP_ALLREDUCE must be 'gloo' or 'shm', got {value!r}")
     return value == "shm" and arena_available()

@@ -116,6 +116,7 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1  # engine processes, each a replica (shmvllm.engine.dp_client)
 
 
 @dataclass
@@ -157,6 +158,7 @@ class EngineArgs(VllmArgs):
     enable_chunked_prefill: Optional[bool] = True
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1  # N > 1: N engine processes, each on cores / N cores (DPSyncMPClient)
     max_logprobs: int = 20
     skip_tokenizer_init: bool = False
     tokenizer_mode: str = "auto"  # "auto" | "hf" | "slow"
@@ -247,7 +249,9 @@ class EngineArgs(VllmArgs):
                 enable_chunked_prefill=chunked_prefill,
                 policy=self.scheduling_policy,
             ),
-            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size
+            ),
         )
 
     def _task(self, model_dir: Path, hf_config: Any) -> Task:
@@ -311,6 +315,14 @@ class EngineArgs(VllmArgs):
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {tp!r}.")
+        dp = self.data_parallel_size
+        if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+            raise ValueError(f"data_parallel_size must be a positive int, got {dp!r}.")
+        if dp > 1 and tp > 1:
+            raise ValueError(
+                f"data_parallel_size={dp} with tensor_parallel_size={tp} is not supported: "
+                "data-parallel engines run one worker each."
+            )
 
 
 def _verify_tensor_parallel(size: int, quantization: Optional[str], task: Task, hf_config: Any, device: str) -> None:

@@ -81,11 +81,14 @@ _TOOK_A_PIECE = object()  # what FrontendInbox._take returns for a piece that is
 
 class Addresses(msgspec.Struct, frozen=True):
     """What the engine needs to reach the frontend: the function that opens its side
-    ("module:function", called with these Addresses) and the two directions' names."""
+    ("module:function", called with these Addresses) and the two directions' names;
+    `doorbell`: the semaphore a data-parallel engine rings after each send
+    (shmvllm.boundary.doorbell), None for one engine."""
 
     opener: str
     to_engine: str
     to_frontend: str
+    doorbell: Optional[str] = None
 
 
 class Endpoint(ABC):

@@ -132,7 +132,6 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     _only("rope_theta", None, "the model's config is used as it is"),
     _only("model_impl", "auto", "shmvllm has its own model classes only", "vllm"),
     _only("pipeline_parallel_size", 1, _ONE_DEVICE, cli_type=int),
-    _only("data_parallel_size", 1, _ONE_DEVICE, cli_type=int),
     _only("data_parallel_rank", None, _ONE_DEVICE, cli_type=int),
     _only("data_parallel_start_rank", None, _ONE_DEVICE, cli_type=int),
     _only("data_parallel_size_local", None, _ONE_DEVICE, cli_type=int),

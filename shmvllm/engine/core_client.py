@@ -40,13 +40,25 @@ logger = logging.getLogger(__name__)
 class EngineCoreClient(ABC):
     @staticmethod
     def make_client(config: EngineConfig, multiprocess: bool = True) -> "EngineCoreClient":
-        """SyncMPClient when multiprocess, else InprocClient."""
+        """SyncMPClient when multiprocess (DPSyncMPClient for data_parallel_size > 1), else
+        InprocClient."""
+        if config.parallel_config.data_parallel_size > 1:
+            if not multiprocess:
+                raise ValueError(
+                    f"data_parallel_size={config.parallel_config.data_parallel_size} needs the engines in "
+                    "processes of their own (multiprocess=True)."
+                )
+            from shmvllm.engine.dp_client import DPSyncMPClient
+
+            return DPSyncMPClient(config)
         if multiprocess:
             return SyncMPClient(config)
         return InprocClient(config)
 
     @abstractmethod
-    def add_request(self, request: EngineCoreRequest) -> None: ...
+    def add_request(self, request: EngineCoreRequest, group: Optional[str] = None) -> None:
+        """Queues a request. `group`: requests that name the same group go to the same engine
+        (the children of an n > 1 request; it matters only with several engines)."""
 
     @abstractmethod
     def get_output(self, timeout: Optional[float] = None) -> EngineCoreOutputs:
@@ -104,7 +116,7 @@ class InprocClient(EngineCoreClient):
         self.engine_core = EngineCore(config)
         self._lock = threading.Lock()  # a step and a new request do not touch the scheduler at once
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def add_request(self, request: EngineCoreRequest, group: Optional[str] = None) -> None:
         with self._lock:
             self.engine_core.add_request(request)
 
@@ -298,7 +310,7 @@ class SyncMPClient(EngineCoreClient):
 
     # ---- the client API -------------------------------------------------------------------
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def add_request(self, request: EngineCoreRequest, group: Optional[str] = None) -> None:
         self._send(request)
 
     def get_output(self, timeout: Optional[float] = None) -> EngineCoreOutputs:

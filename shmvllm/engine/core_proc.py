@@ -86,6 +86,8 @@ class EngineProcArgs(msgspec.Struct, kw_only=True):
     executor_class: Optional[str] = None
     log_level: int = logging.WARNING
     sys_path: list[str] = []
+    engine_index: int = 0  # which of the data-parallel engines this is (in every EngineCoreOutputs)
+    cpus: list[int] = []  # the cores this engine runs on (every thread of it); empty: wherever the OS likes
 
     @classmethod
     def build(cls, config: EngineConfig, addresses: Addresses, **kwargs: Any) -> "EngineProcArgs":
@@ -123,6 +125,8 @@ def main() -> None:
     args = decode_proc_args(sys.stdin.buffer.read())
     sys.stdin.close()
     sys.path.extend(p for p in args.sys_path if p not in sys.path)
+    if args.cpus:
+        pin_process(args.cpus)
     code = EngineCoreProc.run_engine_core(args)
     # As multiprocessing's children do: no interpreter teardown, which would wait for the
     # non-daemon threads of libraries (and run their atexit hooks) after the engine is done.
@@ -130,6 +134,17 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def pin_process(cpus: list[int]) -> None:
+    """Runs every thread of this process, and those it starts later, on `cpus` only.
+    (sched_setaffinity applies to one thread: the threads that imports started already, such
+    as a BLAS pool, are set one by one.)"""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # that thread ended meanwhile
+            pass
 
 
 class FrontendGoneError(Exception):
@@ -141,10 +156,18 @@ class _Shutdown(Exception):
 
 
 class EngineCoreProc:
-    def __init__(self, config: EngineConfig, addresses: Addresses, parent_pid: int, executor_class: Optional[type] = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        addresses: Addresses,
+        parent_pid: int,
+        executor_class: Optional[type] = None,
+        engine_index: int = 0,
+    ) -> None:
         from shmvllm.engine.core import EngineCore
 
         self.parent_pid = parent_pid
+        self.engine_index = engine_index
         self.endpoint = import_qualified(addresses.opener)(addresses)
         self.outbox = EngineOutbox(self.endpoint, OUTBOX_RING_MULTIPLE * 4 * self.endpoint.max_message)
         try:
@@ -166,7 +189,9 @@ class EngineCoreProc:
         code = 0
         try:
             executor_class = None if args.executor_class is None else import_qualified(args.executor_class)
-            engine = EngineCoreProc(args.engine_config(), args.addresses, args.parent_pid, executor_class)
+            engine = EngineCoreProc(
+                args.engine_config(), args.addresses, args.parent_pid, executor_class, args.engine_index
+            )
             engine.run_busy_loop()
         except FrontendGoneError as exc:
             logger.warning("the frontend is gone (%s): exiting", exc)
@@ -221,7 +246,7 @@ class EngineCoreProc:
         elif kind is EngineCoreAbort:
             self.engine_core.abort_requests(msg.request_ids)
         elif kind is EngineCoreUtility:
-            self.outbox.send(EngineCoreOutputs(utility_output=self._call_utility(msg)))
+            self.outbox.send(EngineCoreOutputs(engine_index=self.engine_index, utility_output=self._call_utility(msg)))
         elif kind is EngineCoreShutdown:
             raise _Shutdown
         elif kind is UndecodableRequest:
@@ -246,6 +271,7 @@ class EngineCoreProc:
     def _run(self) -> None:
         core, outbox, endpoint, handle = self.engine_core, self.outbox, self.endpoint, self._handle
         try_recv = endpoint.try_recv
+        index = self.engine_index
         while True:
             if outbox.pending:
                 outbox.flush()
@@ -257,6 +283,7 @@ class EngineCoreProc:
             if core.has_unfinished_requests() and not outbox.backlogged:
                 outputs = core.step()
                 if outputs.outputs:
+                    outputs.engine_index = index
                     outbox.send(outputs)
             self._check_parent()
 

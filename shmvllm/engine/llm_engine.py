@@ -94,7 +94,7 @@ class LLMEngine:
             for index, child_id in enumerate(parent.child_ids):
                 child = msgspec.structs.replace(request, request_id=child_id, sampling_params=parent.child_params(index))
                 self.output_processor.add_request(child, prompt_text, prompt_ids, parent=parent, index=index)
-                self.engine_core.add_request(child)
+                self.engine_core.add_request(child, group=request_id)
                 sent.append(child_id)
 
     @contextlib.contextmanager

@@ -57,7 +57,14 @@ class CoreEngineProcManager:
         config: EngineConfig,
         addresses: Addresses,
         executor_class: Optional[type] = None,
+        *,
+        engine_index: int = 0,
+        cpus: Optional[list[int]] = None,
+        num_threads: Optional[int] = None,
     ) -> None:
+        """engine_index, cpus (its cores) and num_threads (its OMP_NUM_THREADS) are for one of
+        several data-parallel engines (shmvllm.engine.dp_client); the defaults: the only one."""
+        self.engine_index = engine_index
         args = EngineProcArgs.build(
             config,
             addresses,
@@ -65,11 +72,15 @@ class CoreEngineProcManager:
             executor_class=None if executor_class is None else qualified_name(executor_class),
             log_level=logging.getLogger("shmvllm").getEffectiveLevel(),
             sys_path=[p for p in sys.path if p],
+            engine_index=engine_index,
+            cpus=list(cpus or ()),
         )
         payload = encode_proc_args(args)
         # the directory that holds the shmvllm package first on its path, so that it runs this
         # shmvllm whatever the working directory
         env = envs.child_environment(pythonpath_first=_PACKAGE_ROOT)
+        if num_threads is not None:
+            env["OMP_NUM_THREADS"] = str(num_threads)
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "shmvllm.engine.core_proc"], stdin=subprocess.PIPE, env=env, close_fds=True,
@@ -126,6 +137,26 @@ class CoreEngineProcManager:
             self.pid, time.monotonic() - self.started, answer.num_kv_blocks, answer.block_size,
             answer.max_concurrency, answer.max_model_len,
         )
+        return answer
+
+    def poll_ready(self, inbox: FrontendInbox, timeout: float = DEFAULT_READY_TIMEOUT_S) -> Optional[EngineReady]:
+        """`wait_for_ready` without waiting (for a caller that waits on several engines at once):
+        READY if it came, None if not yet; EngineStartupError when the engine failed, died or
+        is later than `timeout` s after its start."""
+        try:
+            answer = inbox.try_recv()
+        except Exception as exc:
+            raise self._startup_error(inbox, f"the channel failed: {exc}") from exc
+        if answer is None:
+            if not self.is_alive():
+                raise self._startup_error(inbox, "it exited")
+            if time.monotonic() > self.started + timeout:
+                raise EngineStartupError(f"the engine process (pid {self.pid}) sent no READY within {timeout:.0f} s.")
+            return None
+        if not isinstance(answer, EngineReady):
+            raise self._failed(answer)
+        logger.info("engine %d (pid %d) ready in %.1f s: %d KV blocks x %d tokens", self.engine_index, self.pid,
+                    time.monotonic() - self.started, answer.num_kv_blocks, answer.block_size)
         return answer
 
     def _failed(self, answer: Any) -> EngineStartupError:

@@ -78,7 +78,9 @@ class Worker:
     def _cpu_kv_budget(self) -> int:
         if self.config.cache_config.kv_cache_memory is not None:
             return self.config.cache_config.kv_cache_memory
-        return int(min(DEFAULT_CPU_KV_CACHE_CAP, DEFAULT_CPU_KV_CACHE_SHARE * _available_ram()))
+        # data-parallel engines share the default: together they take what one engine would
+        engines = self.config.parallel_config.data_parallel_size
+        return int(min(DEFAULT_CPU_KV_CACHE_CAP, DEFAULT_CPU_KV_CACHE_SHARE * _available_ram()) / engines)
 
     def _cuda_kv_budget(self) -> int:
         started = time.perf_counter()

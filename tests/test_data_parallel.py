@@ -1,0 +1,243 @@
+"""Data parallel: N engine processes behind one LLM(data_parallel_size=N).
+
+Same outputs as one engine (greedy, n > 1, stop strings, embeddings), requests spread over the
+engines, aborts and utility calls at the right engines, each engine on its own cores, and every
+fault (kill -9 of an engine, of the frontend) ends everything within 2 s with nothing left."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import engine_children, leaked_shm_entries
+from ipc.segment import pid_alive
+from shmvllm import LLM, SamplingParams
+from shmvllm.boundary.messages import SchedulerStats
+from shmvllm.config import EngineArgs
+from shmvllm.engine.core_client import EngineUtilityError, SyncMPClient
+from shmvllm.engine.dp_balancer import DPLoadBalancer
+from shmvllm.engine.dp_client import DPSyncMPClient, plan_cpus
+from shmvllm.engine.exceptions import EngineDeadError
+
+ENGINE_ARGS = dict(max_model_len=1024, num_kv_blocks=256)
+LONG = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind():
+    before = leaked_shm_entries()
+    yield
+    deadline = time.monotonic() + 5
+    while engine_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine_children(), "an engine process outlived its test"
+    assert not leaked_shm_entries() - before
+
+
+def wait_until_dead(pid: int, timeout: float) -> float:
+    started = time.monotonic()
+    while pid_alive(pid):
+        assert time.monotonic() - started < timeout, f"process {pid} still alive after {timeout} s"
+        time.sleep(0.01)
+    return time.monotonic() - started
+
+
+def mixed_requests() -> tuple[list[str], list[SamplingParams]]:
+    """64 prompts of different lengths; greedy with different max_tokens, stop strings, and
+    seeded n=2 / n=3 sampling."""
+    words = "the cat sat on a mat river engine shared memory ring token paris quantum".split()
+    rng = np.random.default_rng(0)
+    prompts, params = [], []
+    for i in range(64):
+        prompts.append(f"{i}: " + " ".join(rng.choice(words, size=int(rng.integers(1, 40)))))
+        kind = i % 4
+        if kind == 0:
+            params.append(SamplingParams(temperature=0.0, max_tokens=int(rng.integers(4, 33)), ignore_eos=True))
+        elif kind == 1:
+            params.append(SamplingParams(temperature=0.0, max_tokens=32, stop=["e", " a"], ignore_eos=True))
+        elif kind == 2:
+            params.append(SamplingParams(temperature=0.8, seed=i, n=2 + i % 8 // 4, max_tokens=16, ignore_eos=True))
+        else:
+            params.append(SamplingParams(temperature=0.0, max_tokens=24))
+    return prompts, params
+
+
+def completions(outputs) -> list:
+    return [
+        (o.prompt, [(list(c.token_ids), c.text, c.finish_reason, c.stop_reason) for c in o.outputs])
+        for o in outputs
+    ]
+
+
+def test_dp2_outputs_equal_dp1_in_input_order_and_both_engines_serve(tiny_llama_dir):
+    prompts, params = mixed_requests()
+    results = {}
+    for dp in (1, 2):
+        with LLM(str(tiny_llama_dir), data_parallel_size=dp, **ENGINE_ARGS) as llm:
+            client = llm.llm_engine.engine_core
+            results[dp] = completions(llm.generate(prompts, params, use_tqdm=False))
+            if dp == 1:
+                assert type(client) is SyncMPClient  # one engine: today's client
+                continue
+            assert isinstance(client, DPSyncMPClient)
+            served = client.requests_per_engine
+            stats = client.get_stats()
+            pids = client.engine_pids
+            affinities = [os.sched_getaffinity(pid) for pid in pids]
+        for pid in pids:
+            wait_until_dead(pid, 5.0)
+    assert [p for p, _ in results[2]] == prompts  # input order
+    expected_requests = sum(p.n for p in params)
+    assert sum(served) == expected_requests and min(served) > 0, served
+    assert len(stats["engines"]) == 2 and all(e["num_steps"] > 0 for e in stats["engines"]), stats
+    assert stats["num_steps"] == sum(e["num_steps"] for e in stats["engines"])
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2:  # each engine on its own cores
+        assert not affinities[0] & affinities[1], affinities
+    stopped = [c for _, cs in results[1] for c in cs if c[2] == "stop" and isinstance(c[3], str)]
+    assert stopped, "no stop string ended a request: the test lost its stop-string case"
+    assert results[2] == results[1]
+
+
+def test_dp2_embeddings_equal_dp1(tiny_bert_dir, embedding_texts):
+    results = {}
+    for dp in (1, 2):
+        with LLM(str(tiny_bert_dir), task="embed", data_parallel_size=dp) as llm:
+            results[dp] = np.array([o.outputs.embedding for o in llm.embed(embedding_texts, use_tqdm=False)])
+            if dp == 2:
+                served = llm.llm_engine.engine_core.requests_per_engine
+    assert min(served) > 0 and sum(served) == len(embedding_texts), served
+    assert results[2].shape == (len(embedding_texts), results[1].shape[1])
+    np.testing.assert_allclose(results[2], results[1], rtol=0, atol=1e-5)
+
+
+def test_abort_and_utility_calls_reach_the_right_engines(tiny_llama_dir):
+    with LLM(str(tiny_llama_dir), data_parallel_size=2, **ENGINE_ARGS) as llm:
+        engine, client = llm.llm_engine, llm.llm_engine.engine_core
+        for i in range(4):
+            engine.add_request(f"r{i}", f"prompt number {i}", LONG)
+        engine.add_request("family", "a shared prompt", SamplingParams(n=3, max_tokens=1000, ignore_eos=True))
+        owners = {rid: client.owner_of(rid) for rid in ("r0", "r1", "r2", "r3")}
+        assert sorted(owners.values()) == [0, 0, 1, 1], owners  # equal loads: round robin
+        family = {client.owner_of(f"{k}_family") for k in range(3)}
+        assert len(family) == 1, family  # n > 1 children stay together
+        for _ in range(4):
+            engine.step()
+        on_zero = [rid for rid, e in owners.items() if e == 0]
+        engine.abort_request(on_zero)
+        per_engine = [e["num_running_reqs"] + e["num_waiting_reqs"] for e in client.get_stats()["engines"]]
+        family_engine = family.pop()
+        expected = [3 * (family_engine == 0), 2 + 3 * (family_engine == 1)]
+        assert per_engine == expected, (per_engine, expected)
+        engine.abort_request(["r0", "r1", "r2", "r3", "family"])
+        stats = client.get_stats()
+        assert stats["num_running_reqs"] + stats["num_waiting_reqs"] == 0, stats
+        assert client.reset_prefix_cache() is True  # every engine answered True
+        assert all(e["num_free_blocks"] == e["num_kv_blocks"] for e in client.get_stats()["engines"])
+        with pytest.raises(EngineUtilityError, match="(?s)engine 0.*engine 1|engine 1.*engine 0"):
+            client.call_utility_all("no_such_method")
+        assert len(llm.generate(["still serving"], SamplingParams(max_tokens=4), use_tqdm=False)) == 1
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_kill_either_engine_mid_generate(tiny_llama_dir, victim):
+    with LLM(str(tiny_llama_dir), data_parallel_size=2, **ENGINE_ARGS) as llm:
+        client = llm.llm_engine.engine_core
+        pids = client.engine_pids
+        killed_at: list[float] = []
+
+        def kill() -> None:
+            time.sleep(0.5)
+            killed_at.append(time.monotonic())
+            os.kill(pids[victim], signal.SIGKILL)
+
+        killer = threading.Thread(target=kill)
+        killer.start()
+        with pytest.raises(EngineDeadError, match=f"engine {victim} of 2"):
+            llm.generate([f"prompt {i}" for i in range(8)], LONG, use_tqdm=False)
+        raised_at = time.monotonic()
+        killer.join()
+        assert raised_at - killed_at[0] < 2.0
+        wait_until_dead(pids[1 - victim], 2.0 - (time.monotonic() - killed_at[0]))
+        with pytest.raises(EngineDeadError):
+            llm.generate(["again"], LONG, use_tqdm=False)
+
+
+FRONTEND = """
+from shmvllm import LLM, SamplingParams
+
+llm = LLM({model!r}, data_parallel_size=2, max_model_len=1024, num_kv_blocks=256)
+print("ENGINES", *llm.llm_engine.engine_core.engine_pids, flush=True)
+llm.generate(["Hello"] * 8, SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True), use_tqdm=False)
+"""
+
+
+def test_kill_frontend_both_engines_exit(tmp_path, tiny_llama_dir):
+    script = tmp_path / "frontend.py"
+    script.write_text(textwrap.dedent(FRONTEND.format(model=str(tiny_llama_dir))))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("ENGINES"), (line, proc.stderr.read() if proc.poll() is not None else "")
+        pids = [int(p) for p in line.split()[1:]]
+        assert len(pids) == 2 and all(pid_alive(p) for p in pids)
+        time.sleep(0.5)  # generating
+        proc.kill()
+        proc.wait(timeout=10)
+        killed_at = time.monotonic()
+        for pid in pids:
+            wait_until_dead(pid, 2.0 - (time.monotonic() - killed_at))
+        deadline = time.monotonic() + 2.0  # the engines remove what the frontend left
+        while leaked_shm_entries() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not leaked_shm_entries()
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def test_load_balancer_least_loaded_ties_round_robin():
+    lb = DPLoadBalancer(3)
+    picks = []
+    for i in range(6):  # nothing reported yet: the client's own counts, round robin on ties
+        engine = lb.choose()
+        lb.added(f"r{i}", engine)
+        picks.append(engine)
+    assert sorted(picks) == [0, 0, 1, 1, 2, 2]
+    lb.report(0, SchedulerStats(num_running_reqs=2, num_waiting_reqs=0, kv_cache_usage=0.5))
+    lb.report(1, SchedulerStats(num_running_reqs=2, num_waiting_reqs=0, kv_cache_usage=0.1))
+    assert [lb.load(e) for e in range(3)] == [2, 2, 8]  # engine 2's two are not running yet: waiting
+    assert lb.choose() == 1  # loads equal, less KV in use
+    for rid in [r for r, e in lb.owner.items() if e == 2]:
+        assert lb.finished(rid) == 2
+    assert lb.load(2) == 0 and lb.choose() == 2 and lb.served == [0, 0, 2]
+    lb.added("c0", lb.choose(group="g"), group="g")
+    assert all(lb.choose(group="g") == lb.owner["c0"] for _ in range(3))
+
+
+def test_plan_cpus_divides_the_cores(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    assert plan_cpus(2) == [([0, 1], 2), ([2, 3, 4], 3)]
+    assert plan_cpus(6) == [([], 1)] * 6  # fewer cores than engines: shared, one thread each
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert plan_cpus(2) == [([0, 1], 4), ([2, 3, 4], 4)]
+
+
+def test_data_parallel_size_is_checked_and_on_the_cli():
+    with pytest.raises(ValueError, match="data_parallel_size must be a positive int, got 0"):
+        EngineArgs(data_parallel_size=0).create_engine_config()
+    import argparse
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert EngineArgs.from_cli_args(parser.parse_args(["--data-parallel-size", "2"])).data_parallel_size == 2

@@ -241,3 +241,51 @@ def test_data_parallel_size_is_checked_and_on_the_cli():
 
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     assert EngineArgs.from_cli_args(parser.parse_args(["--data-parallel-size", "2"])).data_parallel_size == 2
+
+
+def test_async_llm_and_threads_over_two_engines(tiny_llama_dir):
+    """AsyncLLM's reader thread and the threads of one LLM (its OutputRouter) drive the DP client
+    as they drive one engine: each stream / caller gets exactly its own greedy outputs."""
+    import asyncio
+
+    from shmvllm import AsyncLLM, RequestOutputKind
+
+    prompts = [f"stream {i}: the quick brown fox number {i * 7}" for i in range(16)]
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + i % 5, ignore_eos=True) for i in range(16)]
+    with LLM(str(tiny_llama_dir), **ENGINE_ARGS) as llm:
+        reference = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    async def stream_all(engine) -> list[list[int]]:
+        async def one(i: int) -> list[int]:
+            final = None
+            p = SamplingParams(temperature=0.0, max_tokens=params[i].max_tokens, ignore_eos=True,
+                               output_kind=RequestOutputKind.FINAL_ONLY)
+            async for out in engine.generate(prompts[i], p, f"req-{i}"):
+                final = out
+            return list(final.outputs[0].token_ids)
+
+        return list(await asyncio.gather(*(one(i) for i in range(16))))
+
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_llama_dir), data_parallel_size=2, **ENGINE_ARGS))
+    try:
+        assert asyncio.run(stream_all(engine)) == reference
+        assert min(engine.engine.engine_core.requests_per_engine) > 0
+    finally:
+        engine.shutdown()
+
+    with LLM(str(tiny_llama_dir), data_parallel_size=2, **ENGINE_ARGS) as llm:
+        results: list = [None] * 4
+        barrier = threading.Barrier(4)
+
+        def caller(k: int) -> None:
+            barrier.wait()
+            outs = llm.generate(prompts[k::4], params[k::4], use_tqdm=False)
+            results[k] = [list(o.outputs[0].token_ids) for o in outs]
+
+        threads = [threading.Thread(target=caller, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads)
+        assert all(results[k] == reference[k::4] for k in range(4)), results

@@ -289,3 +289,20 @@ def test_async_llm_and_threads_over_two_engines(tiny_llama_dir):
             t.join(timeout=120)
         assert not any(t.is_alive() for t in threads)
         assert all(results[k] == reference[k::4] for k in range(4)), results
+
+
+def test_a_failing_start_stops_every_engine(tmp_path, tiny_llama_dir):
+    import shutil
+
+    from shmvllm.engine.exceptions import EngineStartupError
+
+    broken = tmp_path / "broken-llama"
+    shutil.copytree(tiny_llama_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"this is not a safetensors file")
+    with pytest.raises(EngineStartupError, match="(?s)failed to start.*Traceback"):
+        LLM(str(broken), data_parallel_size=2, **ENGINE_ARGS)
+
+
+def test_data_parallel_needs_engine_processes(tiny_llama_dir):
+    with pytest.raises(ValueError, match="data_parallel_size=2 needs the engines in processes of their own"):
+        LLM(str(tiny_llama_dir), data_parallel_size=2, multiprocess=False, **ENGINE_ARGS)

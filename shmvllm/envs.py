@@ -15,7 +15,7 @@ engine process inherits the frontend's environment. README.md has the same table
 | SHMVLLM_HUGE_PAGES | 1 | 0: no madvise(MADV_HUGEPAGE) on weights and the KV cache |
 | SHMVLLM_CPU_BF16 | from /proc/cpuinfo | 1 / 0: whether the CPU has native bf16 dot products |
 | SHMVLLM_TP_ALLREDUCE | gloo | gloo or shm: how tensor-parallel ranks all-reduce |
-| OMP_NUM_THREADS | one per core | the engine's torch threads (read to decide whether the frontend naps) |
+| OMP_NUM_THREADS | one per core | the engine's torch threads (data_parallel_size=N: every engine's; default: one per core of its share) (read to decide whether the frontend naps) |
 
 The ipc/ library reads its own (IPC_NATIVE_CACHE, IPC_PURE_PYTHON, CC): it is a separate
 package with no shmvllm knowledge, documented in its own modules.

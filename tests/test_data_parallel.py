@@ -306,3 +306,39 @@ def test_a_failing_start_stops_every_engine(tmp_path, tiny_llama_dir):
 def test_data_parallel_needs_engine_processes(tiny_llama_dir):
     with pytest.raises(ValueError, match="data_parallel_size=2 needs the engines in processes of their own"):
         LLM(str(tiny_llama_dir), data_parallel_size=2, multiprocess=False, **ENGINE_ARGS)
+
+
+CTRL_C_FRONTEND = """
+import signal
+from shmvllm import LLM, SamplingParams
+
+signal.signal(signal.SIGINT, signal.default_int_handler)
+llm = LLM({model!r}, data_parallel_size=2, max_model_len=1024, num_kv_blocks=256)
+client = llm.llm_engine.engine_core
+print("ENGINES", *client.engine_pids, flush=True)
+try:
+    llm.generate(["Hello"] * 8, SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True), use_tqdm=False)
+except KeyboardInterrupt:
+    print("INTERRUPTED", *[e["num_running_reqs"] + e["num_waiting_reqs"] for e in client.get_stats()["engines"]], flush=True)
+    raise
+"""
+
+
+def test_ctrl_c_during_generate_aborts_in_both_engines(tmp_path, tiny_llama_dir):
+    script = tmp_path / "frontend.py"
+    script.write_text(textwrap.dedent(CTRL_C_FRONTEND.format(model=str(tiny_llama_dir))))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("ENGINES"), (line, proc.stderr.read() if proc.poll() is not None else "")
+        pids = [int(p) for p in line.split()[1:]]
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert "INTERRUPTED 0 0" in out, err  # neither engine holds any of the requests
+    assert "KeyboardInterrupt" in err
+    for pid in pids:
+        wait_until_dead(pid, 5.0)

@@ -342,3 +342,25 @@ def test_ctrl_c_during_generate_aborts_in_both_engines(tmp_path, tiny_llama_dir)
     assert "KeyboardInterrupt" in err
     for pid in pids:
         wait_until_dead(pid, 5.0)
+
+
+def test_tiny_rings_two_engines_long_prompts_and_logprobs(tiny_llama_dir, monkeypatch):
+    """4 KiB rings to and from both engines: long prompts travel in ring fragments, prompt
+    logprobs come back in pieces, each piece rings the doorbell; same tokens and logprobs as
+    one engine on the default rings."""
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt_token_ids": rng.integers(3, 40000, size=int(rng.integers(8, 700))).tolist()} for _ in range(24)]
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3,
+                             prompt_logprobs=3 if i % 6 == 0 else None) for i in range(24)]
+
+    def run(dp: int):
+        with LLM(str(tiny_llama_dir), data_parallel_size=dp, **ENGINE_ARGS) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            if dp == 2:
+                assert min(llm.llm_engine.engine_core.requests_per_engine) > 0
+        return [(list(o.outputs[0].token_ids), len(o.prompt_logprobs or []),
+                 [sorted(step) for step in o.outputs[0].logprobs]) for o in outs]
+
+    expected = run(1)
+    monkeypatch.setenv("SHMVLLM_RING_CAPACITY", "4096")
+    assert run(2) == expected

@@ -364,3 +364,28 @@ def test_tiny_rings_two_engines_long_prompts_and_logprobs(tiny_llama_dir, monkey
     expected = run(1)
     monkeypatch.setenv("SHMVLLM_RING_CAPACITY", "4096")
     assert run(2) == expected
+
+
+def test_an_engine_failing_mid_serving_is_engine_dead_error_with_its_traceback(tiny_llama_dir):
+    from test_multiprocess import FailingExecutor  # fails fatally in its third model step
+
+    from shmvllm.boundary.messages import EngineCoreRequest
+
+    config = EngineArgs(model=str(tiny_llama_dir), data_parallel_size=2, **ENGINE_ARGS).create_engine_config()
+    client = DPSyncMPClient(config, executor_class=FailingExecutor)
+    try:
+        pids = client.engine_pids
+        for i in range(2):  # one request each: both engines step, both fail at their third step
+            client.add_request(EngineCoreRequest(
+                request_id=f"r{i}", prompt_token_ids=EngineCoreRequest.pack_token_ids([1, 2, 3 + i]),
+                sampling_params=SamplingParams(max_tokens=50, ignore_eos=True),
+            ))
+        with pytest.raises(EngineDeadError, match="(?s)engine [01] of 2.*boom in execute_model"):
+            for _ in range(100):
+                client.get_output()
+        with pytest.raises(EngineDeadError):
+            client.get_output()
+        for pid in pids:
+            wait_until_dead(pid, 2.0)
+    finally:
+        client.shutdown()

@@ -242,10 +242,12 @@ class DPSyncMPClient(EngineCoreClient):
         for i, manager in enumerate(self._managers):
             if manager.is_alive():
                 continue
+            last: Any = None
             try:
-                last = self._inboxes[i].try_recv()
-            except Exception:
-                last = None
+                while (msg := self._inboxes[i].try_recv()) is not None:
+                    last = msg
+            except Exception:  # what is left of the ring cannot be read: the exit code tells
+                pass
             if isinstance(last, EngineFailed):
                 raise self._died(i, f"it failed:\n{last.traceback}")
             raise self._died(i, f"it exited with code {manager.exitcode}")

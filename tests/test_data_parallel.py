@@ -51,6 +51,11 @@ def wait_until_dead(pid: int, timeout: float) -> float:
     return time.monotonic() - started
 
 
+def environ_of(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
+
+
 def mixed_requests() -> tuple[list[str], list[SamplingParams]]:
     """64 prompts of different lengths; greedy with different max_tokens, stop strings, and
     seeded n=2 / n=3 sampling."""
@@ -93,6 +98,8 @@ def test_dp2_outputs_equal_dp1_in_input_order_and_both_engines_serve(tiny_llama_
             stats = client.get_stats()
             pids = client.engine_pids
             affinities = [os.sched_getaffinity(pid) for pid in pids]
+            threads = [environ_of(pid).get("OMP_NUM_THREADS") for pid in pids]
+            plan = client.cpu_plan
         for pid in pids:
             wait_until_dead(pid, 5.0)
     assert [p for p, _ in results[2]] == prompts  # input order
@@ -101,8 +108,10 @@ def test_dp2_outputs_equal_dp1_in_input_order_and_both_engines_serve(tiny_llama_
     assert len(stats["engines"]) == 2 and all(e["num_steps"] > 0 for e in stats["engines"]), stats
     assert stats["num_steps"] == sum(e["num_steps"] for e in stats["engines"])
     cores = sorted(os.sched_getaffinity(0))
-    if len(cores) >= 2:  # each engine on its own cores
+    if len(cores) >= 2:  # each engine on its own cores, one torch thread per core of them
         assert not affinities[0] & affinities[1], affinities
+        assert [sorted(a) for a in affinities] == [cpus for cpus, _ in plan]
+    assert threads == [str(n) for _, n in plan], threads
     stopped = [c for _, cs in results[1] for c in cs if c[2] == "stop" and isinstance(c[3], str)]
     assert stopped, "no stop string ended a request: the test lost its stop-string case"
     assert results[2] == results[1]

@@ -26,7 +26,7 @@ from shmvllm.config import EngineArgs
 from shmvllm.engine.core_client import EngineUtilityError, SyncMPClient
 from shmvllm.engine.dp_balancer import DPLoadBalancer
 from shmvllm.engine.dp_client import DPSyncMPClient, plan_cpus
-from shmvllm.engine.exceptions import EngineDeadError
+from shmvllm.engine.exceptions import EngineDeadError, EngineTimeoutError
 
 ENGINE_ARGS = dict(max_model_len=1024, num_kv_blocks=256)
 LONG = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
@@ -154,6 +154,15 @@ def test_abort_and_utility_calls_reach_the_right_engines(tiny_llama_dir):
         assert all(e["num_free_blocks"] == e["num_kv_blocks"] for e in client.get_stats()["engines"])
         with pytest.raises(EngineUtilityError, match="(?s)engine 0.*engine 1|engine 1.*engine 0"):
             client.call_utility_all("no_such_method")
+        for _ in range(1000):  # what the aborted requests' last steps sent
+            try:
+                client.get_output(timeout=0.5)
+            except EngineTimeoutError:
+                break
+        cpu = time.thread_time()
+        with pytest.raises(EngineTimeoutError, match="no output from the 2 data-parallel engines for 1.0 s"):
+            client.get_output(timeout=1.0)  # asleep on the doorbell, not spinning over the rings
+        assert time.thread_time() - cpu < 0.1
         assert len(llm.generate(["still serving"], SamplingParams(max_tokens=4), use_tqdm=False)) == 1
 
 

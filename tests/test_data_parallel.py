@@ -255,6 +255,8 @@ def test_plan_cpus_divides_the_cores(monkeypatch):
 def test_data_parallel_size_is_checked_and_on_the_cli():
     with pytest.raises(ValueError, match="data_parallel_size must be a positive int, got 0"):
         EngineArgs(data_parallel_size=0).create_engine_config()
+    with pytest.raises(ValueError, match="data_parallel_size=2 with tensor_parallel_size=2 is not supported"):
+        EngineArgs(data_parallel_size=2, tensor_parallel_size=2).create_engine_config()
     import argparse
 
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())

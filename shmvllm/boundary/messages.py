@@ -212,12 +212,19 @@ def _encode_ext(obj: Any) -> Any:
 
 
 def _decode_ext(code: int, data: memoryview) -> Any:
+    """A writable array of its own (the engine's side: the scheduler may change what it got)."""
+    return _decode_ext_view(code, data).copy()
+
+
+def _decode_ext_view(code: int, data: memoryview) -> Any:
+    """A read-only array over one copy of its bytes (the frontend's side: `numpy()` of an
+    embedding hands this out as is). One copy either way: `data` may be the ring's memory,
+    which the next message overwrites."""
     if code != _NDARRAY_EXT:
         raise msgspec.ValidationError(f"unknown msgpack extension type {code}")
     dtype, ndim = _ARRAY_HEAD.unpack_from(data)
     shape = struct.unpack_from(f"<{ndim}I", data, _ARRAY_HEAD.size)
-    # a copy: `data` may be the ring's memory, which the next message overwrites
-    return np.frombuffer(data, dtype.rstrip(b"\0").decode(), offset=_ARRAY_HEAD.size + 4 * ndim).reshape(shape).copy()
+    return np.frombuffer(bytes(data[_ARRAY_HEAD.size + 4 * ndim:]), dtype.rstrip(b"\0").decode()).reshape(shape)
 
 
 def make_encoder() -> msgspec.msgpack.Encoder:
@@ -227,7 +234,7 @@ def make_encoder() -> msgspec.msgpack.Encoder:
 
 _decode_to_engine = msgspec.msgpack.Decoder(ToEngine, ext_hook=_decode_ext).decode
 _decode_raw = msgspec.msgpack.Decoder(ext_hook=_decode_ext).decode
-decode_from_engine = msgspec.msgpack.Decoder(FromEngine, ext_hook=_decode_ext).decode
+decode_from_engine = msgspec.msgpack.Decoder(FromEngine, ext_hook=_decode_ext_view).decode
 
 
 class UndecodableRequest(msgspec.Struct, gc=False):

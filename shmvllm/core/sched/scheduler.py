@@ -317,7 +317,8 @@ class Scheduler:
         if request.is_pooling:
             pooled = runner_output.pooler_output.get(req_id)
             if pooled is not None:
-                pooling_output = np.ascontiguousarray(pooled, dtype="<f4")
+                # one copy, read-only: the runner's batch buffer is not the caller's to keep
+                pooling_output = np.frombuffer(np.ascontiguousarray(pooled, dtype="<f4").tobytes(), "<f4")
                 request.status = RequestStatus.FINISHED_STOPPED
         else:
             so_request = request.structured_output_request

@@ -127,11 +127,12 @@ def find_compiler() -> Optional[str]:
     return None
 
 
-def _build(cc: str, flags: list[str], target: Path) -> None:
+def build(cc: str, flags: list[str], target: Path, source: Path = SOURCE) -> None:
+    """Compiles `source` to `target` through a temporary file, so a reader never sees half a library."""
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
     os.close(fd)
     try:
-        subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], check=True, capture_output=True, timeout=120)
+        subprocess.run([cc, *flags, "-o", tmp, str(source)], check=True, capture_output=True, timeout=120)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -170,7 +171,7 @@ def _load_built(cc: str, flags: list[str], problems: list[str]) -> Optional[Nati
         try:
             target = private_dir(base) / filename
             if not target.exists():
-                _build(cc, flags, target)
+                build(cc, flags, target)
             return NativeLib(str(target), with_module="-DIPC_PYTHON_MODULE" in flags)
         except subprocess.CalledProcessError as exc:
             problems.append(f"{cc} {' '.join(flags)} failed: {exc.stderr.decode(errors='replace')[:500]}")

@@ -65,7 +65,6 @@ import platform
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 import weakref
 from pathlib import Path
@@ -204,14 +203,7 @@ def native_libs() -> Optional[tuple[ctypes.CDLL, ctypes.CDLL]]:
         try:
             target = _native.private_dir(base) / filename
             if not target.exists():
-                fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
-                os.close(fd)
-                try:
-                    subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], check=True, capture_output=True, timeout=120)
-                    os.replace(tmp, target)
-                finally:
-                    if os.path.exists(tmp):
-                        os.unlink(tmp)
+                _native.build(cc, flags, target, SOURCE)
             libs = ctypes.PyDLL(str(target)), ctypes.CDLL(str(target))
         except subprocess.CalledProcessError:
             return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,24 @@ def tiny_bert_dir(tmp_path_factory, minilm_dir) -> Path:
         (minilm_dir / "1_Pooling" / "config.json").read_text().replace("384", "64")
     )
     return target
+
+
+def wait_until_dead(pid: int, timeout: float) -> float:
+    """Seconds until `pid` is gone (zombies count as gone); fails after `timeout`."""
+    started = time.monotonic()
+    while pid_alive(pid):
+        assert time.monotonic() - started < timeout, f"process {pid} still alive after {timeout} s"
+        time.sleep(0.01)
+    return time.monotonic() - started
+
+
+@pytest.fixture
+def no_engine_left_behind():
+    """After the test: no engine process of ours within 5 s, and no new segment in /dev/shm."""
+    before = leaked_shm_entries()
+    yield
+    deadline = time.monotonic() + 5
+    while engine_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine_children(), "an engine process outlived its test"
+    assert not leaked_shm_entries() - before

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import engine_children, leaked_shm_entries
+from conftest import leaked_shm_entries, wait_until_dead
 from ipc.segment import pid_alive
 from shmvllm import LLM, SamplingParams
 from shmvllm.boundary.messages import SchedulerStats
@@ -32,23 +32,7 @@ ENGINE_ARGS = dict(max_model_len=1024, num_kv_blocks=256)
 LONG = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True)
-def nothing_left_behind():
-    before = leaked_shm_entries()
-    yield
-    deadline = time.monotonic() + 5
-    while engine_children() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not engine_children(), "an engine process outlived its test"
-    assert not leaked_shm_entries() - before
-
-
-def wait_until_dead(pid: int, timeout: float) -> float:
-    started = time.monotonic()
-    while pid_alive(pid):
-        assert time.monotonic() - started < timeout, f"process {pid} still alive after {timeout} s"
-        time.sleep(0.01)
-    return time.monotonic() - started
+pytestmark = pytest.mark.usefixtures("no_engine_left_behind")
 
 
 def environ_of(pid: int) -> dict[str, str]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import engine_children, leaked_shm_entries
+from conftest import leaked_shm_entries, wait_until_dead
 from ipc.segment import pid_alive
 from shmvllm import LLM, SamplingParams
 from shmvllm.config import EngineArgs
@@ -33,24 +33,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 PROMPTS = ["Hello, my name is", "The capital of France is", "1, 2, 3,", "Once upon a time"]
 
 
-@pytest.fixture(autouse=True)
-def nothing_left_behind():
-    before = leaked_shm_entries()
-    yield
-    deadline = time.monotonic() + 5
-    while engine_children() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not engine_children(), "an engine process outlived its test"
-    assert not leaked_shm_entries() - before
-
-
-def wait_until_dead(pid: int, timeout: float) -> float:
-    """Seconds until `pid` is gone (zombies count as gone); fails after `timeout`."""
-    started = time.monotonic()
-    while pid_alive(pid):
-        assert time.monotonic() - started < timeout, f"process {pid} still alive after {timeout} s"
-        time.sleep(0.01)
-    return time.monotonic() - started
+pytestmark = pytest.mark.usefixtures("no_engine_left_behind")
 
 
 def token_ids(outputs) -> list[list[int]]:
@@ -275,8 +258,10 @@ def test_kill_frontend_engine_exits_within_2s(tmp_path, tiny_llama_dir):
         proc.wait(timeout=10)
         assert wait_until_dead(engine_pid, 2.0) < 2.0
         deadline = time.monotonic() + 2.0  # the engine removes what the frontend left
-        while leaked_shm_entries() and time.monotonic() < deadline:
+        left = lambda: {name for name in leaked_shm_entries() if f"-{proc.pid}-" in name}  # noqa: E731
+        while left() and time.monotonic() < deadline:
             time.sleep(0.02)
+        assert not left(), f"the dead frontend's segments stayed: {sorted(left())}"
     finally:
         proc.kill()
         proc.communicate()

@@ -154,11 +154,11 @@ def test_2_a_send_that_fails_leaves_nothing_registered(llm, monkeypatch, n):
     real_add = client.add_request
     calls = []
 
-    def failing_add(request):
+    def failing_add(request, **kwargs):
         calls.append(request.request_id)
         if len(calls) == min(n, 2):
             raise OverflowError("can't serialize: int too big to convert")
-        real_add(request)
+        real_add(request, **kwargs)
 
     monkeypatch.setattr(client, "add_request", failing_add)
     with pytest.raises(OverflowError):

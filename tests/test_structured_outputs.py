@@ -8,13 +8,12 @@ import json
 import re
 
 import jsonschema
-import msgspec
 import numpy as np
 import pytest
 import torch
 
 from shmvllm import LLM, SamplingParams
-from shmvllm.boundary.messages import EngineCoreRequest
+from shmvllm.boundary.messages import EngineCoreRequest, decode_to_engine, make_encoder
 from shmvllm.sampling_params import GuidedDecodingParams, StructuredOutputsParams
 from shmvllm.structured_output.bitmask import TokenBitmaskApplier
 from shmvllm.structured_output.spec import choice_as_ebnf, grammar_spec
@@ -307,7 +306,7 @@ def test_params_pydantic_alias_and_wire():
     # what the ring carries: the params, round-tripped by the engine's codec
     request = EngineCoreRequest(request_id="r", prompt_token_ids=EngineCoreRequest.pack_token_ids([1, 2]),
                                 sampling_params=SamplingParams(structured_outputs=params))
-    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=EngineCoreRequest)
+    decoded = decode_to_engine(make_encoder().encode(request))
     assert decoded.sampling_params.structured_outputs == params
 
 

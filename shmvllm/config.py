@@ -219,11 +219,10 @@ class EngineArgs(VllmArgs):
             tokenizer_mode=self.tokenizer_mode,
             generation_config=self.generation_config,
             override_generation_config=dict(self.override_generation_config or {}),
-            # tensor parallelism shards dense weights: a GGUF model is dequantized by default
-            quantization=self.quantization if self.tensor_parallel_size == 1 or self.quantization else "none",
+            quantization=self.quantization,
         )
         _verify_quantization(self.quantization, model_dir, task)
-        _verify_tensor_parallel(self.tensor_parallel_size, self.quantization, task, hf_config, device)
+        _verify_tensor_parallel(self.tensor_parallel_size, task, hf_config, device)
         chunked_prefill = self.enable_chunked_prefill is not False
         max_batched, max_num_seqs = _scheduler_limits(
             self.max_num_batched_tokens, self.max_num_seqs, task, max_model_len, chunked_prefill
@@ -325,8 +324,9 @@ class EngineArgs(VllmArgs):
             )
 
 
-def _verify_tensor_parallel(size: int, quantization: Optional[str], task: Task, hf_config: Any, device: str) -> None:
-    """What tensor parallelism (shmvllm.model.parallel) cannot split, refused by name."""
+def _verify_tensor_parallel(size: int, task: Task, hf_config: Any, device: str) -> None:
+    """What tensor parallelism (shmvllm.model.parallel) cannot split, refused by name (dense
+    weights and GGML blocks both shard)."""
     if size == 1:
         return
     if device != "cpu":
@@ -336,11 +336,6 @@ def _verify_tensor_parallel(size: int, quantization: Optional[str], task: Task, 
         )
     if task != "generate":
         raise ValueError(f"tensor_parallel_size={size} is not supported for task {task!r}: only decoders are sharded.")
-    if quantization not in (None, "none"):
-        raise ValueError(
-            f"tensor_parallel_size={size} with quantization={quantization!r} is not supported: "
-            "GGML blocks are not sharded; use quantization=None or 'none'."
-        )
     heads = getattr(hf_config, "num_attention_heads", 0) or 0
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     if kv_heads < size:

@@ -1,10 +1,15 @@
 """Tensor parallelism end to end: TP=2 (rank 0 in the engine, rank 1 a worker program; the
 all-reduces through the shared-memory arena, or gloo) against TP=1 on tiny random Llama and
 Qwen2 models with 2 KV heads (and one with 3, split unevenly); a worker killed mid-generate; an
-idle TP=2 engine's CPU; the split itself; knobs refused by name."""
+idle TP=2 engine's CPU; the split itself; knobs refused by name. On GGML blocks: TP=2 against
+TP=1 on the shipped SmolLM2 GGUF, on tiny GGUF files in Q4_0 / Q8_0 and in Q4_K / Q6_K (whose
+o_proj split falls inside a block), and on quantization='q8_0'; what each rank holds; a
+row-parallel layer's shards summed against the full product."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import random
 import signal
@@ -12,15 +17,26 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from shmvllm import LLM, SamplingParams
+from shmvllm.config import EngineArgs
 from shmvllm.engine.exceptions import EngineDeadError
-from shmvllm.model.parallel.layers import split_range, split_sizes
+from shmvllm.model.kernels import quant_isas_supported
+from shmvllm.model.linear import Linear, VocabEmbedding
+from shmvllm.model.loader import get_model
+from shmvllm.model.parallel.group import TPGroup
+from shmvllm.model.parallel.layers import RowParallelLinear, shard_llama_
+from shmvllm.model.parallel.split import split_range, split_sizes
+from shmvllm.model.quant import FORMAT_IDS, FORMATS, QuantizedWeight
 
 MAX_MODEL_LEN = 256
 MARGIN = 1e-3  # a greedy divergence is forgiven only where TP=1's top-2 logits are this close
 LOGPROB_TOL = 1e-4
+
+needs_blocks = pytest.mark.skipif(not quant_isas_supported(), reason="the quantized kernels could not be built")
 
 
 def mixed_prompts(n: int = 32) -> list[dict]:
@@ -177,7 +193,197 @@ def test_knobs_refused_by_name(tiny_llama_dir, tiny_bert_dir):
         LLM(model=str(tiny_llama_dir), tensor_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive int, got 0"):
         LLM(model=str(tiny_llama_dir), tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 with quantization='q8_0'"):
-        LLM(model=str(tiny_llama_dir), tensor_parallel_size=2, quantization="q8_0")
     with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported for task 'embed'"):
         LLM(model=str(tiny_bert_dir), tensor_parallel_size=2)
+
+
+# ---- GGML blocks: sharded as blocks ---------------------------------------------------------
+
+# The fp16 scale fields of the K formats (byte offsets in a block) and a scale that gives the
+# dequantized weights a spread like the tiny models' (std ~0.05-0.1).
+_K_SCALES = {"Q4_K": ([0, 2], 3e-4), "Q5_K": ([0, 2], 1.5e-4), "Q6_K": ([208], 1e-4)}
+
+
+def _blocks(name: str, weight: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """[n, k] -> [n, row_bytes] uint8 GGML blocks of `name`: the reference quantizer where
+    gguf-py has one, else random K-quant blocks (gguf-py cannot quantize the K formats)."""
+    from gguf.quants import quantize
+
+    qtype = FORMAT_IDS[name]
+    if name not in _K_SCALES:
+        return np.ascontiguousarray(quantize(weight, qtype)).view(np.uint8).reshape(weight.shape[0], -1)
+    _, values, nbytes = FORMATS[qtype]
+    n, k = weight.shape
+    blocks = rng.integers(0, 256, size=(n * (k // values), nbytes), dtype=np.uint8)
+    offsets, scale = _K_SCALES[name]
+    for offset in offsets:
+        blocks[:, offset : offset + 2] = (rng.standard_normal(len(blocks)) * scale).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n, -1)
+
+
+def write_tiny_gguf(target: Path, tokenizer_dir: Path, formats: dict[str, str]) -> Path:
+    """A 2-layer random Llama as a GGUF file (hidden 256 = 4 heads of 64, 2 KV heads,
+    intermediate 512, tied Q8_0 embedding) and the HF directory that names it as its source;
+    `formats`: GGUF tensor kind (attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up,
+    ffn_down) -> GGML format. Over 2 ranks o_proj's input splits at 128 and down_proj's at 256."""
+    import gguf
+    from transformers import AutoTokenizer, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        architectures=["LlamaForCausalLM"],
+    )
+    config.save_pretrained(target)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(target)
+    rng = np.random.default_rng(0)
+    hidden, inter, kv = config.hidden_size, config.intermediate_size, 2 * 64
+    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden), "attn_output": (hidden, hidden),
+              "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden), "ffn_down": (hidden, inter)}
+    writer = gguf.GGUFWriter(str(target / "tiny.gguf"), "llama")
+    embedding = (rng.standard_normal((config.vocab_size, hidden)) * 0.08).astype(np.float32)
+    writer.add_tensor("token_embd.weight", _blocks("Q8_0", embedding, rng), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    for layer in range(config.num_hidden_layers):
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{layer}.{norm}.weight", (1.0 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+        for kind, shape in shapes.items():
+            weight = (rng.standard_normal(shape) * 0.08).astype(np.float32)
+            name = formats[kind]
+            writer.add_tensor(f"blk.{layer}.{kind}.weight", _blocks(name, weight, rng),
+                              raw_dtype=gguf.GGMLQuantizationType(FORMAT_IDS[name]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    (target / "gguf_source.json").write_text(json.dumps({"gguf_file": str(target / "tiny.gguf")}))
+    return target
+
+
+# Q4_0 / Q8_0 (32-value blocks): every split on a block boundary. Q4_K with Q6_K v and down (the
+# mix of llama.cpp's Q4_K_M): o_proj's split at 128 falls inside a 256-value block.
+TINY_GGUF_FORMATS = {
+    "q4_0": {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q4_0",
+             "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q8_0"},
+    "q4_k": {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
+             "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_GGUF_FORMATS))
+def tiny_gguf(request, tmp_path_factory, smollm2_dir) -> tuple[str, Path]:
+    """(which of TINY_GGUF_FORMATS, its model directory)."""
+    target = tmp_path_factory.mktemp(f"tiny-gguf-{request.param}")
+    return request.param, write_tiny_gguf(target, smollm2_dir, TINY_GGUF_FORMATS[request.param])
+
+
+def _generate(model_dir: Path, tp: int, prompts: list, params: list, **kwargs) -> list:
+    with LLM(model=str(model_dir), multiprocess=False, max_model_len=MAX_MODEL_LEN, num_kv_blocks=48,
+             tensor_parallel_size=tp, **kwargs) as llm:
+        return llm.generate(prompts, params, use_tqdm=False)
+
+
+@needs_blocks
+def test_tp2_on_gguf_blocks_equals_tp1(tiny_gguf):
+    _, model_dir = tiny_gguf
+    prompts, params = mixed_prompts(8), params_for(8)
+    assert_same_greedy(_generate(model_dir, 1, prompts, params), _generate(model_dir, 2, prompts, params))
+
+
+@needs_blocks
+def test_tp2_on_q8_0_at_load_equals_tp1(tiny_qwen2_dir):
+    """quantization='q8_0' (untied Q8_0 lm_head, qkv bias) shards its blocks too."""
+    prompts, params = mixed_prompts(8), params_for(8)
+    reference = _generate(tiny_qwen2_dir, 1, prompts, params, quantization="q8_0")
+    assert_same_greedy(reference, _generate(tiny_qwen2_dir, 2, prompts, params, quantization="q8_0"))
+
+
+@needs_blocks
+def test_tp2_on_the_shipped_smollm2_gguf_equals_tp1(smollm2_dir):
+    """The default model on its Q4_1 / Q8_0 blocks (3 KV heads: 2 + 1, every split on a block boundary)."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Three colours of the rainbow are"]
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)] * len(prompts)
+    assert_same_greedy(_generate(smollm2_dir, 1, prompts, params), _generate(smollm2_dir, 2, prompts, params))
+
+
+def _block_tensors(model) -> list:
+    return [part.data for m in model.modules() if isinstance(m, (Linear, VocabEmbedding)) and m.blocks is not None
+            for part in ([m.blocks] if isinstance(m.blocks, QuantizedWeight) else [p for _, p in m.blocks])]
+
+
+@needs_blocks
+def test_each_rank_holds_only_its_blocks(tiny_gguf, caplog):
+    """Every sharded layer of every rank runs on blocks (no fp32 weight), in tensors of their own
+    (no view keeping the full tensor alive), and the ranks' blocks add up to the full model's, plus
+    the straddled block column of a split that falls inside a block, which is warned about by name."""
+    kind, model_dir = tiny_gguf
+    config = EngineArgs(model=str(model_dir), max_model_len=64).create_engine_config().model_config
+    full_bytes = sum(t.numel() for t in {id(t): t for t in _block_tensors(get_model(config))}.values())
+    straddles = TINY_GGUF_FORMATS[kind]["attn_output"] == "Q4_K"
+    held = 0
+    for rank in range(2):
+        model = get_model(config)
+        with caplog.at_level(logging.WARNING, logger="shmvllm.model.parallel.layers"):
+            caplog.clear()
+            shard_llama_(model, TPGroup(rank, 2))
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for linear in (attn.qkv_proj, attn.o_proj.local, mlp.gate_up_proj, mlp.down_proj.local):
+                assert linear.blocks is not None and linear.weight.numel() == 0
+            assert attn.num_kv_heads == 1 and attn.qkv_proj.out_features == 128 + 64 + 64  # 2 query heads, 1 KV head
+            assert mlp.down_proj.pad is None and mlp.down_proj.local.in_features == 256
+            if straddles:  # rank 0 holds input columns [0, 256) of o_proj for its [0, 128), rank 1 too for [128, 256)
+                assert attn.o_proj.pad == ((0, 128) if rank == 0 else (128, 0))
+                assert attn.o_proj.local.in_features == 256
+            else:
+                assert attn.o_proj.pad is None and attn.o_proj.local.in_features == 128
+        assert model.model.embed_tokens.local.blocks.n == 49152 // 2
+        assert model.lm_head.local.blocks[0][1] is model.model.embed_tokens.local.blocks  # tied: one copy
+        tensors = {id(t): t for t in _block_tensors(model)}.values()
+        assert all(t.untyped_storage().nbytes() == t.numel() for t in tensors)
+        held += sum(t.numel() for t in tensors)
+        warned = [r.getMessage() for r in caplog.records if "split inside a GGML block" in r.getMessage()]
+        if straddles and rank == 0:
+            assert len(warned) == 1 and "model.layers.0.self_attn.o_proj (Q4_K, 256-value blocks" in warned[0]
+            assert "down_proj" not in warned[0]
+        else:
+            assert not warned
+    # a straddled o_proj (256 rows of one 144-byte Q4_K block) is held whole by both ranks, once more per layer
+    assert held == full_bytes + (2 * 256 * 144 if straddles else 0)
+
+
+class _SumLater:
+    """A group of one rank whose all-reduce leaves the partial sum alone (the test adds them)."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def all_reduce_(self, tensor):
+        return tensor
+
+
+@needs_blocks
+@pytest.mark.parametrize("name, k, cuts", [
+    ("Q4_1", 96, [(0, 64), (64, 96)]),            # on 32-value boundaries
+    ("Q4_0", 96, [(0, 40), (40, 96)]),            # inside a block: both ranks hold block [32, 64)
+    ("Q6_K", 512, [(0, 256), (256, 512)]),
+    ("Q4_K", 512, [(0, 128), (128, 384), (384, 512)]),  # three ranks, every cut inside a block
+])
+def test_row_parallel_blocks_sum_to_the_full_product(name, k, cuts):
+    from test_quant_kernels import random_weight
+
+    torch.manual_seed(0)
+    full = Linear(k, 24, bias=True, device="meta")
+    full.bias = torch.nn.Parameter(torch.randn(24), requires_grad=False)
+    full.set_blocks([(0, random_weight(name, 24, k, np.random.default_rng(0)))])
+    for rows in (1, 7):
+        x, residual = torch.randn(rows, k), torch.randn(rows, 24)
+        want = full(x, residual)
+        got = torch.zeros_like(want)
+        for rank, (a, b) in enumerate(cuts):
+            shard = RowParallelLinear(full, a, b, _SumLater(rank, len(cuts)))
+            assert shard.local.blocks is not None and shard.local.in_features % (256 if name.endswith("_K") else 32) == 0
+            got += shard(x[:, a:b].contiguous(), residual)
+        scale = (x.abs() @ full.blocks[0][1].dequantize().abs().T).max()
+        assert torch.allclose(got, want, atol=float(scale) * 1e-6, rtol=0), float((got - want).abs().max())

@@ -19,6 +19,7 @@ from shmvllm.core.request import Request, RequestStatus
 from shmvllm.core.sched.output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from shmvllm.core.sched.scheduler import Scheduler
 from shmvllm.executor.errors import WorkerDeadError
+from shmvllm.model.parallel.split import split_sizes
 from shmvllm.boundary.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -66,9 +67,9 @@ class EngineCore:
         self._last_stats = SchedulerStats()
         logger.info(
             "EngineCore ready: model loaded in %.2f s, KV cache %d blocks x %d tokens = %d tokens "
-            "(%.1f MiB, %.2fx max concurrency at max_model_len=%d), set up in %.2f s",
+            "(%s, %.2fx max concurrency at max_model_len=%d), set up in %.2f s",
             loaded - started, self.num_kv_blocks, self.block_size, self.num_kv_blocks * self.block_size,
-            self._kv_cache_bytes() / 2**20, self.max_concurrency, self.scheduler.max_model_len,
+            self._describe_kv_cache(), self.max_concurrency, self.scheduler.max_model_len,
             time.perf_counter() - loaded,
         )
 
@@ -215,12 +216,19 @@ class EngineCore:
             self.structured_output_manager.shutdown()
         self.executor.shutdown()
 
-    def _kv_cache_bytes(self) -> int:
-        """The KV cache's size from the model's shape (for the log line)."""
+    def _describe_kv_cache(self) -> str:
+        """The KV cache's size from the model's shape (for the log line); under tensor
+        parallelism what each rank holds (its KV heads' share), then the sum."""
         hf = self.model_config.hf_config
         heads = getattr(hf, "num_attention_heads", 0) or 0
         head_dim = getattr(hf, "head_dim", None) or (self.model_config.hidden_size // heads if heads else 0)
         kv_heads = getattr(hf, "num_key_value_heads", None) or heads
         layers = getattr(hf, "num_hidden_layers", 0) or 0
         element = 4 if self.model_config.dtype == "float32" else 2
-        return 2 * layers * kv_heads * head_dim * element * self.block_size * self.num_kv_blocks
+        per_head = 2 * layers * head_dim * element * self.block_size * self.num_kv_blocks / 2**20
+        tp = self.config.parallel_config.tensor_parallel_size
+        if tp == 1 or self.model_config.is_embedding:
+            return f"{kv_heads * per_head:.1f} MiB"
+        shares = split_sizes(kv_heads, tp)
+        return (f"per rank {' + '.join(f'{n * per_head:.1f}' for n in shares)} MiB for "
+                f"{' + '.join(map(str, shares))} of {kv_heads} KV heads, {kv_heads * per_head:.1f} MiB in all")

@@ -94,7 +94,7 @@ def get_model(model_config: ModelConfig) -> nn.Module:
     if process is not None:
         process()
     model.eval()
-    _return_freed_memory()
+    return_freed_memory()
     blocks = _block_modules(model)
     num_params = sum(p.numel() for p in model.parameters()) + sum(
         part.n * part.k for module in {id(b): b for b in blocks}.values() for part in _parts(module)
@@ -137,7 +137,7 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _return_freed_memory() -> None:
+def return_freed_memory() -> None:
     """glibc keeps the loader's freed temporaries (copies of shards) in its heap; hand them back
     so that the engine's resident memory is what the model holds (no-op elsewhere)."""
     try:

@@ -80,10 +80,13 @@ class ModelRunner:
             layer.k_cache = self.kv_cache[index, 0]
             layer.v_cache = self.kv_cache[index, 1]
         self.num_blocks = num_blocks
+        hf = self.model_config.hf_config
+        kv_heads = getattr(hf, "num_key_value_heads", None) or getattr(hf, "num_attention_heads", attn.num_kv_heads)
+        share = f", this rank's {attn.num_kv_heads} of {kv_heads} KV heads" if attn.num_kv_heads != kv_heads else ""
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)",
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB%s)",
             num_blocks, self.block_size, num_blocks * self.block_size,
-            self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, share,
         )
 
     def _zero_new_blocks(self, block_ids: list[int]) -> None:

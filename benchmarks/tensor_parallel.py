@@ -1,21 +1,23 @@
 """Tensor parallelism on the default model: TP=1 against TP=2, single request and batch, one run.
 
-Both engines load SmolLM2-135M-Instruct dequantized to fp32 (quantization='none': the GGUF
-blocks are not sharded), each in its engine process for the whole run; TP=2 is rank 0 in the
-engine and rank 1 a worker program, each with cpu_count // 2 torch threads, while TP=1 has all
-of them. SmolLM2-135M has 3 KV heads and 9 query heads: rank 0 holds 2 KV heads (6 query
-heads), rank 1 one (3). The repetitions alternate the engines' order, so the machine's noise
-falls on both alike. Per repetition:
+The engines load SmolLM2-135M-Instruct on its GGUF blocks (Q4_1 layers, Q8_0 tied embedding;
+under TP=2 each rank holds its shard of the blocks, see shmvllm/model/parallel/layers.py), and,
+unless --no-fp32, dequantized to fp32 (quantization='none') as a second pair; each engine in its
+own process for the whole run. TP=2 is rank 0 in the engine and rank 1 a worker program, each
+with cpu_count // 2 torch threads, while TP=1 has all of them. SmolLM2-135M has 3 KV heads and 9
+query heads: rank 0 holds 2 KV heads (6 query heads), rank 1 one (3); every row-parallel split
+falls on a 32-value block boundary. The repetitions alternate the engines' order, so the
+machine's noise falls on all alike. Per repetition:
 
 - single: one request, 85 prompt tokens, 64 greedy tokens (EOS ignored): output tok/s;
 - batch: 32 requests of 85 prompt tokens (distinct), 64 greedy tokens each: output tok/s.
 
-Two TP=2 engines: the layers' all-reduces through gloo (the default) and through the
-shared-memory arena (SHMVLLM_TP_ALLREDUCE=shm, engine "TP=2 shm").
+On the blocks, two TP=2 engines: the layers' all-reduces through gloo (the default) and through
+the shared-memory arena (SHMVLLM_TP_ALLREDUCE=shm, engine "TP=2 shm").
 
-Prefix caching is off, so every repetition pays its prefills. CHECKs: TP=2's greedy tokens equal
-TP=1's (a divergence forgiven at a top-2 logprob margin below 1e-3); the arena beats gloo
-(which would make it the default).
+Prefix caching is off, so every repetition pays its prefills. CHECKs: each TP=2's greedy tokens
+equal the TP=1's on the same weights (a divergence forgiven at a top-2 logprob margin below
+1e-3); the arena beats gloo (which would make it the default).
 
     flock /tmp/shmvllm-cpu.lock python benchmarks/tensor_parallel.py --repeats 3 \\
         --json benchmarks/results/tensor_parallel.json --plot benchmarks/results/tensor_parallel.png
@@ -38,18 +40,18 @@ BATCH = 32
 MARGIN = 1e-3
 
 
-def prompts(tokenizer: Any) -> list[list[int]]:
-    """BATCH distinct prompts of PROMPT_TOKENS ids (the first is the single request's)."""
+def prompts(tokenizer: Any, batch: int) -> list[list[int]]:
+    """`batch` distinct prompts of PROMPT_TOKENS ids (the first is the single request's)."""
     text = ("You are a careful assistant. Explain in plain words how a refrigerator keeps food cold, "
             "what the compressor and the refrigerant do, and why the back of the fridge feels warm. ") * 4
     ids = tokenizer(text)["input_ids"]
-    return [[(i * 7 + 11) % 1000 + 100] + ids[: PROMPT_TOKENS - 1] for i in range(BATCH)]
+    return [[(i * 7 + 11) % 1000 + 100] + ids[: PROMPT_TOKENS - 1] for i in range(batch)]
 
 
-def run(llm: Any, batch: list[list[int]]) -> tuple[float, list[list[int]], list[Any]]:
+def run(llm: Any, batch: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]], list[Any]]:
     from shmvllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
     started = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
     wall = time.perf_counter() - started
@@ -70,9 +72,22 @@ def same_greedy(ref_tokens: list[list[int]], ref_logprobs: list[Any], tokens: li
     return True, forgiven
 
 
+# (name, tensor_parallel_size, all-reduce, quantization, the TP=1 engine it is checked against)
+ENGINES = [
+    ("TP=1", 1, "gloo", None, None),
+    ("TP=2", 2, "gloo", None, "TP=1"),
+    ("TP=2 shm", 2, "shm", None, "TP=1"),
+    ("TP=1 fp32", 1, "gloo", "none", None),
+    ("TP=2 fp32", 2, "gloo", "none", "TP=1 fp32"),
+]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per engine (default 3)")
+    parser.add_argument("--no-fp32", action="store_true", help="leave out the fp32 (quantization='none') engines")
+    parser.add_argument("--batch", type=int, default=BATCH, help=f"requests of the batch workload (default {BATCH})")
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help=f"greedy tokens per request (default {MAX_TOKENS})")
     parser.add_argument("--json", help="write the results to this JSON file")
     parser.add_argument("--plot", help="draw a PNG to this path")
     args = parser.parse_args()
@@ -80,26 +95,28 @@ def main() -> None:
     from shmvllm import LLM
 
     cores = os.cpu_count() or 1
+    specs = {name: (tp, allreduce, quantization, reference) for name, tp, allreduce, quantization, reference in ENGINES
+             if not (args.no_fp32 and quantization == "none")}
     engines: dict[str, Any] = {}
     load_s: dict[str, float] = {}
-    for name, tp, allreduce in (("TP=1", 1, "gloo"), ("TP=2", 2, "gloo"), ("TP=2 shm", 2, "shm")):
-        started = time.perf_counter()
-        os.environ["SHMVLLM_TP_ALLREDUCE"] = allreduce  # read when the engine process builds its executor
-        engines[name] = LLM(model=MODEL, quantization="none", tensor_parallel_size=tp, max_model_len=512,
-                            enable_prefix_caching=False, kv_cache_memory=256 << 20)
-        load_s[name] = time.perf_counter() - started
-    os.environ.pop("SHMVLLM_TP_ALLREDUCE")
-    batch = prompts(engines["TP=1"].get_tokenizer())
-    walls: dict[tuple[str, str], list[float]] = {(n, w): [] for n in engines for w in ("single", "batch")}
-    tokens: dict[tuple[str, str], Any] = {}
     try:
+        for name, (tp, allreduce, quantization, _) in specs.items():
+            started = time.perf_counter()
+            os.environ["SHMVLLM_TP_ALLREDUCE"] = allreduce  # read when the engine process builds its executor
+            engines[name] = LLM(model=MODEL, quantization=quantization, tensor_parallel_size=tp, max_model_len=512,
+                                enable_prefix_caching=False, kv_cache_memory=256 << 20)
+            load_s[name] = time.perf_counter() - started
+        os.environ.pop("SHMVLLM_TP_ALLREDUCE")
+        batch = prompts(engines["TP=1"].get_tokenizer(), args.batch)
+        walls: dict[tuple[str, str], list[float]] = {(n, w): [] for n in engines for w in ("single", "batch")}
+        tokens: dict[tuple[str, str], Any] = {}
         for name in engines:  # warm-up: first-call costs (oneDNN, allocations) out of the timings
-            run(engines[name], batch[:2])
+            run(engines[name], batch[:2], args.max_tokens)
         for rep in range(args.repeats):
             order = list(engines)[rep % len(engines):] + list(engines)[: rep % len(engines)]
             for workload, requests in (("single", batch[:1]), ("batch", batch)):
                 for name in order:
-                    wall, toks, lps = run(engines[name], requests)
+                    wall, toks, lps = run(engines[name], requests, args.max_tokens)
                     walls[name, workload].append(wall)
                     tokens[name, workload] = (toks, lps)
     finally:
@@ -108,13 +125,14 @@ def main() -> None:
 
     rows = []
     for (name, workload), values in walls.items():
-        n = MAX_TOKENS * (1 if workload == "single" else BATCH)
+        n = args.max_tokens * (1 if workload == "single" else args.batch)
         rates = [n / w for w in values]
-        rows.append({"engine": name, "workload": workload, "threads_per_rank": cores // int(name[3]),
-                     "tok_per_s": statistics.median(rates), "min": min(rates), "max": max(rates),
-                     "load_s": load_s[name]})
-    print(f"{cores} cores; SmolLM2-135M fp32; {PROMPT_TOKENS} prompt tokens, {MAX_TOKENS} greedy tokens; "
-          f"median of {args.repeats} (min..max)")
+        tp, _, quantization, _ = specs[name]
+        rows.append({"engine": name, "workload": workload, "weights": "fp32" if quantization == "none" else "GGUF blocks",
+                     "threads_per_rank": max(1, cores // tp), "tok_per_s": statistics.median(rates),
+                     "min": min(rates), "max": max(rates), "load_s": load_s[name]})
+    print(f"{cores} cores; SmolLM2-135M (GGUF Q4_1 blocks{'' if args.no_fp32 else '; fp32'}); {PROMPT_TOKENS} prompt "
+          f"tokens, {args.max_tokens} greedy tokens, batch {args.batch}; median of {args.repeats} (min..max)")
     print(f"{'engine':10} {'workload':8} {'threads/rank':>12} {'output tok/s':>22} {'load s':>7}")
     for r in rows:
         print(f"{r['engine']:10} {r['workload']:8} {r['threads_per_rank']:>12} "
@@ -122,39 +140,42 @@ def main() -> None:
     by = {(r["engine"], r["workload"]): r for r in rows}
     checks = []
     for workload in ("single", "batch"):
-        for name in ("TP=2", "TP=2 shm"):
-            ratio = by[name, workload]["tok_per_s"] / by["TP=1", workload]["tok_per_s"]
-            print(f"{name}/TP=1 {workload}: {ratio:.2f}x")
+        for name, (_, _, _, reference) in specs.items():
+            if reference is not None:
+                ratio = by[name, workload]["tok_per_s"] / by[reference, workload]["tok_per_s"]
+                print(f"{name}/{reference} {workload}: {ratio:.2f}x")
         shm_vs_gloo = by["TP=2 shm", workload]["tok_per_s"] / by["TP=2", workload]["tok_per_s"]
         print(f"TP=2 shm all-reduce / gloo all-reduce {workload}: {shm_vs_gloo:.2f}x")
         checks.append(f"CHECK TP=2 shared-memory all-reduce faster than gloo ({workload}) = {shm_vs_gloo:.2f}x (> 1.0x): "
                       f"{'holds' if shm_vs_gloo > 1.0 else 'FAILS'}")
-        for name in ("TP=2", "TP=2 shm"):
-            ok, forgiven = same_greedy(*tokens["TP=1", workload], tokens[name, workload][0])
-            checks.append(f"CHECK {name} greedy tokens equal TP=1's ({workload}, {forgiven} forgiven at margin < {MARGIN}): "
-                          f"{'holds' if ok else 'FAILS'}")
+        for name, (_, _, _, reference) in specs.items():
+            if reference is not None:
+                ok, forgiven = same_greedy(*tokens[reference, workload], tokens[name, workload][0])
+                checks.append(f"CHECK {name} greedy tokens equal {reference}'s ({workload}, {forgiven} forgiven at "
+                              f"margin < {MARGIN}): {'holds' if ok else 'FAILS'}")
     for line in checks:
         print(line)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"cores": cores, "prompt_tokens": PROMPT_TOKENS, "max_tokens": MAX_TOKENS,
-                                               "batch": BATCH, "rows": rows, "checks": checks}, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({"cores": cores, "prompt_tokens": PROMPT_TOKENS, "max_tokens": args.max_tokens,
+                                               "batch": args.batch, "rows": rows, "checks": checks}, indent=2) + "\n")
     if args.plot:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        names = list(engines)
+        colors = ["tab:blue", "tab:orange", "tab:gray", "tab:cyan", "tab:red"]
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4))
         for ax, workload in zip(axes, ("single", "batch")):
-            names = ["TP=1", "TP=2", "TP=2 shm"]
             values = [by[n, workload]["tok_per_s"] for n in names]
             errs = [[v - by[n, workload]["min"] for n, v in zip(names, values)],
                     [by[n, workload]["max"] - v for n, v in zip(names, values)]]
-            ax.bar(names, values, yerr=errs, color=["tab:blue", "tab:orange", "tab:gray"], capsize=4)
-            ax.set_title(f"{workload} ({1 if workload == 'single' else BATCH} x {MAX_TOKENS} tokens)")
+            ax.bar(names, values, yerr=errs, color=colors[: len(names)], capsize=4)
+            ax.set_title(f"{workload} ({1 if workload == 'single' else args.batch} x {args.max_tokens} tokens)")
             ax.set_ylabel("output tok/s")
-        fig.suptitle(f"SmolLM2-135M fp32 on {cores} cores: tensor parallel")
+        fig.suptitle(f"SmolLM2-135M on {cores} cores: tensor parallel (GGUF blocks; fp32)")
         fig.tight_layout()
         fig.savefig(args.plot, dpi=100)
 

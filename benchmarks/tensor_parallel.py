@@ -175,7 +175,7 @@ def main() -> None:
             ax.bar(names, values, yerr=errs, color=colors[: len(names)], capsize=4)
             ax.set_title(f"{workload} ({1 if workload == 'single' else args.batch} x {args.max_tokens} tokens)")
             ax.set_ylabel("output tok/s")
-        fig.suptitle(f"SmolLM2-135M on {cores} cores: tensor parallel (GGUF blocks; fp32)")
+        fig.suptitle(f"SmolLM2-135M on {cores} cores: tensor parallel (GGUF blocks{'' if args.no_fp32 else '; fp32'})")
         fig.tight_layout()
         fig.savefig(args.plot, dpi=100)
 

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -300,11 +301,17 @@ def test_tp2_on_q8_0_at_load_equals_tp1(tiny_qwen2_dir):
 
 
 @needs_blocks
-def test_tp2_on_the_shipped_smollm2_gguf_equals_tp1(smollm2_dir):
-    """The default model on its Q4_1 / Q8_0 blocks (3 KV heads: 2 + 1, every split on a block boundary)."""
+def test_tp2_on_the_shipped_smollm2_gguf_equals_tp1(smollm2_dir, caplog):
+    """The default model on its Q4_1 / Q8_0 blocks (3 KV heads: 2 + 1, every split on a block
+    boundary); the startup log says what each rank's KV cache holds."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Three colours of the rainbow are"]
     params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)] * len(prompts)
-    assert_same_greedy(_generate(smollm2_dir, 1, prompts, params), _generate(smollm2_dir, 2, prompts, params))
+    reference = _generate(smollm2_dir, 1, prompts, params)
+    with caplog.at_level(logging.INFO, logger="shmvllm"):
+        assert_same_greedy(reference, _generate(smollm2_dir, 2, prompts, params))
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(re.search(r"KV cache 48 blocks .*per rank ([\d.]+) \+ ([\d.]+) MiB for 2 \+ 1 of 3 KV heads", m) for m in lines), lines
+    assert any("this rank's 2 of 3 KV heads" in m for m in lines), lines  # rank 0's own line (rank 1 logs in its process)
 
 
 def _block_tensors(model) -> list:

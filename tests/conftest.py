@@ -19,15 +19,121 @@ SHM_DIR = Path("/dev/shm")
 _RING_NAME = re.compile(r"^(?:sem\.)?(?:ipcring|shmvllm)-(\d+)-")
 
 
-def leaked_shm_entries() -> set[str]:
-    """Our segments in /dev/shm created by this process or by a process that is gone.
+def _parent_pid(pid: int) -> int:
+    """The parent of a live (or zombie) process; 0 when it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
 
-    Segments of other live processes (another test run on the same machine) are theirs.
+
+class SessionProcesses:
+    """The pids of this test session's processes: pytest itself, every child it forks or
+    starts (recorded as they start), and every other descendant (an engine's workers, the
+    engine of a frontend script) seen creating a segment in /dev/shm while it lived.
+
+    Segments in /dev/shm carry their creator's pid in their names (ipc.segment.new_name); the
+    leak check counts only those of these pids, so what other test runs on the same machine
+    leave behind (their processes dead or alive) is theirs, not a leak of this session. The
+    descendants are found by watching /dev/shm with inotify: a segment is created by a live
+    process, whose ancestry /proc still shows (one that dies within the watcher's wake-up of
+    creating it is missed, unless pytest started it itself)."""
+
+    def __init__(self) -> None:
+        self.root = os.getpid()
+        self.pids = {self.root}
+        self._watch_shm()
+
+    def add(self, pid: int) -> None:
+        self.pids.add(pid)
+
+    def is_ours(self, pid: int) -> bool:
+        """Whether `pid` is (or was) one of this session's processes; a live descendant is
+        recorded now."""
+        if pid in self.pids:
+            return True
+        seen, ancestor = set(), pid
+        while ancestor > 1 and ancestor not in seen:
+            seen.add(ancestor)
+            ancestor = _parent_pid(ancestor)
+            if ancestor in self.pids:
+                self.pids.add(pid)
+                return True
+        return False
+
+    def _watch_shm(self) -> None:
+        import ctypes
+        import struct
+        import threading
+
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = libc.inotify_init1(os.O_CLOEXEC)
+            in_create, in_moved_to = 0x100, 0x80  # a named semaphore is created under a temp name, then linked
+            if fd < 0 or libc.inotify_add_watch(fd, bytes(SHM_DIR), in_create | in_moved_to) < 0:
+                raise OSError(ctypes.get_errno(), "inotify")
+        except (OSError, AttributeError) as exc:
+            import warnings
+
+            warnings.warn(f"cannot watch {SHM_DIR} ({exc}): the leak check sees only the segments of pytest's own children")
+            return
+
+        def watch() -> None:
+            while True:
+                data = os.read(fd, 1 << 16)
+                offset = 0
+                while offset < len(data):
+                    _, _, _, length = struct.unpack_from("iIII", data, offset)
+                    name = data[offset + 16:offset + 16 + length].rstrip(b"\0").decode(errors="replace")
+                    offset += 16 + length
+                    if (match := _RING_NAME.match(name)) is not None:
+                        self.is_ours(int(match.group(1)))
+
+        threading.Thread(target=watch, name="shm-leak-watch", daemon=True).start()
+
+
+SESSION = SessionProcesses()
+
+
+def _record_children() -> None:
+    """Children that pytest starts are the session's, however briefly they live."""
+    import subprocess
+
+    execute_child = subprocess.Popen._execute_child
+    fork = os.fork
+
+    def recorded_execute_child(self, *args, **kwargs):
+        execute_child(self, *args, **kwargs)
+        SESSION.add(self.pid)
+
+    def recorded_fork() -> int:
+        pid = fork()
+        if pid:
+            SESSION.add(pid)
+        return pid
+
+    subprocess.Popen._execute_child = recorded_execute_child
+    os.fork = recorded_fork
+
+
+_record_children()
+
+
+def leaked_shm_entries() -> set[str]:
+    """Segments in /dev/shm created by this test session's processes (`SESSION`) that are
+    this process's or whose creator is gone: what the session left behind.
+
+    Segments of other live processes of the session (an engine still running) are theirs;
+    those of other test runs on the same machine are never counted.
     """
     leaked = set()
+    me = os.getpid()
     for entry in SHM_DIR.iterdir() if SHM_DIR.exists() else ():
         match = _RING_NAME.match(entry.name)
-        if match and (int(match.group(1)) == os.getpid() or not pid_alive(int(match.group(1)))):
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        if (pid == me or not pid_alive(pid)) and SESSION.is_ours(pid):
             leaked.add(entry.name)
     return leaked
 

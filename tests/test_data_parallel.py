@@ -151,7 +151,11 @@ def test_abort_and_utility_calls_reach_the_right_engines(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("victim", [0, 1])
-def test_kill_either_engine_mid_generate(tiny_llama_dir, victim):
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_kill_either_engine_mid_generate(tiny_llama_dir, victim, signum):
+    """kill -9 or SIGTERM of one engine: EngineDeadError naming it, the other engine stopped, and
+    nothing of the client's left in /dev/shm by the time it raised."""
+    before = leaked_shm_entries()
     with LLM(str(tiny_llama_dir), data_parallel_size=2, **ENGINE_ARGS) as llm:
         client = llm.llm_engine.engine_core
         pids = client.engine_pids
@@ -160,15 +164,17 @@ def test_kill_either_engine_mid_generate(tiny_llama_dir, victim):
         def kill() -> None:
             time.sleep(0.5)
             killed_at.append(time.monotonic())
-            os.kill(pids[victim], signal.SIGKILL)
+            os.kill(pids[victim], signum)
 
         killer = threading.Thread(target=kill)
         killer.start()
-        with pytest.raises(EngineDeadError, match=f"engine {victim} of 2"):
+        why = "terminated by SIGTERM" if signum == signal.SIGTERM else "exited with code -9"
+        with pytest.raises(EngineDeadError, match=f"(?s)engine {victim} of 2.*{why}"):
             llm.generate([f"prompt {i}" for i in range(8)], LONG, use_tqdm=False)
         raised_at = time.monotonic()
         killer.join()
         assert raised_at - killed_at[0] < 2.0
+        assert not leaked_shm_entries() - before
         wait_until_dead(pids[1 - victim], 2.0 - (time.monotonic() - killed_at[0]))
         with pytest.raises(EngineDeadError):
             llm.generate(["again"], LONG, use_tqdm=False)
@@ -183,7 +189,10 @@ llm.generate(["Hello"] * 8, SamplingParams(temperature=0.0, max_tokens=1000, ign
 """
 
 
-def test_kill_frontend_both_engines_exit(tmp_path, tiny_llama_dir):
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_kill_frontend_both_engines_exit(tmp_path, tiny_llama_dir, signum):
+    """kill -9: the engines exit and remove what the frontend left; SIGTERM: the frontend removes
+    it all itself before it dies."""
     script = tmp_path / "frontend.py"
     script.write_text(textwrap.dedent(FRONTEND.format(model=str(tiny_llama_dir))))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -194,9 +203,11 @@ def test_kill_frontend_both_engines_exit(tmp_path, tiny_llama_dir):
         pids = [int(p) for p in line.split()[1:]]
         assert len(pids) == 2 and all(pid_alive(p) for p in pids)
         time.sleep(0.5)  # generating
-        proc.kill()
-        proc.wait(timeout=10)
+        proc.send_signal(signum)
+        assert proc.wait(timeout=10) == -signum
         killed_at = time.monotonic()
+        if signum == signal.SIGTERM:
+            assert not leaked_shm_entries()
         for pid in pids:
             wait_until_dead(pid, 2.0 - (time.monotonic() - killed_at))
         deadline = time.monotonic() + 2.0  # the engines remove what the frontend left

@@ -212,6 +212,42 @@ def test_kill_engine_during_generate_20_trials(tiny_llama_dir):
     assert max(delays) < 2.0, delays
 
 
+def channel_segments(client: SyncMPClient) -> set[str]:
+    """The client's two rings (and their semaphores, where the rings use them) in /dev/shm."""
+    names = {client.addresses.to_engine.lstrip("/"), client.addresses.to_frontend.lstrip("/")}
+    return {entry.name for entry in Path("/dev/shm").iterdir() if any(name in entry.name for name in names)}
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_to_the_engine_is_engine_dead_error_and_leaves_nothing(tiny_llama_dir, signum):
+    """The engine says why it stops, closes its side and dies of the signal; the frontend raises
+    EngineDeadError saying so, and by then the engine is reaped and the channel removed."""
+    name = signal.Signals(signum).name
+    with LLM(str(tiny_llama_dir), **ENGINE_ARGS) as llm:
+        client = llm.llm_engine.engine_core
+        pid = client.engine_pid
+        assert channel_segments(client)
+        signalled_at: list[float] = []
+
+        def terminate() -> None:
+            time.sleep(0.3)
+            signalled_at.append(time.monotonic())
+            os.kill(pid, signum)
+
+        killer = threading.Thread(target=terminate)
+        killer.start()
+        params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+        with pytest.raises(EngineDeadError, match=f"terminated by {name}"):
+            llm.generate(PROMPTS, params, use_tqdm=False)
+        raised_at = time.monotonic()
+        killer.join()
+        assert raised_at - signalled_at[0] < 2.0
+        assert not pid_alive(pid) and client._manager.exitcode == -signum
+        assert not channel_segments(client), "the dead engine's channel stayed in /dev/shm"
+        with pytest.raises(EngineDeadError, match=f"terminated by {name}"):
+            llm.generate(["again"], params, use_tqdm=False)
+
+
 def run_script(tmp_path: Path, body: str) -> subprocess.Popen:
     script = tmp_path / "frontend.py"
     script.write_text(textwrap.dedent(body))
@@ -262,6 +298,23 @@ def test_kill_frontend_engine_exits_within_2s(tmp_path, tiny_llama_dir):
         while left() and time.monotonic() < deadline:
             time.sleep(0.02)
         assert not left(), f"the dead frontend's segments stayed: {sorted(left())}"
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_to_the_frontend_removes_its_rings_before_it_dies(tmp_path, tiny_llama_dir, signum):
+    """The frontend dies of the signal as without shmvllm (exit status -signum), but first removes
+    its rings and stops its engine: nothing of it is left once it is gone, not even for the
+    engine's sweep."""
+    proc, engine_pid, _ = start_frontend(tmp_path, tiny_llama_dir)
+    try:
+        proc.send_signal(signum)
+        assert proc.wait(timeout=10) == -signum
+        left = {name for name in leaked_shm_entries() if f"-{proc.pid}-" in name}
+        assert not left, f"the frontend's segments outlived it: {sorted(left)}"
+        assert wait_until_dead(engine_pid, 2.0) < 2.0
     finally:
         proc.kill()
         proc.communicate()

@@ -33,6 +33,7 @@ from shmvllm.config import EngineConfig
 from shmvllm.engine.core_proc import POLL_S
 from shmvllm.engine.exceptions import EngineDeadError, EngineTimeoutError
 from shmvllm.engine.proc_manager import DEFAULT_READY_TIMEOUT_S, CoreEngineProcManager
+from shmvllm.engine.termination import FrontendTermination
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +153,7 @@ class EngineUtilityError(RuntimeError):
 
 ABORT_SEND_TIMEOUT_S = 1.0  # an abort waits this long for room on a full input ring, then gives up
 SHUTDOWN_SEND_TIMEOUT_S = 1.0
+DEAD_ENGINE_EXIT_S = 1.0  # after the engine failed: how long it gets to exit before it is terminated
 
 
 class _EngineResources:
@@ -179,6 +181,16 @@ class _EngineResources:
                 self.manager.shutdown(timeout)
         finally:
             self.endpoint.close()
+
+    def release_on_termination(self) -> None:
+        """This process dies of SIGTERM/SIGHUP: remove the channel (the engine, finding it
+        closed, exits within a poll) and tell the engine to stop now."""
+        if self.closed or os.getpid() != self.pid:
+            return
+        self.closed = True
+        self.endpoint.close()
+        if self.manager is not None and self.manager.is_alive():
+            self.manager.proc.terminate()
 
 
 ChannelFactory = Callable[[], "tuple[Endpoint, Addresses]"]
@@ -210,10 +222,12 @@ class SyncMPClient(EngineCoreClient):
         self._endpoint, self.addresses = channel()
         self._inbox = FrontendInbox(self._endpoint)
         self._encode = make_encoder().encode
-        resources = _EngineResources(self._endpoint)
+        self._resources = resources = _EngineResources(self._endpoint)
         # multiprocessing's finalizers run at exit (atexit), before the interpreter tears down
-        # what a shutdown needs: the engine gets SHUTDOWN first.
+        # what a shutdown needs: the engine gets SHUTDOWN first. SIGTERM and SIGHUP skip atexit:
+        # FrontendTermination removes the channel then.
         self._finalizer = multiprocessing.util.Finalize(self, resources.shutdown, exitpriority=100)
+        FrontendTermination.register(resources)
         try:
             self._manager = resources.manager = CoreEngineProcManager(config, self.addresses, executor_class)
             self._ready = self._manager.wait_for_ready(self._inbox, ready_timeout)
@@ -243,7 +257,10 @@ class SyncMPClient(EngineCoreClient):
             raise EngineDeadError("the engine client is shut down.")
 
     def _died(self, why: str) -> EngineDeadError:
+        """The engine is dead (or dying after its last words): it is reaped (terminated if it
+        lingers) and the channel removed now, and every call from now on raises EngineDeadError."""
         self._dead = f"the engine process (pid {self._manager.pid}) is dead: {why}"
+        self._resources.shutdown(DEAD_ENGINE_EXIT_S)
         return EngineDeadError(self._dead)
 
     def _send(self, msg: Any, timeout: Optional[float] = None) -> None:
@@ -261,6 +278,10 @@ class SyncMPClient(EngineCoreClient):
                 return
             except PeerGoneError as exc:
                 raise self._died(str(exc)) from exc
+            except ValueError:  # the ring is closed: another thread found the engine dead meanwhile
+                if self._dead is not None:
+                    raise EngineDeadError(self._dead) from None
+                raise
             except ChannelTimeout:
                 if not self._manager.is_alive():
                     raise self._died(f"it exited with code {self._manager.exitcode}") from None
@@ -306,6 +327,10 @@ class SyncMPClient(EngineCoreClient):
                     continue
             except PeerGoneError as exc:
                 raise self._died(str(exc)) from exc
+            except ValueError:  # the ring is closed: a sender found the engine dead meanwhile
+                if self._dead is not None:
+                    raise EngineDeadError(self._dead) from None
+                raise
             return self._checked(msg)
 
     # ---- the client API -------------------------------------------------------------------

@@ -14,8 +14,10 @@ Failures: an exception in the busy loop (in `step`, say) is logged and sent to t
 `EngineFailed("serving", traceback)`, then the process exits with code 1; the frontend raises
 EngineDeadError. When the frontend dies the engine notices within a poll (the parent pid
 changes; the ring reports a dead peer), removes what the frontend left of the channel and
-exits. SIGINT is ignored: Ctrl-C in a terminal reaches the whole process group, and the
-frontend, which catches it, decides when the engine stops.
+exits. SIGTERM or SIGHUP (shmvllm.engine.termination): the engine sends
+`EngineFailed("serving", "... terminated by SIGTERM")`, shuts down, closes its side of the
+channel and dies of that signal. SIGINT is ignored: Ctrl-C in a terminal reaches the whole
+process group, and the frontend, which catches it, decides when the engine stops.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from shmvllm.boundary.messages import (
     decode_to_engine,
 )
 from shmvllm.config import EngineConfig
+from shmvllm.engine.termination import EngineTerminated, die_of, ignore_termination, raise_on_termination
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +136,8 @@ def main() -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    if code < 0:
+        die_of(-code)
     os._exit(code)
 
 
@@ -182,21 +187,31 @@ class EngineCoreProc:
 
     @staticmethod
     def run_engine_core(args: EngineProcArgs) -> int:
-        """Serves; the exit code: 0 after SHUTDOWN or the frontend's death, 1 after a failure."""
+        """Serves; the exit code: 0 after SHUTDOWN or the frontend's death, 1 after a failure,
+        -N after signal N (SIGTERM, SIGHUP), once everything is closed."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise_on_termination()
         logging.basicConfig(level=args.log_level, format=f"(EngineCore pid={os.getpid()}) %(levelname)s %(name)s: %(message)s")
         engine: Optional[EngineCoreProc] = None
         code = 0
         try:
-            executor_class = None if args.executor_class is None else import_qualified(args.executor_class)
-            engine = EngineCoreProc(
-                args.engine_config(), args.addresses, args.parent_pid, executor_class, args.engine_index
-            )
-            engine.run_busy_loop()
+            try:
+                executor_class = None if args.executor_class is None else import_qualified(args.executor_class)
+                engine = EngineCoreProc(
+                    args.engine_config(), args.addresses, args.parent_pid, executor_class, args.engine_index
+                )
+                engine.run_busy_loop()
+            finally:
+                ignore_termination()  # the cleanup below runs to its end
         except FrontendGoneError as exc:
             logger.warning("the frontend is gone (%s): exiting", exc)
             if engine is not None:
                 engine.endpoint.remove_orphaned()
+        except EngineTerminated as exc:
+            logger.warning("%s: exiting", exc)
+            if engine is not None:
+                engine._last_words(EngineFailed("serving", str(exc)))
+            code = -exc.signum
         except BaseException:
             logger.exception("the engine failed")
             if engine is not None:

@@ -56,6 +56,7 @@ from shmvllm.engine.core_proc import POLL_S
 from shmvllm.engine.dp_balancer import DPLoadBalancer
 from shmvllm.engine.exceptions import EngineDeadError, EngineTimeoutError
 from shmvllm.engine.proc_manager import DEFAULT_READY_TIMEOUT_S, CoreEngineProcManager
+from shmvllm.engine.termination import FrontendTermination
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,19 @@ class _DPResources:
                 endpoint.close()
             self.doorbell.close()
 
+    def release_on_termination(self) -> None:
+        """This process dies of SIGTERM/SIGHUP: remove the channels and the doorbell (each
+        engine, finding its channel closed, exits within a poll) and tell the engines to stop."""
+        if self.closed or os.getpid() != self.pid:
+            return
+        self.closed = True
+        for endpoint in self.endpoints:
+            endpoint.close()
+        self.doorbell.close()
+        for manager in self.managers:
+            if manager.is_alive():
+                manager.proc.terminate()
+
 
 class DPSyncMPClient(EngineCoreClient):
     """config.parallel_config.data_parallel_size engines, each in its own process.
@@ -158,6 +172,7 @@ class DPSyncMPClient(EngineCoreClient):
         self._doorbell = Doorbell.create()
         self._resources = resources = _DPResources(self._doorbell)
         self._finalizer = multiprocessing.util.Finalize(self, resources.shutdown, exitpriority=100)
+        FrontendTermination.register(resources)
         try:
             addresses = []
             for _ in range(n):
@@ -269,6 +284,10 @@ class DPSyncMPClient(EngineCoreClient):
                     return
                 except PeerGoneError as exc:
                     raise self._died(engine, str(exc)) from exc
+                except ValueError:  # the ring is closed: the reader found an engine dead meanwhile
+                    if self._dead is not None:
+                        raise EngineDeadError(self._dead) from None
+                    raise
                 except ChannelTimeout:
                     if not manager.is_alive():
                         raise self._died(engine, f"it exited with code {manager.exitcode}") from None

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import engine_children, leaked_shm_entries
+from conftest import wait_until_dead
 from shmvllm import LLM, AsyncLLM, EngineArgs, EngineDeadError, PoolingParams, RequestOutputKind, SamplingParams
 
 ENGINE_ARGS = dict(max_model_len=512, num_kv_blocks=512)
@@ -19,15 +19,10 @@ NUM_STREAMS = 32
 
 
 @pytest.fixture(autouse=True)
-def nothing_left_behind():
-    before = leaked_shm_entries()
+def nothing_left_behind(no_engine_left_behind):
+    """conftest's check (no engine process, nothing in /dev/shm), and no thread of AsyncLLM's left."""
     threads_before = set(threading.enumerate())
     yield
-    deadline = time.monotonic() + 5
-    while engine_children() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not engine_children(), "an engine process outlived its test"
-    assert not leaked_shm_entries() - before
     assert not [t for t in set(threading.enumerate()) - threads_before if t.is_alive()], "a thread outlived its test"
 
 
@@ -163,7 +158,9 @@ def test_abort_ends_the_stream_and_encode_embeds(tiny_llama_dir, tiny_bert_dir):
     np.testing.assert_allclose(outs[0].outputs.data, expected, atol=1e-5)
 
 
-def test_kill_9_ends_every_stream_with_engine_dead_error(tiny_llama_dir):
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_a_killed_engine_ends_every_stream_with_engine_dead_error(tiny_llama_dir, signum):
+    """kill -9, or SIGTERM (after which the engine says why it stops, then closes its side)."""
     async def main():
         llm = make_async(tiny_llama_dir)
         try:
@@ -183,11 +180,13 @@ def test_kill_9_ends_every_stream_with_engine_dead_error(tiny_llama_dir):
             tasks = [asyncio.create_task(stream(i)) for i in range(NUM_STREAMS)]
             await asyncio.wait_for(got_some.wait(), 60)
             killed = time.monotonic()
-            os.kill(llm.engine.engine_core.engine_pid, signal.SIGKILL)
+            pid = llm.engine.engine_core.engine_pid
+            os.kill(pid, signum)
             results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
-            with pytest.raises(EngineDeadError):
+            with pytest.raises(EngineDeadError, match="terminated by SIGTERM" if signum == signal.SIGTERM else None):
                 async for _ in llm.generate("after", long, "after"):
                     pass
+            wait_until_dead(pid, 2.0)
             return results, max(ended) - killed, llm.errored
         finally:
             llm.shutdown()

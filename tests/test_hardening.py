@@ -323,6 +323,37 @@ def test_8_a_priority_beyond_64_bits_is_a_value_error(llm):
     assert_serving(llm)
 
 
+@pytest.mark.parametrize("priority, error", [([0, "high"], TypeError), ([0, 2**70], ValueError)])
+def test_8_a_bad_priority_in_a_batch_fails_before_any_request_is_queued(llm, monkeypatch, priority, error):
+    """Every prompt's priority is checked with the batch, not when its turn to be queued comes."""
+    queued = []
+    monkeypatch.setattr(llm.llm_engine.engine_core, "add_request", lambda request, **kwargs: queued.append(request))
+    with pytest.raises(error, match=f"priority.*{priority[1]!r}"):
+        llm.generate(["x", "y"], GREEDY, use_tqdm=False, priority=priority)
+    assert queued == []
+    monkeypatch.undo()
+    assert_serving(llm)
+
+
+def test_8_generate_checks_each_prompt_and_params_once(llm, monkeypatch):
+    """LLM.generate validates at its boundary, once: each prompt's checks run once, and those of
+    params shared by the batch once for the batch (the engine path does not check them again)."""
+    from shmvllm.engine.input_processor import InputProcessor
+
+    counts = {"validate_prompt": 0, "verify_sampling_params": 0, "verify_structured_outputs": 0}
+    for name in counts:
+        real = getattr(InputProcessor, name)
+
+        def counted(self, *args, _real=real, _name=name):
+            counts[_name] += 1
+            return _real(self, *args)
+
+        monkeypatch.setattr(InputProcessor, name, counted)
+    outputs = llm.generate(["a", "b", [5, 6, 7]], GREEDY, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4, 4]
+    assert counts == {"validate_prompt": 3, "verify_sampling_params": 1, "verify_structured_outputs": 1}
+
+
 BAD_ENGINE_ARGS = [
     ("block_size", "16"), ("device", "tpu"), ("device", "cuda:x"), ("seed", "x"), ("seed", 2**64),
     ("max_model_len", "5"), ("max_model_len", True), ("gpu_memory_utilization", math.nan),

@@ -74,12 +74,31 @@ class InputProcessor:
         priority: int = 0,
         tokenization_kwargs: Optional[dict[str, Any]] = None,
     ) -> tuple[EngineCoreRequest, Optional[str], list[int]]:
-        """Returns the request for the engine, the prompt text (None if given as ids) and its ids."""
+        """Returns the request for the engine, the prompt text (None if given as ids) and its ids:
+        `check_params`, then `make_request`."""
+        self.check_params(params)
+        return self.make_request(request_id, prompt, params, arrival_time, priority, tokenization_kwargs)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Everything about a request's SamplingParams this engine can refuse (once per params
+        object: a batch that shares one is checked once)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
-        check_priority(priority)
         self.verify_sampling_params(params)
         self.verify_structured_outputs(params)
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: Optional[float] = None,
+        priority: int = 0,
+        tokenization_kwargs: Optional[dict[str, Any]] = None,
+    ) -> tuple[EngineCoreRequest, Optional[str], list[int]]:
+        """As `process_inputs`, for params that `check_params` accepted: tokenizes and checks
+        the prompt and the priority."""
+        check_priority(priority)
         prompt_text, prompt_ids = self.tokenize_prompt(prompt, tokenization_kwargs)
         prompt_ids = self.truncate(prompt_ids, params.truncate_prompt_tokens)
         self.validate_prompt(prompt_ids)
@@ -235,7 +254,8 @@ class InputProcessor:
 
     def engine_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """A copy with the EOS token set, max_tokens capped by what is left of max_model_len,
-        logprobs=-1 spelled as the vocabulary size, and bad_words tokenized."""
+        logprobs=-1 spelled as the vocabulary size, bad_words tokenized, and no
+        truncate_prompt_tokens (the prompt is truncated already)."""
         room = self.max_model_len - prompt_len
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         stop_token_ids = list(params.stop_token_ids or [])
@@ -250,6 +270,7 @@ class InputProcessor:
             logprobs=self.vocab_size if params.logprobs == -1 else params.logprobs,
             prompt_logprobs=self.vocab_size if params.prompt_logprobs == -1 else params.prompt_logprobs,
             bad_words_token_ids=self.bad_words_token_ids(params.bad_words) if params.bad_words else None,
+            truncate_prompt_tokens=None,
         )
 
 

@@ -82,7 +82,14 @@ class LLMEngine:
         request, prompt_text, prompt_ids = self.input_processor.process_inputs(
             request_id, prompt, params, arrival_time, priority, tokenization_kwargs
         )
-        if params.n == 1:
+        self.add_processed_request(request, prompt_text, prompt_ids)
+
+    def add_processed_request(self, request: EngineCoreRequest, prompt_text: Optional[str], prompt_ids: list[int]) -> None:
+        """Queues a generation request that `InputProcessor.process_inputs` (or `make_request`
+        after `check_params`) built, and so validated, for this engine: `LLM.generate` checks a
+        whole batch first, then queues it without checking any of it again."""
+        request_id = request.request_id
+        if request.sampling_params.n == 1:
             self.output_processor.add_request(request, prompt_text, prompt_ids)  # reserves the id
             with self._undone_on_failure(request_id) as sent:
                 self.engine_core.add_request(request)

@@ -12,6 +12,7 @@ import msgspec
 import numpy as np
 
 from shmvllm.beam_search import BeamSearchOutput, beam_prompt_ids, run_beam_search
+from shmvllm.boundary.messages import EngineCoreRequest
 from shmvllm.config import EngineArgs
 from shmvllm.engine.input_processor import PromptType, check_prompt_keys
 from shmvllm.engine.llm_engine import LLMEngine
@@ -132,7 +133,7 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         prompt_list = as_prompt_list(prompts)
         params_list = _params_per_prompt(sampling_params, len(prompt_list))
-        return self._run(self._prepare(prompt_list, params_list, tokenization_kwargs), params_list, use_tqdm, priority)
+        return self._run(self._prepare(prompt_list, params_list, tokenization_kwargs, priority), use_tqdm)
 
     def chat(
         self,
@@ -174,7 +175,7 @@ class LLM:
             )
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         params_list = _params_per_prompt(sampling_params, len(prompts))
-        return self._run(self._prepare(prompts, params_list, tokenization_kwargs), params_list, use_tqdm, priority)
+        return self._run(self._prepare(prompts, params_list, tokenization_kwargs, priority), use_tqdm)
 
     def beam_search(
         self,
@@ -374,42 +375,37 @@ class LLM:
         prompts: list[PromptType],
         params_list: list[SamplingParams],
         tokenization_kwargs: Optional[dict[str, Any]] = None,
-    ) -> list[dict[str, Any]]:
-        """Tokenizes and validates every prompt and its params, so that a bad one fails before
-        any is queued."""
+        priority: Optional[list[int]] = None,
+    ) -> list[tuple[EngineCoreRequest, Optional[str], list[int]]]:
+        """Every prompt and its params checked (each distinct params object once) and made into
+        its engine request, so that a bad one fails before any is queued; `_run` queues them as
+        they are (their request ids are set there)."""
         if not prompts:
             raise ValueError("prompts is empty.")
-        processor = self.llm_engine.input_processor
-        for params in {id(p): p for p in params_list}.values():
-            processor.verify_sampling_params(params)
-        prepared = []
-        for prompt, params in zip(prompts, params_list):
-            text, ids = processor.tokenize_prompt(prompt, tokenization_kwargs)
-            ids = processor.truncate(ids, params.truncate_prompt_tokens)
-            processor.validate_prompt(ids)
-            prepared.append({"prompt": text, "prompt_token_ids": ids})
-        return prepared
-
-    def _run(
-        self, prompts: list[dict[str, Any]], params_list: list[SamplingParams], use_tqdm: UseTqdm,
-        priority: Optional[list[int]],
-    ) -> list[RequestOutput]:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts.")
-        for params in {id(p): p for p in params_list}.values():  # a bad constraint fails before any is queued
-            self.llm_engine.input_processor.verify_structured_outputs(params)
+        processor = self.llm_engine.input_processor
+        finals: dict[int, SamplingParams] = {}
+        for params in params_list:
+            if id(params) not in finals:
+                processor.check_params(params)
+                # The caller's params stay untouched; offline calls only need each request's end.
+                finals[id(params)] = msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+        return [
+            processor.make_request("", prompt, finals[id(params)], None, priority[i] if priority else 0, tokenization_kwargs)
+            for i, (prompt, params) in enumerate(zip(prompts, params_list))
+        ]
+
+    def _run(self, prepared: list[tuple[EngineCoreRequest, Optional[str], list[int]]], use_tqdm: UseTqdm) -> list[RequestOutput]:
+        """Queues what `_prepare` made and waits for all of it."""
         request_ids: list[str] = []
         router, sink = self._router, Sink()
+        add = self.llm_engine.add_processed_request
         try:
-            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-                request_id = str(next(self.request_counter))
-                # The caller's params stay untouched; offline calls only need each request's end. The
-                # prompt is already truncated.
-                final = msgspec.structs.replace(
-                    params, output_kind=RequestOutputKind.FINAL_ONLY, truncate_prompt_tokens=None
-                )
+            for request, prompt_text, prompt_ids in prepared:
+                request.request_id = request_id = str(next(self.request_counter))
                 router.register(sink, request_id)
-                router.locked(self.llm_engine.add_request, request_id, prompt, final, priority=priority[i] if priority else 0)
+                router.locked(add, request, prompt_text, prompt_ids)
                 request_ids.append(request_id)
             return self._run_engine(request_ids, use_tqdm, sink)
         except BaseException:

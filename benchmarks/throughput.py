@@ -320,14 +320,35 @@ def _without_ids(row: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in row.items() if k != "token_ids"}
 
 
+# (header, the row's key, its format); None for the text columns, which are left-aligned
+_COLUMNS = [
+    ("engine", "engine", None), ("workload", "workload", None), ("wall_s", "wall_s", ".2f"),
+    ("tokens", "output_tokens", "d"), ("tok/s", "tok_per_s", ".1f"), ("ttft_ms", "ttft_ms", ".1f"),
+    ("decode tok/s", "decode_tok_per_s", ".1f"), ("load_s", "load_s", ".1f"),
+]
+
+
+def table_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The results table, each column as wide as its longest cell (a --variant name can be
+    longer than the built-in ones); a row without a column's value leaves it blank."""
+    cells = [[header for header, _, _ in _COLUMNS]]
+    for r in rows:
+        r = {**r, "ttft_ms": r["ttft_s"] * 1e3} if "ttft_s" in r else r
+        cells.append([str(r[key]) if fmt is None else format(r[key], fmt) if key in r else ""
+                      for _, key, fmt in _COLUMNS])
+    widths = [max(len(row[i]) for row in cells) for i in range(len(_COLUMNS))]
+    return [
+        " ".join(cell.ljust(width) if fmt is None else cell.rjust(width)
+                 for cell, width, (_, _, fmt) in zip(row, widths, _COLUMNS)).rstrip()
+        for row in cells
+    ]
+
+
 def report(rows: list[dict[str, Any]], rooflines: list[dict[str, Any]], cpu_line: str, dense: Optional[str] = None) -> None:
     by = {(r["engine"], r["workload"]): r for r in rows}
     print(cpu_line)
-    print(f"{'engine':<13} {'workload':<11} {'wall_s':>8} {'tokens':>7} {'tok/s':>8} {'ttft_ms':>8} {'decode tok/s':>13} {'load_s':>7}")
-    for r in rows:
-        ttft = f"{r['ttft_s'] * 1e3:8.1f}" if "ttft_s" in r else " " * 8
-        decode = f"{r['decode_tok_per_s']:13.1f}" if "decode_tok_per_s" in r else " " * 13
-        print(f"{r['engine']:<13} {r['workload']:<11} {r['wall_s']:8.2f} {r['output_tokens']:7d} {r['tok_per_s']:8.1f} {ttft} {decode} {r['load_s']:7.1f}")
+    for line in table_lines(rows):
+        print(line)
     for name in PEERS:
         row = by.get((name, "throughput"))
         if row and "path" in row:

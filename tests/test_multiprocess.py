@@ -242,8 +242,10 @@ def test_sigterm_to_the_engine_is_engine_dead_error_and_leaves_nothing(tiny_llam
         raised_at = time.monotonic()
         killer.join()
         assert raised_at - signalled_at[0] < 2.0
-        assert not pid_alive(pid) and client._manager.exitcode == -signum
         assert not channel_segments(client), "the dead engine's channel stayed in /dev/shm"
+        wait_until_dead(pid, 2.0)
+        client._manager.join(1.0)
+        assert client._manager.exitcode == -signum
         with pytest.raises(EngineDeadError, match=f"terminated by {name}"):
             llm.generate(["again"], params, use_tqdm=False)
 

@@ -153,7 +153,7 @@ class EngineUtilityError(RuntimeError):
 
 ABORT_SEND_TIMEOUT_S = 1.0  # an abort waits this long for room on a full input ring, then gives up
 SHUTDOWN_SEND_TIMEOUT_S = 1.0
-DEAD_ENGINE_EXIT_S = 1.0  # after the engine failed: how long it gets to exit before it is terminated
+DEAD_ENGINE_EXIT_S = 1.0  # after the engine failed: how long the call that found out waits to reap it
 
 
 class _EngineResources:
@@ -257,10 +257,12 @@ class SyncMPClient(EngineCoreClient):
             raise EngineDeadError("the engine client is shut down.")
 
     def _died(self, why: str) -> EngineDeadError:
-        """The engine is dead (or dying after its last words): it is reaped (terminated if it
-        lingers) and the channel removed now, and every call from now on raises EngineDeadError."""
+        """The engine is dead (or exiting after its last words): the channel is removed now, the
+        process reaped if it exits within DEAD_ENGINE_EXIT_S (else by `shutdown`, which also
+        terminates it if it must), and every call from now on raises EngineDeadError."""
         self._dead = f"the engine process (pid {self._manager.pid}) is dead: {why}"
-        self._resources.shutdown(DEAD_ENGINE_EXIT_S)
+        self._endpoint.close()
+        self._manager.join(DEAD_ENGINE_EXIT_S)
         return EngineDeadError(self._dead)
 
     def _send(self, msg: Any, timeout: Optional[float] = None) -> None:

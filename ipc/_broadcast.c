@@ -61,11 +61,12 @@ uint64_t bc_min_head(uint8_t *b, int64_t n) {
     return low;
 }
 
-/* Spins (GIL released, yielding every 64 looks) for up to ns: 1 once the tail differs from head. */
-int bc_spin_data(uint8_t *b, uint64_t head, int64_t ns) {
+/* Spins (GIL released) for up to ns until ready(b, args) holds: 1 then, 0 when the time is up.
+ * Re-checks after every pause instruction; reads the clock and yields the CPU every 64 looks. */
+static inline int spin_until(int (*ready)(uint8_t *, const uint64_t *), uint8_t *b, const uint64_t *args, int64_t ns) {
     int64_t deadline = now_ns() + ns;
     for (uint32_t i = 1;; i++) {
-        if (LOAD_ACQ(b + OFF_TAIL) != head)
+        if (ready(b, args))
             return 1;
         cpu_relax();
         if ((i & 63) == 0) {
@@ -76,36 +77,35 @@ int bc_spin_data(uint8_t *b, uint64_t head, int64_t ns) {
     }
 }
 
+/* args: {head}: the tail differs from head. */
+static int tail_moved(uint8_t *b, const uint64_t *args) { return LOAD_ACQ(b + OFF_TAIL) != args[0]; }
+
+/* args: {need, n}: every open reader's head is at least need. */
+static int heads_reached(uint8_t *b, const uint64_t *args) { return bc_min_head(b, (int64_t)args[1]) >= args[0]; }
+
+/* args: {off, stride, n, value}: each of the n words at off, off + stride, ... is at least value. */
+static int all_ge(uint8_t *b, const uint64_t *args) {
+    for (uint64_t k = 0; k < args[2]; k++)
+        if (LOAD_ACQ(b + args[0] + k * args[1]) < args[3])
+            return 0;
+    return 1;
+}
+
+/* Spins for up to ns: 1 once the tail differs from head. */
+int bc_spin_data(uint8_t *b, uint64_t head, int64_t ns) {
+    const uint64_t args[] = {head};
+    return spin_until(tail_moved, b, args, ns);
+}
+
 /* Spins for up to ns: 1 once every open reader's head is at least `need`. */
 int bc_spin_space(uint8_t *b, uint64_t need, int64_t n, int64_t ns) {
-    int64_t deadline = now_ns() + ns;
-    for (uint32_t i = 1;; i++) {
-        if (bc_min_head(b, n) >= need)
-            return 1;
-        cpu_relax();
-        if ((i & 63) == 0) {
-            if (now_ns() >= deadline)
-                return 0;
-            sched_yield();
-        }
-    }
+    const uint64_t args[] = {need, (uint64_t)n};
+    return spin_until(heads_reached, b, args, ns);
 }
 
 /* Spins for up to ns: 1 once each of the n words at off, off + stride, ... is at least value
  * (the rendezvous of ipc/arena.py). */
 int bc_spin_all_ge(uint8_t *b, int64_t off, int64_t stride, int64_t n, uint64_t value, int64_t ns) {
-    int64_t deadline = now_ns() + ns;
-    for (uint32_t i = 1;; i++) {
-        int64_t k = 0;
-        while (k < n && LOAD_ACQ(b + off + k * stride) >= value)
-            k++;
-        if (k == n)
-            return 1;
-        cpu_relax();
-        if ((i & 63) == 0) {
-            if (now_ns() >= deadline)
-                return 0;
-            sched_yield();
-        }
-    }
+    const uint64_t args[] = {(uint64_t)off, (uint64_t)stride, (uint64_t)(n < 0 ? 0 : n), value};
+    return spin_until(all_ge, b, args, ns);
 }

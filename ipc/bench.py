@@ -8,7 +8,9 @@ For each transport and payload, a child process echoes what the parent sends:
 - paced:  one round trip every 1 ms, so the receiver has gone to sleep each time (for iceoryx2,
           whose subscriber cannot block, it waits on an iceoryx2 event the sender notifies);
 - msgs/s: one-way throughput, the parent sending back to back, acknowledged once at the end
-          (the ring sends it in batches: `push_many` / `pop_many`, one published tail per batch).
+          (the ring sends it in batches: `push_many` / `pop_many`, one published tail per batch);
+          the median of TPUT_PASSES such runs (one run of 10,000 small messages lasts ~0.1 s,
+          short enough for a scheduler hiccup of another process to halve it).
 
 Transports (`transport` in the JSON, `variant` where there are several):
 - shm: ipc.RingBuffer, one ring per direction;
@@ -60,6 +62,7 @@ CHECKED = ("64B", "1KiB", "64KiB")  # the payloads of the acceptance checks
 FLOOR_FACTOR = 10.0
 PACE_S = 0.001
 BATCH = 64  # messages per push_many in the ring's throughput run
+TPUT_PASSES = 3  # throughput runs per case (each acknowledged at its end); the row has their median
 BIG = 64 << 10  # raw payloads from this size are received in place where the transport can
 _LEN = struct.Struct("=I")
 
@@ -273,26 +276,23 @@ def _iceoryx2_endpoint(handles: dict, side: str, payload: Payload, loan: bool) -
         def send_raw(data: bytes) -> None:
             send_copy(kind.from_buffer_copy(data))
 
-    def recv_raw() -> bytes:
+    def recv_raw(wait: Optional[Callable[[], Any]] = None) -> bytes:
+        """The next sample's bytes: polls, calling `wait` (if any) between two empty looks."""
         while True:
             sample = sub.receive()
             if sample is not None:
                 data = string_at(sample.payload_ptr, size)
                 sample.delete()
                 return data
+            if wait is not None:
+                wait()
 
     def send_paced_raw(data: bytes) -> None:
         send_raw(data)
         notifier.notify()
 
     def recv_paced_raw() -> bytes:
-        while True:
-            sample = sub.receive()
-            if sample is not None:
-                data = string_at(sample.payload_ptr, size)
-                sample.delete()
-                return data
-            listener.blocking_wait()
+        return recv_raw(listener.blocking_wait)
 
     send, recv = _typed(send_raw, recv_raw, payload)
     send_paced, recv_paced = _typed(send_paced_raw, recv_paced_raw, payload)
@@ -378,8 +378,9 @@ def child_main(transport: str, variant: str, payload: Payload, handles: dict, co
     echo_paced = end.echo_paced
     for _ in range(counts.paced):
         echo_paced()
-    end.recv_many(counts.tput)
-    send(obj)
+    for _ in range(TPUT_PASSES):
+        end.recv_many(counts.tput)
+        send(obj)
     recv()  # the parent's "done": keeps our end open until the parent has read the ack
     end.close()
 
@@ -469,10 +470,13 @@ def run_case(transport: str, variant: str, payload: Payload, quick: bool, ctx: A
             _round_trips(send, recv, obj, counts.warmup, 0.0)
             busy = _round_trips(send, recv, obj, counts.busy, 0.0)
             paced = _round_trips(end.send_paced, end.recv_paced, obj, counts.paced, PACE_S)
-            t0 = time.perf_counter()
-            end.send_many(obj, counts.tput)
-            recv()
-            tput = counts.tput / (time.perf_counter() - t0)
+            rates = []
+            for _ in range(TPUT_PASSES):
+                t0 = time.perf_counter()
+                end.send_many(obj, counts.tput)
+                recv()
+                rates.append(counts.tput / (time.perf_counter() - t0))
+            tput = statistics.median(rates)
             send(obj)
         finally:
             gc.enable()

@@ -608,9 +608,13 @@ static PyObject *py_take_many(PyObject *m, PyObject *const *args, Py_ssize_t nar
 }
 
 /* Producer: pushes the bytes objects of a list, in order, publishing the tail once for all of
- * them (one release store, one look at the consumer's flag). Stops at the first one that does
- * not fit now (the ring is full, or it is longer than a record: the caller pushes it the slow
- * way). Returns how many were pushed. Futex rings only (the wake happens here). */
+ * them (one release store, one look at the consumer's flag), or once per PUBLISH_EVERY bytes
+ * when they are long: the consumer then works on the first ones while we copy the next, and
+ * frees their space, instead of waiting for the whole batch.
+ * Stops at the first one that does not fit now (the ring is full, or it is longer than a
+ * record: the caller pushes it the slow way). Returns how many were pushed. Futex rings only
+ * (the wake happens here). */
+#define PUBLISH_EVERY 65536
 static PyObject *py_push_many(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     uint8_t *b;
     if (base_arg(args, nargs, 2, &b) < 0) return NULL;
@@ -620,7 +624,7 @@ static PyObject *py_push_many(PyObject *m, PyObject *const *args, Py_ssize_t nar
     }
     PyObject *list = args[1];
     Py_ssize_t count = PyList_GET_SIZE(list), done = 0;
-    uint64_t tail = LOAD_RLX(b, OFF_TAIL);
+    uint64_t tail = LOAD_RLX(b, OFF_TAIL), published = tail;
     for (; done < count; done++) {
         PyObject *item = PyList_GET_ITEM(list, done);
         if (!PyBytes_Check(item) || PyBytes_GET_SIZE(item) > INT32_MAX) break;
@@ -630,8 +634,12 @@ static PyObject *py_push_many(PyObject *m, PyObject *const *args, Py_ssize_t nar
         memcpy(b + off, PyBytes_AS_STRING(item), (size_t)n);
         seal(b, n, KIND_MSG);
         tail = U64(b, OFF_P_PENDING);
+        if (tail - published >= PUBLISH_EVERY) {
+            publish(b);
+            published = tail;
+        }
     }
-    if (done) publish(b);
+    if (tail != published) publish(b);
     return PyLong_FromSsize_t(done);
 }
 

@@ -71,25 +71,32 @@ def _ring_files(name: str) -> list[Path]:
     return [p for p in SHM.iterdir() if p.name.startswith((base, f"sem.{base}"))]
 
 
+# (ring capacity, message sizes): small records in a 512-byte ring; records of 4-20 KiB in a
+# 256 KiB ring, so that push_many publishes in the middle of a batch (PUBLISH_EVERY in _native.c).
+SIZES = {"small": (512, (1, 120)), "large": (1 << 18, (4096, 20000))}
+
+
 @pytest.mark.parametrize("pure, semaphore", KINDS)
 @pytest.mark.parametrize("batch", [False, True], ids=["single", "batch"])
-def test_no_lost_wakeup_with_random_sleeps_on_both_sides(pure, semaphore, batch, monkeypatch):
+@pytest.mark.parametrize("size", list(SIZES))
+def test_no_lost_wakeup_with_random_sleeps_on_both_sides(pure, semaphore, batch, size, monkeypatch):
     """Every wait sleeps (no spin) and nothing polls (30 s): a lost wake-up is a 20 s timeout.
     Both sides sleep at random before each pop and push, so each of them is found asleep, or
-    just going to sleep, or awake, by the other's publish; a 512-byte ring fills up, so the
-    producers sleep for space too. Messages come back in order and intact."""
+    just going to sleep, or awake, by the other's publish; the ring fills up, so the producers
+    sleep for space too. Messages come back in order and intact."""
     _require_native(pure)
-    count = 400 if pure else 1500
+    capacity, (low, high) = SIZES[size]
+    count = (400 if pure else 1500) if size == "small" else (100 if pure else 400)
     opts = dict(spin_us=0, poll_interval=30)
-    down = _create(512, pure, semaphore, monkeypatch, **opts)
-    up = _create(512, pure, semaphore, monkeypatch, **opts)
+    down = _create(capacity, pure, semaphore, monkeypatch, **opts)
+    up = _create(capacity, pure, semaphore, monkeypatch, **opts)
     child = subprocess.Popen(
         [sys.executable, "-c", ECHO, down.name, up.name, str(count), "7", "1" if pure else "0", "1" if batch else "0"],
         cwd=ROOT,
     )
     rng = random.Random(11)
     try:
-        messages = [rng.randbytes(rng.randrange(1, 120)) for _ in range(count)]
+        messages = [rng.randbytes(rng.randrange(low, high)) for _ in range(count)]
         received: list[bytes] = []
         sender_error: list[BaseException] = []
 

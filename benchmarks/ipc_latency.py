@@ -2,7 +2,8 @@
 multiprocessing — `python -m ipc.bench` (see ipc/bench.py for the method) plus engine-shaped
 msgspec messages (shmvllm.boundary.messages): an EngineCoreRequest with 32 and with 2,048 prompt
 token ids, and an EngineCoreOutputs batch of 64 one-token outputs, encoded, sent, decoded,
-re-encoded and sent back (the ring decodes in place from its memory, the others from bytes).
+re-encoded and sent back (the ring decodes in place from its memory, the others from bytes),
+the rings of the size the engine's are.
 
     flock /tmp/shmvllm-cpu.lock python benchmarks/ipc_latency.py --quick \\
         --json benchmarks/results/ipc_latency.json --plot benchmarks/results/ipc_latency.png
@@ -54,7 +55,15 @@ class _Codec:
         return m.make_encoder().encode, decode
 
 
-MESSAGES = {name: Payload(name, _Make(name), _Codec(name)) for name in ("req32", "req2048", "out64")}
+def _engine_ring_capacity() -> int:
+    from shmvllm.boundary.channel import ring_capacity
+
+    return ring_capacity()
+
+
+# The engine's messages travel in rings of the engine's capacity (4 MiB unless
+# SHMVLLM_RING_CAPACITY says otherwise), as between the frontend and the engine.
+MESSAGES = {name: Payload(name, _Make(name), _Codec(name), _engine_ring_capacity()) for name in ("req32", "req2048", "out64")}
 
 if __name__ == "__main__":
     sys.exit(main(extra_payloads=MESSAGES, prog="benchmarks/ipc_latency.py"))

@@ -61,7 +61,7 @@ RAW_SIZES = {"64B": 64, "1KiB": 1024, "64KiB": 64 << 10, "1MiB": 1 << 20}
 CHECKED = ("64B", "1KiB", "64KiB")  # the payloads of the acceptance checks
 FLOOR_FACTOR = 10.0
 PACE_S = 0.001
-BATCH = 64  # messages per push_many in the ring's throughput run
+BATCH = 64  # messages per push_many / pop_many in the ring's throughput run
 TPUT_PASSES = 3  # throughput runs per case (each acknowledged at its end); the row has their median
 BIG = 64 << 10  # raw payloads from this size are received in place where the transport can
 _LEN = struct.Struct("=I")
@@ -97,6 +97,7 @@ class Payload:
     name: str
     make: Callable[[], Any]  # -> the object sent; a top-level function (it runs in the child too)
     codec: Optional[Callable[[], tuple[Callable, Callable]]] = None  # -> (encode, decode)
+    ring_capacity: Optional[int] = None  # the rings' capacity when the user of the messages has one; else ring_capacity()
 
 
 def raw_payload(name: str) -> Payload:
@@ -182,7 +183,7 @@ def _ring_endpoint(handles: dict, side: str, payload: Payload) -> Endpoint:
 
     def recv_many(count: int) -> None:
         while count > 0:
-            batch = rx.pop_many(count)
+            batch = rx.pop_many(min(count, BATCH))
             if decode is not None:
                 for data in batch:
                     decode(data)
@@ -424,12 +425,12 @@ def ring_capacity(size: int) -> int:
     return capacity
 
 
-def make_handles(transport: str, variant: str, size: int, ctx: Any) -> tuple[dict, dict, Callable]:
+def make_handles(transport: str, variant: str, size: int, ctx: Any, capacity: Optional[int] = None) -> tuple[dict, dict, Callable]:
     """(the parent's handles, what the child gets, cleanup)."""
     if transport == "shm":
         from ipc import RingBuffer
 
-        rings = tuple(RingBuffer.create(ring_capacity(size), prefault=True) for _ in range(2))
+        rings = tuple(RingBuffer.create(capacity or ring_capacity(size), prefault=True) for _ in range(2))
         return {"rings": rings, "size": size}, {"names": [r.name for r in rings], "size": size}, lambda: [r.close() for r in rings]
     if transport == "iceoryx2":
         tag = f"ipcbench/{os.getpid()}-{time.monotonic_ns()}"
@@ -455,7 +456,7 @@ def run_case(transport: str, variant: str, payload: Payload, quick: bool, ctx: A
     obj = payload.make()
     size = encoded_size(payload, obj)
     counts = counts_for(size, quick)
-    parent_handles, child_handles, cleanup = make_handles(transport, variant, size, ctx)
+    parent_handles, child_handles, cleanup = make_handles(transport, variant, size, ctx, payload.ring_capacity)
     child = ctx.Process(target=child_main, args=(transport, variant, payload, child_handles, counts), daemon=True)
     child.start()
     if transport == "pipe" and variant == "os.pipe":  # the child has its ends now: close ours

@@ -452,6 +452,18 @@ def make_handles(transport: str, variant: str, size: int, ctx: Any, capacity: Op
     return {"queues": queues}, {"queues": queues}, lambda: [q.close() for q in queues]
 
 
+def _wait_attached(rings: tuple, child: Any, timeout: float = 60.0) -> None:
+    """Until the echo process has attached to both rings: before that a ring knows no peer whose
+    death it could notice, so a child that dies while starting would leave us waiting forever."""
+    deadline = time.monotonic() + timeout
+    while not all(ring.peer_pid for ring in rings):
+        if not child.is_alive():
+            raise RuntimeError(f"the echo process exited with {child.exitcode} before it attached to the rings")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the echo process did not attach to the rings within {timeout:.0f} s")
+        time.sleep(0.001)
+
+
 def run_case(transport: str, variant: str, payload: Payload, quick: bool, ctx: Any) -> list[dict]:
     obj = payload.make()
     size = encoded_size(payload, obj)
@@ -463,6 +475,8 @@ def run_case(transport: str, variant: str, payload: Payload, quick: bool, ctx: A
         for conn in child_handles["ends"]["child"]:
             conn.close()
     try:
+        if transport == "shm":
+            _wait_attached(parent_handles["rings"], child)
         end = endpoint(transport, variant, parent_handles, "parent", payload)
         send, recv = end.send, end.recv
         gc.collect()

@@ -248,6 +248,31 @@ def test_logprobs_and_prompt_logprobs_match_hf(tiny_qwen2_dir, hf_models):
     np.testing.assert_allclose(lps, expected.numpy(), atol=1e-4)
 
 
+@pytest.mark.parametrize("when", ["mid_prompt", "in_decode"])
+def test_a_preempted_request_gets_each_prompt_logprob_row_once(tiny_qwen2_dir, hf_models, when):
+    """Preempted half-way through its chunked prompt, or while decoding, then recomputed from
+    its first token: the rows given before are not given again, the rest come, and together
+    they are the rows of the prompt."""
+    hf = hf_models[tiny_qwen2_dir]
+    driver = StepDriver(_executor(tiny_qwen2_dir), 256, 8, eos=None)
+    prompt = _prompts(1, seed=4)[0] + list(range(100, 120))
+    req = driver.add("lp", prompt, SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2))
+    steps = 2 if when == "mid_prompt" else -(-len(prompt) // 8) + 1
+    for _ in range(steps):
+        driver.step()
+    rows_before = sum(lp.num_rows for lp in req.prompt_logprobs)
+    assert (0 < rows_before < len(prompt) - 1) if when == "mid_prompt" else rows_before == len(prompt) - 1
+    driver.preempt(req)
+    driver.run()
+    ids = np.concatenate([lp.arrays()[0] for lp in req.prompt_logprobs])
+    lps = np.concatenate([lp.arrays()[1] for lp in req.prompt_logprobs])
+    assert ids[:, 0].tolist() == prompt[1:]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    expected = ref[torch.arange(len(prompt) - 1)[:, None], torch.from_numpy(ids).long()]
+    np.testing.assert_allclose(lps, expected.numpy(), atol=1e-4)
+
+
 def _sample_alone_and_in_batch(model_dir, params: SamplingParams, preempt: bool) -> tuple[list[int], list[int]]:
     executor = _executor(model_dir)
     alone = StepDriver(executor, 256, 512, eos=None)

@@ -40,6 +40,10 @@ class ModelRunner:
         self.max_model_len = self.model_config.max_model_len
         self.vocab_size = self.model_config.vocab_size
         self.requests: dict[str, CachedRequestState] = {}
+        # req_id -> prompt logprob rows already given out (positions 0..n-1). Kept across a
+        # preemption, which drops the request's state and recomputes it from its first token:
+        # the recompute must not give those rows again (vLLM keeps its num_prompt_logprobs so).
+        self.prompt_logprob_rows_done: dict[str, int] = {}
         self.input_batch = InputBatch(
             config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size, self.vocab_size
         )
@@ -140,6 +144,8 @@ class ModelRunner:
             if req_id in batch.req_id_to_index:
                 batch.remove_request(req_id)
             self.requests.pop(req_id, None)
+        for req_id in so.finished_req_ids:
+            self.prompt_logprob_rows_done.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             if new.req_id in batch.req_id_to_index:
                 batch.remove_request(new.req_id)
@@ -306,19 +312,24 @@ class ModelRunner:
         num_computed: np.ndarray,
         errors: dict[str, str],
     ) -> dict[str, Logprobs]:
-        """Rows for the prompt positions p computed this step with p + 1 < prompt length: the
-        logprob of prompt token p + 1, its rank, and the top-k. A request whose rows fail gets
-        its error in `errors`."""
+        """Rows for the prompt positions p computed this step with p + 1 < prompt length and no
+        row given out yet (a recompute after preemption gives none twice): the logprob of prompt
+        token p + 1, its rank, and the top-k. A request whose rows fail gets its error in `errors`."""
         batch = self.input_batch
         result: dict[str, Logprobs] = {}
+        done = self.prompt_logprob_rows_done
         for row, state in enumerate(batch.states):
             num = state.sampling_params.prompt_logprobs
-            prompt_len = len(state.prompt_token_ids)
-            first, last = int(num_computed[row]), min(int(num_computed[row] + query_lens[row]), prompt_len - 1)
-            if num is None or first >= last or state.req_id in errors:
+            if num is None or state.req_id in errors:
+                continue
+            prompt_len, computed = len(state.prompt_token_ids), int(num_computed[row])
+            first = max(computed, done.get(state.req_id, 0))
+            last = min(computed + int(query_lens[row]), prompt_len - 1)
+            if first >= last:
                 continue
             try:
-                hidden_rows = hidden[int(starts[row]) : int(starts[row]) + last - first]
+                offset = int(starts[row]) + first - computed
+                hidden_rows = hidden[offset : offset + last - first]
                 logprobs = torch.log_softmax(self.model.compute_logits(hidden_rows), dim=-1)
                 targets = torch.tensor(state.prompt_token_ids[first + 1 : last + 1], dtype=torch.int64, device=self.device)
                 ids, lps, ranks = (t.cpu().numpy() for t in gather_logprobs(logprobs, targets, num))
@@ -327,6 +338,7 @@ class ModelRunner:
                 errors[state.req_id] = _describe(exc)
                 continue
             result[state.req_id] = Logprobs.from_arrays(ids, lps, ranks)
+            done[state.req_id] = last
         return result
 
     # ---- profiling (CUDA memory sizing) -------------------------------------------------

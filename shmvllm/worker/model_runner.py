@@ -21,7 +21,8 @@ from shmvllm.boundary.messages import Logprobs
 from shmvllm.model.attention import AttentionMetadata, PrefillSeq, build_attention_metadata
 from shmvllm.model.loader import get_model, torch_dtype
 from shmvllm.model.logits_processors import RequestLogitsProcessors
-from shmvllm.model.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs, seeded_generator
+from shmvllm.model.prompt_logprobs import prompt_logprobs
+from shmvllm.model.sampler import Sampler, SamplerOutput, SamplingMetadata, seeded_generator
 from shmvllm.sampling_params import SamplingParams
 from shmvllm.structured_output.bitmask import TokenBitmaskApplier
 from shmvllm.worker.huge_pages import advise_huge_pages
@@ -329,10 +330,10 @@ class ModelRunner:
                 continue
             try:
                 offset = int(starts[row]) + first - computed
-                hidden_rows = hidden[offset : offset + last - first]
-                logprobs = torch.log_softmax(self.model.compute_logits(hidden_rows), dim=-1)
                 targets = torch.tensor(state.prompt_token_ids[first + 1 : last + 1], dtype=torch.int64, device=self.device)
-                ids, lps, ranks = (t.cpu().numpy() for t in gather_logprobs(logprobs, targets, num))
+                ids, lps, ranks = prompt_logprobs(
+                    self.model.compute_logits, hidden[offset : offset + last - first], targets, num
+                )
             except Exception as exc:
                 logger.warning("request %r: prompt logprobs failed: %s", state.req_id, _describe(exc))
                 errors[state.req_id] = _describe(exc)

@@ -1,5 +1,5 @@
-"""CPU kernels in C (cpu_kernels.c, for fp32 and for bf16 activations), compiled with the
-system C compiler on first use.
+"""CPU kernels in C (cpu_kernels.c, for fp32 and for bf16 activations; logprobs.c, the prompt
+logprobs' reductions), compiled with the system C compiler on first use.
 
 The library is built for this machine (-march=native) and cached under
 ``~/.cache/shmvllm/kernels`` (or ``$TMPDIR/shmvllm-kernels-<uid>`` when the home directory
@@ -152,6 +152,21 @@ def cpu_kernels(dtype: torch.dtype = torch.float32) -> Optional[ctypes.CDLL]:
 def _cpu_kernels(dtype: torch.dtype) -> Optional[ctypes.CDLL]:
     stem, defines = _KERNEL_DTYPES[dtype]
     return _build(stem, SOURCE, _CFLAGS + defines, _SIGNATURES)
+
+
+LOGPROB_SOURCE = Path(__file__).with_name("logprobs.c")
+_LOGPROB_SIGNATURES = {
+    "shm_logprob_rows": (
+        ctypes.c_int, [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64],
+    ),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def logprob_kernels() -> Optional[ctypes.CDLL]:
+    """The fused logprob kernel (logprobs.c) for fp32 logits, built on first use; None when
+    disabled or when building fails."""
+    return _build("logprob_kernels", LOGPROB_SOURCE, _CFLAGS, _LOGPROB_SIGNATURES)
 
 
 BF16_ENV = "SHMVLLM_CPU_BF16"

@@ -424,31 +424,38 @@ class OutputProcessor:
         return state.prompt_logprobs
 
     def _logprob_rows(self, logprobs: Logprobs, detokenize: bool = True) -> list[dict[int, Logprob]]:
-        """One dict per row; decoded_token is None without detokenize (vLLM's)."""
+        """One dict per row; decoded_token is None without detokenize (vLLM's). A prompt's rows
+        come by the thousand: one pass over Python lists, each distinct token decoded once."""
         ids, lps, ranks = logprobs.arrays()
-        ids_list, lps_list = ids.tolist(), lps.tolist()
-        decode = self._decode_token if detokenize and self.tokenizer is not None else _no_text
+        texts = self._texts_of(ids) if detokenize and self.tokenizer is not None else _NO_TEXTS
         rows = []
-        for r in range(logprobs.num_rows):
-            row_ids, row_lps = ids_list[r], lps_list[r]
-            row = {row_ids[0]: Logprob(row_lps[0], int(ranks[r]), decode(row_ids[0]))}
-            for j in range(1, logprobs.width):
-                tid = row_ids[j]
-                if tid not in row:
-                    row[tid] = Logprob(row_lps[j], j, decode(tid))
+        for row_ids, row_lps, rank in zip(ids.tolist(), lps.tolist(), ranks.tolist()):
+            token = row_ids[0]
+            row = {token: Logprob(row_lps[0], rank, texts[token])}
+            for j in range(1, len(row_ids)):
+                token = row_ids[j]
+                if token not in row:
+                    row[token] = Logprob(row_lps[j], j, texts[token])
             rows.append(row)
         return rows
 
-    def _decode_token(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
-            self._token_text[token_id] = text
-        return text
+    def _texts_of(self, ids: np.ndarray) -> dict[int, str]:
+        """The token-text cache, holding every id in `ids`."""
+        cache = self._token_text
+        for token in np.unique(ids).tolist():
+            if token not in cache:
+                cache[token] = self.tokenizer.decode([token])
+        return cache
 
 
-def _no_text(token_id: int) -> None:
-    return None
+class _NoTexts(dict):
+    """decoded_token None for every id."""
+
+    def __missing__(self, token_id: int) -> None:
+        return None
+
+
+_NO_TEXTS = _NoTexts()
 
 
 def _record_tokens(stats: RequestStateStats, count: int) -> None:

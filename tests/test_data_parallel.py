@@ -369,8 +369,7 @@ def test_tiny_rings_two_engines_long_prompts_and_logprobs(tiny_llama_dir, monkey
                              prompt_logprobs=3 if i % 6 == 0 else None) for i in range(24)]
 
     def run(dp: int):
-        # KV for all 24 at once: a preempted request's prompt logprobs come twice (noticed in
-        # the one-engine path; not what this test is about)
+        # KV for all 24 at once: no preemption in either run (test_prompt_logprobs has those)
         with LLM(str(tiny_llama_dir), data_parallel_size=dp, max_model_len=1024, num_kv_blocks=1024) as llm:
             outs = llm.generate(prompts, params, use_tqdm=False)
             if dp == 2:

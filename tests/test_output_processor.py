@@ -9,6 +9,7 @@ from shmvllm.engine.input_processor import InputProcessor
 from shmvllm.boundary.messages import EngineCoreOutput, FinishReason, Logprobs
 from shmvllm.engine.output_processor import OutputProcessor, ParentRequest
 from shmvllm.engine.renderer import Renderer
+from shmvllm.logprobs import FlatLogprobs
 from shmvllm.sampling_params import RequestOutputKind, SamplingParams
 
 TEXT = "Hello world, this is a test of stop strings."
@@ -248,6 +249,35 @@ def test_logprobs_become_dicts_with_ranks(tokenizer, input_processor):
     assert first[28].decoded_token == tokenizer.decode([28])
     assert set(second) == {30, 31} and second[30].rank == 2 and second[31].rank == 1
     assert out.prompt_logprobs[0] is None and out.prompt_logprobs[1][905].logprob == pytest.approx(-3.0)
+
+
+@pytest.mark.parametrize("detokenize", [True, False])
+def test_flat_logprobs_hold_what_the_dicts_hold(tokenizer, input_processor, detokenize):
+    """FlatLogprobs are filled straight from the arrays: position by position the same dicts as
+    the list form, the row's own token left out of its top-k where it is one of them."""
+    sampled = Logprobs.from_arrays(
+        np.array([[28, 28, 29], [30, 31, 30], [7, 8, 9]]), np.array([[-0.5, -0.5, -1.0], [-2.0, -0.1, -2.0],
+                                                                      [-4.0, -1.0, -2.0]]), np.array([1, 2, 9])
+    )
+    prompt_rows = Logprobs.from_arrays(np.array([[905, 905, 12], [40, 905, 41]]),
+                                       np.array([[-3.0, -3.0, -4.0], [-5.0, -1.0, -2.0]]), np.array([1, 7]))
+    outputs = {}
+    for flat in (False, True):
+        processor = OutputProcessor(tokenizer)
+        params = SamplingParams(logprobs=2, prompt_logprobs=2, flat_logprobs=flat, detokenize=detokenize)
+        add(processor, input_processor, "r", params, prompt="Hello world")
+        outputs[flat] = processor.process_outputs(
+            [EngineCoreOutput(request_id="r", new_token_ids=[28, 30, 7], new_logprobs=sampled,
+                              new_prompt_logprobs=prompt_rows, finish_reason=FinishReason.LENGTH)]
+        ).request_outputs[0]
+    listed, flat = outputs[False], outputs[True]
+    assert isinstance(flat.prompt_logprobs, FlatLogprobs) and isinstance(flat.outputs[0].logprobs, FlatLogprobs)
+    for got, dicts in ((flat.prompt_logprobs, listed.prompt_logprobs), (flat.outputs[0].logprobs, listed.outputs[0].logprobs)):
+        assert list(got) == dicts
+        expected = FlatLogprobs()
+        expected.extend(dicts)
+        assert got == expected  # the same flat lists, the duplicates left out
+    assert flat.outputs[0].cumulative_logprob == listed.outputs[0].cumulative_logprob
 
 
 def test_child_error_reaches_the_parent_output(tokenizer, input_processor):

@@ -31,7 +31,7 @@ from shmvllm.engine.detokenizer import (
     special_token_ids,
 )
 from shmvllm.boundary.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, Logprobs
-from shmvllm.logprobs import create_prompt_logprobs, create_sample_logprobs
+from shmvllm.logprobs import FlatLogprobs, create_prompt_logprobs, create_sample_logprobs
 from shmvllm.outputs import (
     CompletionOutput,
     Logprob,
@@ -295,10 +295,9 @@ class OutputProcessor:
         if output.new_token_ids:
             _record_tokens(state.stats, len(output.new_token_ids))
         if output.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
-            state.prompt_logprobs.extend(self._logprob_rows(output.new_prompt_logprobs, params.detokenize))
+            self._extend_logprobs(state.prompt_logprobs, output.new_prompt_logprobs, params.detokenize)
         if output.new_logprobs is not None and state.logprobs is not None:
-            rows = self._logprob_rows(output.new_logprobs, params.detokenize)
-            state.logprobs.extend(rows)
+            self._extend_logprobs(state.logprobs, output.new_logprobs, params.detokenize)
             _, lps, _ = output.new_logprobs.arrays()
             state.cumulative_logprob += float(lps[:, 0].astype("float64").sum())
         new_ids = output.new_token_ids
@@ -422,6 +421,38 @@ class OutputProcessor:
             return None
         state.sent_prompt_logprobs = True
         return state.prompt_logprobs
+
+    def _extend_logprobs(
+        self, positions: Union[list[Optional[dict[int, Logprob]]], FlatLogprobs], logprobs: Logprobs, detokenize: bool
+    ) -> None:
+        if isinstance(positions, FlatLogprobs):
+            self._extend_flat(positions, logprobs, detokenize)
+        else:
+            positions.extend(self._logprob_rows(logprobs, detokenize))
+
+    def _extend_flat(self, flat: FlatLogprobs, logprobs: Logprobs, detokenize: bool) -> None:
+        """The rows straight into FlatLogprobs' lists, with no dict or Logprob per row: what
+        `flat.extend(self._logprob_rows(...))` would hold (a top-k token that is the row's own
+        token is left out; top-k tokens are distinct)."""
+        ids, lps, ranks = logprobs.arrays()
+        texts = self._texts_of(ids) if detokenize and self.tokenizer is not None else _NO_TEXTS
+        starts, ends, tokens, values, token_ranks, decoded = (
+            flat.start_indices, flat.end_indices, flat.token_ids, flat.logprobs, flat.ranks, flat.decoded_tokens
+        )
+        for row_ids, row_lps, rank in zip(ids.tolist(), lps.tolist(), ranks.tolist()):
+            starts.append(len(tokens))
+            token = row_ids[0]
+            tokens.append(token)
+            values.append(row_lps[0])
+            token_ranks.append(rank)
+            decoded.append(texts[token])
+            for j in range(1, len(row_ids)):
+                if row_ids[j] != token:
+                    tokens.append(row_ids[j])
+                    values.append(row_lps[j])
+                    token_ranks.append(j)
+                    decoded.append(texts[row_ids[j]])
+            ends.append(len(tokens))
 
     def _logprob_rows(self, logprobs: Logprobs, detokenize: bool = True) -> list[dict[int, Logprob]]:
         """One dict per row; decoded_token is None without detokenize (vLLM's). A prompt's rows

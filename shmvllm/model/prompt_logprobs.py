@@ -2,11 +2,11 @@
 token and the top-k, over the whole vocabulary.
 
 One long prompt asks this for thousands of rows at once (8k rows x 49k logits is 1.6 GB of
-fp32 per temporary). The rows go in blocks of BLOCK_ROWS: each block's logits stay in cache
-between the lm_head and the reductions, and no temporary grows with the prompt. On the CPU the
-reductions of a block are one call of the fused kernel (kernels/logprobs.c); elsewhere, or
-without a compiler, they are torch's log_softmax and `gather_logprobs`, which the kernel is
-tested against.
+fp32 per temporary). On the CPU the rows go in blocks of BLOCK_ROWS: each block's logits stay in
+cache between the lm_head and the reductions, no temporary grows with the prompt, and a block's
+reductions are one call of the fused kernel (kernels/logprobs.c). Without a compiler, for a
+top-k wider than the kernel keeps, or on another device (in one block there), they are torch's
+log_softmax and `gather_logprobs`, which the kernel is tested against.
 """
 
 from __future__ import annotations
@@ -39,9 +39,11 @@ def prompt_logprobs(
     ids = np.empty((rows, 1 + num_top), dtype="<i4")
     lps = np.empty((rows, 1 + num_top), dtype="<f4")
     ranks = np.empty(rows, dtype="<i4")
-    fused = _FusedReductions(num_top) if hidden.device.type == "cpu" and num_top <= MAX_FUSED_TOP else None
-    for start in range(0, rows, BLOCK_ROWS):
-        end = min(start + BLOCK_ROWS, rows)
+    on_cpu = hidden.device.type == "cpu"
+    fused = _FusedReductions(num_top) if on_cpu and num_top <= MAX_FUSED_TOP else None
+    block_rows = BLOCK_ROWS if on_cpu else max(rows, 1)  # elsewhere (untuned) one block, as before
+    for start in range(0, rows, block_rows):
+        end = min(start + block_rows, rows)
         logits = compute_logits(hidden[start:end])
         if fused is not None and fused.lib is not None and logits.dtype == torch.float32:
             fused(logits, targets[start:end], ids[start:end], lps[start:end], ranks[start:end])

@@ -85,20 +85,20 @@ def test_a_failing_model_step_fails_its_requests_and_the_engine_serves_on(tiny_l
 
 @pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
 def test_a_logprobs_failure_in_one_request_is_its_own(tiny_llama_dir, monkeypatch, field):
-    """gather_logprobs raising for one request (as torch.topk did for k > vocab): in the
-    sampler (logprobs) or in the runner (prompt logprobs)."""
+    """The logprob reductions raising for one request (as torch.topk did for k > vocab): in the
+    sampler (logprobs) or in the runner's prompt logprobs."""
     from shmvllm.model import sampler
     from shmvllm.worker import model_runner
 
-    real = model_runner.gather_logprobs
+    def failing_if_top_7(real):
+        def call(*args):
+            if args[-1] == 7:  # num_top, the last argument of both
+                raise RuntimeError("selected index k out of range")
+            return real(*args)
+        return call
 
-    def failing(logprobs, token_ids, num_top):
-        if num_top == 7:
-            raise RuntimeError("selected index k out of range")
-        return real(logprobs, token_ids, num_top)
-
-    monkeypatch.setattr(model_runner, "gather_logprobs", failing)
-    monkeypatch.setattr(sampler, "gather_logprobs", failing)
+    monkeypatch.setattr(model_runner, "prompt_logprobs", failing_if_top_7(model_runner.prompt_logprobs))
+    monkeypatch.setattr(sampler, "gather_logprobs", failing_if_top_7(sampler.gather_logprobs))
     with LLM(str(tiny_llama_dir), multiprocess=False, **ENGINE_ARGS) as llm:
         params = [GREEDY, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, **{field: 7})]
         outputs = llm.generate(PROMPTS[:2], params, use_tqdm=False)

@@ -14,7 +14,7 @@ engine process inherits the frontend's environment. README.md has the same table
 | SHMVLLM_FUSED_DECODE | 1 | 0: no fused C decode step for single-sequence decode |
 | SHMVLLM_HUGE_PAGES | 1 | 0: no madvise(MADV_HUGEPAGE) on weights and the KV cache |
 | SHMVLLM_CPU_BF16 | from /proc/cpuinfo | 1 / 0: whether the CPU has native bf16 dot products |
-| SHMVLLM_TP_ALLREDUCE | gloo | gloo or shm: how tensor-parallel ranks all-reduce |
+| SHMVLLM_TP_ALLREDUCE | shm | shm or gloo: how tensor-parallel ranks all-reduce (shm: the shared-memory arena, where its C helper builds; else gloo) |
 | OMP_NUM_THREADS | one per core | the engine's torch threads (data_parallel_size=N: every engine's; default: one per core of its share) (read to decide whether the frontend naps) |
 
 The ipc/ library reads its own (IPC_NATIVE_CACHE, IPC_PURE_PYTHON, CC): it is a separate
@@ -90,7 +90,7 @@ def SHMVLLM_CPU_BF16() -> Optional[str]:
 
 
 def SHMVLLM_TP_ALLREDUCE() -> str:
-    return _raw("SHMVLLM_TP_ALLREDUCE") or "gloo"
+    return _raw("SHMVLLM_TP_ALLREDUCE") or "shm"
 
 
 def OMP_NUM_THREADS() -> Optional[int]:

@@ -1,14 +1,12 @@
 """The tensor-parallel group of one engine: its rank, its size, and the collectives the
 sharded layers need, over torch.distributed's gloo backend (CPU tensors, TCP on loopback).
 
-With `SHMVLLM_TP_ALLREDUCE=shm` the layers' all-reduces (twice per layer, small: [tokens,
-hidden]) go through a shared-memory arena (`ipc.arena`) instead: each rank copies its partial
-sum into its slot, publishes, waits for the others, and adds all slots in rank order (so every
-rank holds the same bits). Alone it is ~17x faster than gloo (53 against 924 µs for a [576]
-fp32 all-reduce between two processes on the busy 2-core VM), but end to end on that
-oversubscribed machine it lost (benchmarks/tensor_parallel.py: 0.60x single, 0.82x batch; its
-waiter naps up to 1 ms while gloo's blocks until woken), so gloo stays the default. Tensors
-larger than a slot, and the logits' gather, always use gloo.
+The layers' all-reduces (twice per layer, small: [tokens, hidden]) go through a shared-memory
+arena (`ipc.arena`) by default: each rank copies its partial sum into its slot, publishes, waits
+for the others, and adds all slots in rank order (so every rank holds the same bits).
+`SHMVLLM_TP_ALLREDUCE=gloo` (or a machine where the arena's C helper does not build) sends them
+through gloo instead; benchmarks/tensor_parallel.py runs both. Tensors larger than a slot, and
+the logits' gather, always use gloo.
 """
 
 from __future__ import annotations
@@ -28,8 +26,8 @@ DEFAULT_TIMEOUT_S = 60.0
 
 
 def use_arena() -> bool:
-    """Whether the all-reduces go through the shared-memory arena (SHMVLLM_TP_ALLREDUCE=shm,
-    where the C helper builds) or gloo (the default, or SHMVLLM_TP_ALLREDUCE=gloo)."""
+    """Whether the all-reduces go through the shared-memory arena (the default, and
+    SHMVLLM_TP_ALLREDUCE=shm, where the C helper builds) or gloo (SHMVLLM_TP_ALLREDUCE=gloo)."""
     from ipc.arena import arena_available
 
     value = envs.SHMVLLM_TP_ALLREDUCE()

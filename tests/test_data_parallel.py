@@ -189,18 +189,25 @@ llm.generate(["Hello"] * 8, SamplingParams(temperature=0.0, max_tokens=1000, ign
 """
 
 
+def _start_frontend(tmp_path, source: str) -> tuple[subprocess.Popen, list[int]]:
+    """Runs `source` as a frontend program; returns it and the engine pids it prints first."""
+    script = tmp_path / "frontend.py"
+    script.write_text(textwrap.dedent(source))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    line = proc.stdout.readline()
+    if not line.startswith("ENGINES"):
+        proc.kill()
+        raise AssertionError((line, proc.communicate()[1]))
+    return proc, [int(p) for p in line.split()[1:]]
+
+
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
 def test_kill_frontend_both_engines_exit(tmp_path, tiny_llama_dir, signum):
     """kill -9: the engines exit and remove what the frontend left; SIGTERM: the frontend removes
     it all itself before it dies."""
-    script = tmp_path / "frontend.py"
-    script.write_text(textwrap.dedent(FRONTEND.format(model=str(tiny_llama_dir))))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc, pids = _start_frontend(tmp_path, FRONTEND.format(model=str(tiny_llama_dir)))
     try:
-        line = proc.stdout.readline()
-        assert line.startswith("ENGINES"), (line, proc.stderr.read() if proc.poll() is not None else "")
-        pids = [int(p) for p in line.split()[1:]]
         assert len(pids) == 2 and all(pid_alive(p) for p in pids)
         time.sleep(0.5)  # generating
         proc.send_signal(signum)
@@ -340,14 +347,8 @@ except KeyboardInterrupt:
 
 
 def test_ctrl_c_during_generate_aborts_in_both_engines(tmp_path, tiny_llama_dir):
-    script = tmp_path / "frontend.py"
-    script.write_text(textwrap.dedent(CTRL_C_FRONTEND.format(model=str(tiny_llama_dir))))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc, pids = _start_frontend(tmp_path, CTRL_C_FRONTEND.format(model=str(tiny_llama_dir)))
     try:
-        line = proc.stdout.readline()
-        assert line.startswith("ENGINES"), (line, proc.stderr.read() if proc.poll() is not None else "")
-        pids = [int(p) for p in line.split()[1:]]
         time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)

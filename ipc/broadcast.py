@@ -73,7 +73,7 @@ from typing import Any, Callable, Optional, TypeVar
 import posix_ipc
 
 from ipc import _native
-from ipc.ring import PeerClosedError, PeerDeadError, RingCorruptedError, RingError
+from ipc.ring import PeerClosedError, PeerDeadError, RingClosedError, RingCorruptedError, RingError
 from ipc.segment import (
     SEMAPHORE_BYTES,
     Segment,
@@ -273,7 +273,7 @@ class _Side:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError(f"broadcast ring {self.name} is closed")
+            raise RingClosedError(f"broadcast ring {self.name} is closed")
 
     def __enter__(self):
         return self

@@ -93,6 +93,10 @@ class PeerClosedError(PeerGoneError):
     """The peer closed its end of the ring (after everything it pushed was popped)."""
 
 
+class RingClosedError(RingError, ValueError):
+    """This end of the ring is closed (a ValueError, like I/O on a closed file)."""
+
+
 @functools.lru_cache(maxsize=1)
 def _native_lib() -> Optional[_native.NativeLib]:
     return _native.load()
@@ -375,7 +379,7 @@ class RingBuffer:
 
     def _check_peer(self) -> None:
         if self._closed:
-            raise ValueError(f"ring {self.name} is closed")
+            raise RingClosedError(f"ring {self.name} is closed")
         pid_off, start_off, closed_off = _SIDES[not self.is_creator]
         load = self._ops.load
         if load(closed_off):
@@ -439,7 +443,7 @@ class RingBuffer:
         """Appends one message (any size, any bytes-like object); blocks while the ring is full.
 
         Raises RingTimeoutError, a TimeoutError (nothing was delivered), PeerDeadError / PeerClosedError, or
-        ValueError once this end is closed.
+        RingClosedError (a ValueError) once this end is closed.
         """
         if self._fast_push:
             kind, n = type(data), len(data)
@@ -482,7 +486,7 @@ class RingBuffer:
 
     def _push_slow(self, data: "bytes | bytearray | memoryview", timeout: Optional[float]) -> None:
         if self._closed:
-            raise ValueError(f"ring {self.name} is closed")
+            raise RingClosedError(f"ring {self.name} is closed")
         deadline = _deadline(timeout)
         if self._send_abort:
             self._put_record(b"", L.KIND_ABORT, deadline)
@@ -632,7 +636,7 @@ class RingBuffer:
     def _consume_slow(self, fn: Callable[[memoryview], T], r: int, deadline: Optional[float], spun: bool = False) -> T:
         """The rest of pop/consume after a first look (`r`); `spun`: that look spun already."""
         if self._closed:
-            raise ValueError(f"ring {self.name} is closed")
+            raise RingClosedError(f"ring {self.name} is closed")
         while True:
             if r == L.EMPTY:
                 self._data_waiter.wait(deadline, spin=not spun)

@@ -17,7 +17,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Optional
 
-from ipc import PeerGoneError
+from ipc import PeerGoneError, RingClosedError
 from shmvllm.boundary.channel import Addresses, ChannelTimeout, Endpoint, FrontendInbox, open_frontend
 from shmvllm.boundary.messages import (
     EngineCoreAbort,
@@ -280,7 +280,7 @@ class SyncMPClient(EngineCoreClient):
                 return
             except PeerGoneError as exc:
                 raise self._died(str(exc)) from exc
-            except ValueError:  # the ring is closed: another thread found the engine dead meanwhile
+            except RingClosedError:  # the ring is closed: another thread found the engine dead meanwhile
                 if self._dead is not None:
                     raise EngineDeadError(self._dead) from None
                 raise
@@ -329,7 +329,7 @@ class SyncMPClient(EngineCoreClient):
                     continue
             except PeerGoneError as exc:
                 raise self._died(str(exc)) from exc
-            except ValueError:  # the ring is closed: a sender found the engine dead meanwhile
+            except RingClosedError:  # the ring is closed: a sender found the engine dead meanwhile
                 if self._dead is not None:
                     raise EngineDeadError(self._dead) from None
                 raise

@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from ipc import PeerGoneError
+from ipc import PeerGoneError, RingClosedError
 from shmvllm import envs
 from shmvllm.boundary.channel import ChannelTimeout, Endpoint, FrontendInbox
 from shmvllm.boundary.doorbell import Doorbell, open_frontend_rung
@@ -284,7 +284,7 @@ class DPSyncMPClient(EngineCoreClient):
                     return
                 except PeerGoneError as exc:
                     raise self._died(engine, str(exc)) from exc
-                except ValueError:  # the ring is closed: the reader found an engine dead meanwhile
+                except RingClosedError:  # the ring is closed: the reader found an engine dead meanwhile
                     if self._dead is not None:
                         raise EngineDeadError(self._dead) from None
                     raise

@@ -8,9 +8,16 @@ For each transport and payload, a child process echoes what the parent sends:
 - paced:  one round trip every 1 ms, so the receiver has gone to sleep each time (for iceoryx2,
           whose subscriber cannot block, it waits on an iceoryx2 event the sender notifies);
 - msgs/s: one-way throughput, the parent sending back to back, acknowledged once at the end
-          (the ring sends it in batches: `push_many` / `pop_many`, one published tail per batch);
-          the median of TPUT_PASSES such runs (one run of 10,000 small messages lasts ~0.1 s,
-          short enough for a scheduler hiccup of another process to halve it).
+          (the ring sends it in batches: `push_many` / `pop_many`, one published tail per batch).
+
+Rounds: the speed of a shared machine drifts by tens of percent from one second to the next, so
+a case measured in one stretch can be judged on a slow second. For each payload the benchmark
+runs `--repeats` rounds; a round runs every case once (a fresh echo process each time, so that
+no polling peer stays alive beside the others), in an order rotated by one case per round, with
+its share of the busy and paced round trips and one throughput pass. A row's median and p99
+are over the round trips of all rounds together, its msg/s the median of the rounds' rates; the
+rows carry the rounds' medians and rates too (`rtt_us_round_medians`, `msgs_per_s_rounds`), the
+table their range. The floor runs once per round of the 64 B payload, as one more case.
 
 Transports (`transport` in the JSON, `variant` where there are several):
 - shm: ipc.RingBuffer, one ring per direction;
@@ -25,7 +32,9 @@ Transports (`transport` in the JSON, `variant` where there are several):
 
 The table's CHECK lines: the ring's median round trip below every peer's, busy and paced, at
 64 B, 1 KiB and 64 KiB; its one-way msg/s the highest of every row; its 64 B busy round trip
-within 10x the floor. Run it alone on the machine: it needs two idle cores.
+within 10x the floor. Each is judged on the medians and says in how many rounds the ring also
+won it within the round (against every peer's figure of that round). Run it alone on the
+machine: it needs two idle cores.
 """
 
 from __future__ import annotations
@@ -62,7 +71,10 @@ CHECKED = ("64B", "1KiB", "64KiB")  # the payloads of the acceptance checks
 FLOOR_FACTOR = 10.0
 PACE_S = 0.001
 BATCH = 64  # messages per push_many / pop_many in the ring's throughput run
-TPUT_PASSES = 3  # throughput runs per case (each acknowledged at its end); the row has their median
+REPEATS = {True: 3, False: 5}  # rounds per payload by default, with --quick and without
+MIN_BUSY, MIN_PACED = 50, 20  # round trips a case makes in a round at least
+FLOOR = ("floor", "cacheline")
+ROUNDS_OF = {"rtt_us_median": "rtt_us_round_medians", "msgs_per_s": "msgs_per_s_rounds"}  # a row's figure -> its rounds'
 BIG = 64 << 10  # raw payloads from this size are received in place where the transport can
 _LEN = struct.Struct("=I")
 
@@ -80,6 +92,12 @@ class Counts:
     @property
     def warmup(self) -> int:
         return max(5, self.busy // 10)
+
+    def per_round(self, repeats: int) -> "Counts":
+        """One round's share of `repeats`: the round trips divided among the rounds (at least
+        MIN_BUSY / MIN_PACED, at most the total), and a whole throughput pass."""
+        return Counts(min(self.busy, max(MIN_BUSY, self.busy // repeats)),
+                      min(self.paced, max(MIN_PACED, self.paced // repeats)), self.tput)
 
 
 def counts_for(size: int, quick: bool) -> Counts:
@@ -369,7 +387,7 @@ def endpoint(transport: str, variant: str, handles: dict, side: str, payload: Pa
 
 
 def child_main(transport: str, variant: str, payload: Payload, handles: dict, counts: Counts) -> None:
-    """The echo side: busy and paced round trips, then a throughput run acknowledged once."""
+    """The echo side of one round: busy and paced round trips, then a throughput pass acknowledged once."""
     obj = payload.make()
     end = endpoint(transport, variant, handles, "child", payload)
     gc.disable()
@@ -379,9 +397,8 @@ def child_main(transport: str, variant: str, payload: Payload, handles: dict, co
     echo_paced = end.echo_paced
     for _ in range(counts.paced):
         echo_paced()
-    for _ in range(TPUT_PASSES):
-        end.recv_many(counts.tput)
-        send(obj)
+    end.recv_many(counts.tput)
+    send(obj)
     recv()  # the parent's "done": keeps our end open until the parent has read the ack
     end.close()
 
@@ -464,10 +481,11 @@ def _wait_attached(rings: tuple, child: Any, timeout: float = 60.0) -> None:
         time.sleep(0.001)
 
 
-def run_case(transport: str, variant: str, payload: Payload, quick: bool, ctx: Any) -> list[dict]:
+def run_round(transport: str, variant: str, payload: Payload, counts: Counts, ctx: Any) -> dict:
+    """One round of one case, with its own echo process: {"payload_bytes", "busy" (round trips,
+    µs), "paced" (µs), "msgs_per_s" (the throughput pass's rate)}."""
     obj = payload.make()
     size = encoded_size(payload, obj)
-    counts = counts_for(size, quick)
     parent_handles, child_handles, cleanup = make_handles(transport, variant, size, ctx, payload.ring_capacity)
     child = ctx.Process(target=child_main, args=(transport, variant, payload, child_handles, counts), daemon=True)
     child.start()
@@ -485,13 +503,10 @@ def run_case(transport: str, variant: str, payload: Payload, quick: bool, ctx: A
             _round_trips(send, recv, obj, counts.warmup, 0.0)
             busy = _round_trips(send, recv, obj, counts.busy, 0.0)
             paced = _round_trips(end.send_paced, end.recv_paced, obj, counts.paced, PACE_S)
-            rates = []
-            for _ in range(TPUT_PASSES):
-                t0 = time.perf_counter()
-                end.send_many(obj, counts.tput)
-                recv()
-                rates.append(counts.tput / (time.perf_counter() - t0))
-            tput = statistics.median(rates)
+            t0 = time.perf_counter()
+            end.send_many(obj, counts.tput)
+            recv()
+            rate = counts.tput / (time.perf_counter() - t0)
             send(obj)
         finally:
             gc.enable()
@@ -504,11 +519,49 @@ def run_case(transport: str, variant: str, payload: Payload, quick: bool, ctx: A
             child.kill()
             child.join()
         cleanup()
-    row = dict(transport=transport, variant=variant, payload=payload.name, payload_bytes=size)
-    return [
-        dict(row, mode="busy", rtt_us_median=statistics.median(busy), rtt_us_p99=_p99(busy), msgs_per_s=tput),
-        dict(row, mode="paced", rtt_us_median=statistics.median(paced), rtt_us_p99=_p99(paced), msgs_per_s=None),
-    ]
+    return dict(payload_bytes=size, busy=busy, paced=paced, msgs_per_s=rate)
+
+
+def merge_rounds(transport: str, variant: str, payload: str, rounds: list[dict]) -> list[dict]:
+    """The busy and the paced row of a case from its rounds (`run_round`'s results): median and
+    p99 over the round trips of all rounds, msg/s the median of the rounds' rates, and the
+    rounds' own medians and rates."""
+    row = dict(transport=transport, variant=variant, payload=payload, payload_bytes=rounds[0]["payload_bytes"])
+    out = []
+    for mode in ("busy", "paced"):
+        pooled = [rtt for r in rounds for rtt in r[mode]]
+        rates = [r["msgs_per_s"] for r in rounds] if mode == "busy" else None
+        out.append(dict(row, mode=mode, rtt_us_median=statistics.median(pooled), rtt_us_p99=_p99(pooled),
+                        msgs_per_s=statistics.median(rates) if rates else None,
+                        rtt_us_round_medians=[statistics.median(r[mode]) for r in rounds], msgs_per_s_rounds=rates))
+    return out
+
+
+def rotated(cases: list, round_index: int) -> list:
+    """The order of the cases in a round: round r starts at case r mod n, so that each case is
+    first (and last) in as many rounds as any other."""
+    k = round_index % len(cases) if cases else 0
+    return list(cases[k:]) + list(cases[:k])
+
+
+def run_payload(payload: Payload, cases: list, repeats: int, quick: bool, ctx: Any, floor_program: Optional[str] = None,
+                progress: Callable[[str], Any] = lambda line: None) -> list[dict]:
+    """`repeats` rounds of every case (and, with `floor_program`, of the floor) on one payload,
+    merged into rows."""
+    counts = counts_for(encoded_size(payload, payload.make()), quick).per_round(repeats)
+    jobs = list(cases) + ([FLOOR] if floor_program else [])
+    results: dict[tuple, list] = {job: [] for job in jobs}
+    for r in range(repeats):
+        for job in rotated(jobs, r):
+            if job == FLOOR:
+                results[job].append(floor_round(floor_program, quick, repeats))
+            else:
+                results[job].append(run_round(*job, payload, counts, ctx))
+            progress(f"round {r + 1}/{repeats} {payload.name:8s} {label(*job):24s}")
+    rows = []
+    for job in jobs:
+        rows.extend(merge_floor(results[job]) if job == FLOOR else merge_rounds(*job, payload.name, results[job]))
+    return rows
 
 
 def build_floor() -> Optional[str]:
@@ -523,19 +576,22 @@ def build_floor() -> Optional[str]:
     return str(out)
 
 
-def run_floor(quick: bool) -> list[dict]:
-    """Two processes, two cache lines, C spinning: the round trip no transport can beat here."""
-    program = build_floor()
-    if program is None:
-        return []
+def floor_round(program: str, quick: bool, repeats: int) -> list[float]:
+    """One round of the floor: two processes, two cache lines, C spinning, the round trip no
+    transport can beat here; the mean µs of each batch of round trips."""
     batches, iters = (21, 5000) if quick else (51, 20000)
-    try:
-        out = subprocess.run([program, str(batches), str(iters)], check=True, capture_output=True, text=True, timeout=120)
-    finally:
-        shutil.rmtree(Path(program).parent, ignore_errors=True)
-    means = [float(line) / 1000.0 for line in out.stdout.split()]
-    return [dict(transport="floor", variant="cacheline", payload="cacheline", payload_bytes=8, mode="busy",
-                 rtt_us_median=statistics.median(means), rtt_us_p99=max(means), msgs_per_s=None)]
+    batches = max(5, batches // repeats)
+    out = subprocess.run([program, str(batches), str(iters)], check=True, capture_output=True, text=True, timeout=120)
+    return [float(line) / 1000.0 for line in out.stdout.split()]
+
+
+def merge_floor(rounds: list[list[float]]) -> list[dict]:
+    """The floor's row: the median of the rounds' medians (of their batch means), the slowest
+    batch as its p99."""
+    medians = [statistics.median(means) for means in rounds]
+    return [dict(transport=FLOOR[0], variant=FLOOR[1], payload="cacheline", payload_bytes=8, mode="busy",
+                 rtt_us_median=statistics.median(medians), rtt_us_p99=max(m for means in rounds for m in means),
+                 msgs_per_s=None, rtt_us_round_medians=medians, msgs_per_s_rounds=None)]
 
 
 # ----------------------------------------------------------------------------- report
@@ -545,8 +601,21 @@ def _index(rows: list[dict]) -> dict:
     return {(r["transport"], r["variant"], r["payload"], r["mode"]): r for r in rows}
 
 
+def rounds_won(shm: Optional[list], peers: list[Optional[list]], wins: Callable[[float, list[float]], bool]) -> Optional[tuple[int, int]]:
+    """(rounds in which `wins(shm's figure, the peers' figures)` holds, rounds), comparing the
+    figures of the same round; None when a row has no rounds or not as many as the others."""
+    if not shm or any(not p or len(p) != len(shm) for p in peers):
+        return None
+    return sum(bool(wins(value, [p[i] for p in peers])) for i, value in enumerate(shm)), len(shm)
+
+
+def _won(counted: Optional[tuple[int, int]]) -> str:
+    return f", won {counted[0]}/{counted[1]} rounds" if counted else ""
+
+
 def checks(rows: list[dict]) -> list[tuple[str, bool]]:
-    """(CHECK line, ok) for every acceptance target the rows allow to judge."""
+    """(CHECK line, ok) for every acceptance target the rows allow to judge; ok is judged on the
+    medians, the line adds in how many rounds the ring won the same comparison."""
     by_key, out = _index(rows), []
     payloads = list(dict.fromkeys(r["payload"] for r in rows if r["transport"] == "shm"))
     for payload in payloads:
@@ -558,29 +627,44 @@ def checks(rows: list[dict]) -> list[tuple[str, bool]]:
             if payload in CHECKED:
                 best = min(peers, key=lambda r: r["rtt_us_median"])
                 ok = shm["rtt_us_median"] < best["rtt_us_median"]
+                won = rounds_won(shm.get("rtt_us_round_medians"), [p.get("rtt_us_round_medians") for p in peers],
+                                 lambda value, others: value < min(others))
                 out.append((f"CHECK {'ok  ' if ok else 'FAIL'} {payload} {mode}: shm {shm['rtt_us_median']:.2f} µs < best peer "
                             f"{label(best['transport'], best['variant'])} {best['rtt_us_median']:.2f} µs "
-                            f"(ratio {shm['rtt_us_median'] / best['rtt_us_median']:.3f})", ok))
+                            f"(ratio {shm['rtt_us_median'] / best['rtt_us_median']:.3f}){_won(won)}", ok))
             if mode == "busy" and shm.get("msgs_per_s"):
                 best = max(peers, key=lambda r: r.get("msgs_per_s") or 0)
                 ok = shm["msgs_per_s"] > (best.get("msgs_per_s") or 0)
+                won = rounds_won(shm.get("msgs_per_s_rounds"), [p.get("msgs_per_s_rounds") for p in peers],
+                                 lambda value, others: value > max(others))
                 out.append((f"CHECK {'ok  ' if ok else 'FAIL'} {payload} one-way: shm {shm['msgs_per_s']:,.0f} msg/s > best peer "
                             f"{label(best['transport'], best['variant'])} {best['msgs_per_s']:,.0f} "
-                            f"(ratio {shm['msgs_per_s'] / best['msgs_per_s']:.2f})", ok))
-    floor, shm64 = by_key.get(("floor", "cacheline", "cacheline", "busy")), by_key.get(("shm", "ring", "64B", "busy"))
+                            f"(ratio {shm['msgs_per_s'] / best['msgs_per_s']:.2f}){_won(won)}", ok))
+    floor, shm64 = by_key.get((*FLOOR, "cacheline", "busy")), by_key.get(("shm", "ring", "64B", "busy"))
     if floor and shm64:
         ratio = shm64["rtt_us_median"] / floor["rtt_us_median"]
         ok = ratio <= FLOOR_FACTOR
+        won = rounds_won(shm64.get("rtt_us_round_medians"), [floor.get("rtt_us_round_medians")],
+                         lambda value, others: value <= FLOOR_FACTOR * others[0])
         out.append((f"CHECK {'ok  ' if ok else 'FAIL'} 64B busy: shm {shm64['rtt_us_median']:.2f} µs <= {FLOOR_FACTOR:g}x floor "
-                    f"{floor['rtt_us_median']:.3f} µs (ratio {ratio:.1f}x)", ok))
+                    f"{floor['rtt_us_median']:.3f} µs (ratio {ratio:.1f}x){_won(won)}", ok))
     return out
+
+
+def _spread(values: Optional[list], fmt: Callable[[float], str]) -> str:
+    """" [lowest-highest]" of the rounds' figures, or nothing for fewer than two rounds."""
+    return f" [{fmt(min(values))}-{fmt(max(values))}]" if values and len(values) > 1 else ""
+
+
+def _rate(value: float) -> str:
+    return f"{value / 1e6:.2f}M" if value >= 1e6 else f"{value / 1e3:.1f}k"
 
 
 def format_table(rows: list[dict]) -> str:
     by_key = _index(rows)
     cases = [c for c in CASES if any(k[:2] == c for k in by_key)]
     payloads = list(dict.fromkeys(r["payload"] for r in rows if r["transport"] != "floor"))
-    head = "| payload | bytes | mode | " + " | ".join(f"{label(*c)} µs (p99)" for c in cases) + " | shm / best peer |"
+    head = "| payload | bytes | mode | " + " | ".join(f"{label(*c)} µs [rounds] (p99)" for c in cases) + " | shm / best peer |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for payload in payloads:
         for mode in ("busy", "paced"):
@@ -588,21 +672,24 @@ def format_table(rows: list[dict]) -> str:
             if not any(cells):
                 continue
             size = next(c for c in cells if c)["payload_bytes"]
-            lat = [f"{c['rtt_us_median']:.2f} ({c['rtt_us_p99']:.0f})" if c else "-" for c in cells]
+            lat = [f"{c['rtt_us_median']:.2f}{_spread(c.get('rtt_us_round_medians'), '{:.2f}'.format)} ({c['rtt_us_p99']:.0f})"
+                   if c else "-" for c in cells]
             shm, peers = cells[0] if cases[0][0] == "shm" else None, [c for c in cells[1:] if c]
             ratio = f"{shm['rtt_us_median'] / min(p['rtt_us_median'] for p in peers):.3f}" if shm and peers else "-"
             lines.append(f"| {payload} | {size} | {mode} | " + " | ".join(lat) + f" | {ratio} |")
-    lines += ["", "| payload | " + " | ".join(f"{label(*c)} msg/s" for c in cases) + " | shm / best peer |",
+    lines += ["", "| payload | " + " | ".join(f"{label(*c)} msg/s [rounds]" for c in cases) + " | shm / best peer |",
               "|" + "---|" * (len(cases) + 2)]
     for payload in payloads:
         cells = [by_key.get((*c, payload, "busy")) for c in cases]
         rates = [c["msgs_per_s"] if c and c.get("msgs_per_s") else None for c in cells]
+        text = [f"{r:,.0f}{_spread(c.get('msgs_per_s_rounds'), _rate)}" if r else "-" for r, c in zip(rates, cells)]
         peers = [r for r in rates[1:] if r]
         ratio = f"{rates[0] / max(peers):.2f}" if rates[0] and peers else "-"
-        lines.append(f"| {payload} | " + " | ".join(f"{r:,.0f}" if r else "-" for r in rates) + f" | {ratio} |")
-    floor = by_key.get(("floor", "cacheline", "cacheline", "busy"))
+        lines.append(f"| {payload} | " + " | ".join(text) + f" | {ratio} |")
+    floor = by_key.get((*FLOOR, "cacheline", "busy"))
     if floor:
-        lines.append(f"\nfloor (C, two cache lines, both sides spinning): {floor['rtt_us_median']:.3f} µs per round trip")
+        lines.append(f"\nfloor (C, two cache lines, both sides spinning): {floor['rtt_us_median']:.3f} µs per round trip"
+                     f"{_spread(floor.get('rtt_us_round_medians'), '{:.3f}'.format)}")
     return "\n".join(lines)
 
 
@@ -622,8 +709,12 @@ def plot(rows: list[dict], path: str) -> None:
               ("busy", "msgs_per_s", "one-way throughput (messages/s, log)")]
     for ax, (mode, key, title) in zip(axes, panels):
         for i, case in enumerate(cases):
-            values = [(by_key.get((*case, p, mode)) or {}).get(key) or 0 for p in payloads]
-            bars = ax.bar([x + (i - (len(cases) - 1) / 2) * width for x in range(len(payloads))], values, width, label=label(*case))
+            cells = [by_key.get((*case, p, mode)) or {} for p in payloads]
+            values = [c.get(key) or 0 for c in cells]
+            rounds = [c.get(ROUNDS_OF[key]) or [v] for c, v in zip(cells, values)]
+            spread = [[v - min(r) for v, r in zip(values, rounds)], [max(r) - v for v, r in zip(values, rounds)]]
+            bars = ax.bar([x + (i - (len(cases) - 1) / 2) * width for x in range(len(payloads))], values, width,
+                          yerr=spread, error_kw=dict(elinewidth=0.6, capsize=1.5), label=label(*case))
             if case[0] == "shm":
                 for bar, value in zip(bars, values):
                     text = f"{value:.2f}" if key == "rtt_us_median" else f"{value / 1e6:.2f}M"
@@ -634,7 +725,7 @@ def plot(rows: list[dict], path: str) -> None:
         ax.set_yscale("log")
         ax.set_xticks(range(len(payloads)))
         ax.set_xticklabels(payloads)
-        ax.set_title(title)
+        ax.set_title(title + ", bars: the rounds' range")
         ax.grid(axis="y", which="both", alpha=0.3)
         ax.legend(loc="upper right", fontsize=7, ncol=4)
     fig.suptitle("IPC between two processes: ipc ring vs iceoryx2, pipes, ZeroMQ, multiprocessing")
@@ -662,7 +753,13 @@ def main(argv: Optional[list[str]] = None, extra_payloads: Optional[dict[str, Pa
     parser.add_argument("--transports", default=",".join(transports), help="comma-separated subset")
     parser.add_argument("--payloads", default=",".join(payloads), help="comma-separated subset")
     parser.add_argument("--no-floor", action="store_true", help="skip the C floor")
+    parser.add_argument("--repeats", type=int, metavar="R",
+                        help=f"rounds per payload, each running every case once in a rotated order "
+                             f"(default {REPEATS[True]} with --quick, else {REPEATS[False]})")
     args = parser.parse_args(argv)
+    repeats = REPEATS[args.quick] if args.repeats is None else args.repeats
+    if repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {repeats}")
     chosen_t = [t for t in args.transports.split(",") if t]
     chosen_p = [p for p in args.payloads.split(",") if p]
     for name, chosen, allowed in (("transport", chosen_t, transports), ("payload", chosen_p, list(payloads))):
@@ -679,11 +776,17 @@ def main(argv: Optional[list[str]] = None, extra_payloads: Optional[dict[str, Pa
 
     ctx = mp.get_context("spawn")
     started = time.monotonic()
-    rows = [] if args.no_floor else run_floor(args.quick)
-    for name in chosen_p:
-        for transport, variant in cases:
-            rows.extend(run_case(transport, variant, payloads[name], args.quick, ctx))
-            print(f"  {label(transport, variant):24s} {name:8s} done ({time.monotonic() - started:.0f} s)", file=sys.stderr)
+    progress = lambda line: print(f"  {line} done ({time.monotonic() - started:.0f} s)", file=sys.stderr)  # noqa: E731
+    floor_program = None if args.no_floor else build_floor()
+    floor_with = "64B" if "64B" in chosen_p else chosen_p[0] if chosen_p else None  # the payload whose rounds include the floor
+    rows = []
+    try:
+        for name in chosen_p:
+            rows.extend(run_payload(payloads[name], cases, repeats, args.quick, ctx,
+                                    floor_program if name == floor_with else None, progress))
+    finally:
+        if floor_program:
+            shutil.rmtree(Path(floor_program).parent, ignore_errors=True)
     print(format_table(rows))
     results = checks(rows)
     print()

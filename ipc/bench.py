@@ -657,7 +657,7 @@ def _spread(values: Optional[list], fmt: Callable[[float], str]) -> str:
 
 
 def _rate(value: float) -> str:
-    return f"{value / 1e6:.2f}M" if value >= 1e6 else f"{value / 1e3:.1f}k"
+    return f"{value / 1e6:.2f}M" if value >= 1e6 else f"{value / 1e3:.1f}k" if value >= 1e3 else f"{value:.0f}"
 
 
 def format_table(rows: list[dict]) -> str:

@@ -8,8 +8,12 @@ the rings of the size the engine's are.
     flock /tmp/shmvllm-cpu.lock python benchmarks/ipc_latency.py --quick \\
         --json benchmarks/results/ipc_latency.json --plot benchmarks/results/ipc_latency.png
 
-Prints the round-trip and throughput tables, the shm / best-peer ratio of every row, and one
-CHECK line per acceptance target (exit status 1 if one fails). Peers: `pip install -e .[bench]`.
+Every case runs in `--repeats` rounds per payload (3 with --quick, 5 otherwise), the cases of a
+round in an order rotated by one per round, so that a slow second of a shared machine spreads
+over all transports instead of deciding one row. Prints the round-trip and throughput tables
+(median over all rounds, the rounds' range in brackets), the shm / best-peer ratio of every row,
+and one CHECK line per acceptance target, judged on the medians, with the number of rounds the
+ring won it in (exit status 1 if one fails). Peers: `pip install -e .[bench]`.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ no polling peer stays alive beside the others), in an order rotated by one case 
 its share of the busy and paced round trips and one throughput pass. A row's median and p99
 are over the round trips of all rounds together, its msg/s the median of the rounds' rates; the
 rows carry the rounds' medians and rates too (`rtt_us_round_medians`, `msgs_per_s_rounds`), the
-table their range. The floor runs once per round of the 64 B payload, as one more case.
+table their range. The floor runs as one more case in the rounds of the 64 B payload (or of
+the first payload chosen).
 
 Transports (`transport` in the JSON, `variant` where there are several):
 - shm: ipc.RingBuffer, one ring per direction;
@@ -712,7 +713,7 @@ def plot(rows: list[dict], path: str) -> None:
             cells = [by_key.get((*case, p, mode)) or {} for p in payloads]
             values = [c.get(key) or 0 for c in cells]
             rounds = [c.get(ROUNDS_OF[key]) or [v] for c, v in zip(cells, values)]
-            spread = [[v - min(r) for v, r in zip(values, rounds)], [max(r) - v for v, r in zip(values, rounds)]]
+            spread = [[max(0, v - min(r)) for v, r in zip(values, rounds)], [max(0, max(r) - v) for v, r in zip(values, rounds)]]
             bars = ax.bar([x + (i - (len(cases) - 1) / 2) * width for x in range(len(payloads))], values, width,
                           yerr=spread, error_kw=dict(elinewidth=0.6, capsize=1.5), label=label(*case))
             if case[0] == "shm":

@@ -25,11 +25,19 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 
 def _raw(name: str) -> Optional[str]:
     return os.environ.get(name)
+
+
+# os.environ.get of an unset name costs about a microsecond (it raises and catches KeyError
+# twice); SHMVLLM_MAX_N_SEQUENCES is read on every SamplingParams validation (construction and
+# the engine's decoding), so its absence is looked up in the dict behind os.environ, which every
+# write to os.environ (monkeypatch.setenv included) updates.
+_ENVIRON_STORE: dict[Any, Any] = os.environ._data  # type: ignore[attr-defined]
+_MAX_N_SEQUENCES_KEY = os.environ.encodekey("SHMVLLM_MAX_N_SEQUENCES")  # type: ignore[attr-defined]
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -65,6 +73,8 @@ def SHMVLLM_RING_CAPACITY() -> Optional[int]:
 
 
 def SHMVLLM_MAX_N_SEQUENCES() -> Optional[int]:
+    if _MAX_N_SEQUENCES_KEY not in _ENVIRON_STORE:
+        return None
     return _int("SHMVLLM_MAX_N_SEQUENCES")
 
 

@@ -13,6 +13,7 @@ import enum
 import json as _json
 import logging
 import math
+import sys
 from typing import Any, Optional, Union
 
 import msgspec
@@ -31,6 +32,12 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N_SEQUENCES_ENV = "SHMVLLM_MAX_N_SEQUENCES"
 DEFAULT_MAX_N_SEQUENCES = 16384
 _set_field = msgspec.Struct.__setattr__  # a field assignment without re-validation
+# The shortcut in SamplingParams._validate takes a number of exactly these types, and an
+# unbounded one (repetition_penalty) only up to the largest float: an int up to it converts to
+# a finite float, and Python compares ints with floats exactly, so a bigger int (which
+# math.isfinite refuses) is left to the detailed check.
+_NUMBER_TYPES = (float, int)
+_FLOAT_MAX = sys.float_info.max
 
 
 def max_n_sequences() -> int:
@@ -225,9 +232,7 @@ class SamplingParams(
     bad_words_token_ids: Optional[list[list[int]]] = None  # bad_words, tokenized
 
     def __post_init__(self) -> None:
-        self._normalize()
-        self._verify()
-        self._verify_v1_fields()
+        self._validate()
         if _SAMPLING_EPS <= self.temperature < _MIN_TEMPERATURE:
             logger.warning("temperature %s is below %s, which overflows the softmax: raised to %s",
                            self.temperature, _MIN_TEMPERATURE, _MIN_TEMPERATURE)
@@ -244,14 +249,62 @@ class SamplingParams(
         old = getattr(self, name)
         _set_field(self, name, value)
         try:
-            self._normalize()
-            self._verify()
-            self._verify_v1_fields()
+            self._validate()
             if self.temperature < _SAMPLING_EPS:
                 self._check_greedy_n()
         except BaseException:
             _set_field(self, name, old)
             raise
+
+    def _validate(self) -> None:
+        """Normalizes and checks every field: _normalize, _verify and _verify_v1_fields.
+
+        It runs on every construction and on every decoding by the engine, so it first tries a
+        shortcut: params whose fields all hold plain values (ints and floats of exactly those
+        types within their bounds, bools, an enum member, stop strings and stop token ids that
+        need no conversion, none of the optional list, dict or structured-output fields) are
+        accepted by a few comparisons, which hold only where the detailed checks would pass and
+        change nothing but stop/stop_token_ids None -> []. Anything else goes through the
+        detailed checks, so every error and every normalization is theirs. The unpacking below
+        names every field: a new field breaks it until the shortcut has been taught about it.
+        """
+        (n, presence_penalty, frequency_penalty, repetition_penalty, temperature, top_p, top_k, min_p, seed,
+         stop, stop_token_ids, ignore_eos, max_tokens, min_tokens, logprobs, prompt_logprobs, detokenize,
+         skip_special_tokens, spaces_between_special_tokens, include_stop_str_in_output, output_kind,
+         truncate_prompt_tokens, logit_bias, allowed_token_ids, bad_words, extra_args, flat_logprobs,
+         structured_outputs, guided_decoding, _eos_token_id, _bad_words_token_ids) = msgspec.structs.astuple(self)
+        if (
+            type(n) is int and 1 <= n <= INT64_MAX
+            and type(presence_penalty) in _NUMBER_TYPES and -2.0 <= presence_penalty <= 2.0
+            and type(frequency_penalty) in _NUMBER_TYPES and -2.0 <= frequency_penalty <= 2.0
+            and type(repetition_penalty) in _NUMBER_TYPES and 0.0 < repetition_penalty <= _FLOAT_MAX
+            and type(temperature) in _NUMBER_TYPES and 0.0 <= temperature <= _MAX_TEMPERATURE
+            and type(top_p) in _NUMBER_TYPES and 0.0 < top_p <= 1.0
+            and type(top_k) is int and -1 <= top_k <= INT64_MAX
+            and type(min_p) in _NUMBER_TYPES and 0.0 <= min_p <= 1.0
+            and (seed is None or (type(seed) is int and 0 <= seed <= INT64_MAX))
+            and (max_tokens is None or (type(max_tokens) is int and 1 <= max_tokens <= INT64_MAX))
+            and type(min_tokens) is int and 0 <= min_tokens <= INT64_MAX
+            and (max_tokens is None or min_tokens <= max_tokens)
+            and (logprobs is None or (type(logprobs) is int and -1 <= logprobs <= INT64_MAX))
+            and (prompt_logprobs is None or (type(prompt_logprobs) is int and -1 <= prompt_logprobs <= INT64_MAX))
+            and type(ignore_eos) is type(detokenize) is type(skip_special_tokens) is bool
+            and type(spaces_between_special_tokens) is type(include_stop_str_in_output) is type(flat_logprobs) is bool
+            and type(output_kind) is RequestOutputKind
+            and guided_decoding is structured_outputs is truncate_prompt_tokens is None
+            and logit_bias is allowed_token_ids is bad_words is extra_args is None
+            and (stop is None or (type(stop) is list and (not stop or (detokenize and _plain_stop(stop)))))
+            and (stop_token_ids is None or (type(stop_token_ids) is list and _plain_token_ids(stop_token_ids)))
+            and n <= max_n_sequences()
+        ):
+            if stop is None:
+                _set_field(self, "stop", [])
+            if stop_token_ids is None:
+                _set_field(self, "stop_token_ids", [])
+            return
+        self._normalize()
+        self._verify()
+        self._verify_v1_fields()
 
     def _check_greedy_n(self) -> None:
         if self.n > 1:
@@ -439,6 +492,22 @@ class BeamSearchParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # typ
             _check_number(name, getattr(self, name))
         if not 0.0 <= self.temperature <= _MAX_TEMPERATURE:
             raise ValueError(f"temperature must be in [0, {_MAX_TEMPERATURE}], got {self.temperature}.")
+
+
+def _plain_stop(stop: list[Any]) -> bool:
+    """Whether every stop string is a str (exactly) and not empty."""
+    for text in stop:
+        if type(text) is not str or not text:
+            return False
+    return True
+
+
+def _plain_token_ids(token_ids: list[Any]) -> bool:
+    """Whether every token id is an int (exactly) in [0, INT64_MAX]."""
+    for token in token_ids:
+        if type(token) is not int or not 0 <= token <= INT64_MAX:
+            return False
+    return True
 
 
 def _check_int(name: str, value: object) -> None:

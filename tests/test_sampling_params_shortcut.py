@@ -1,0 +1,207 @@
+"""SamplingParams' validation shortcut agrees with the detailed checks: the same params (valid or
+not, built, decoded from msgpack or assigned) give the same fields, of the same types, or the
+same exception with the same message; and the engine still refuses invalid params on the wire."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from typing import Any
+
+import msgspec
+import pytest
+
+from shmvllm.boundary.messages import EngineCoreRequest, UndecodableRequest, decode_to_engine, make_encoder
+from shmvllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams, _set_field
+
+
+class Detailed(SamplingParams):
+    """SamplingParams validated by the detailed checks alone."""
+
+    def _validate(self) -> None:
+        self._normalize()
+        self._verify()
+        self._verify_v1_fields()
+
+
+NAN, INF = math.nan, math.inf
+PENALTY = [0.0, 0, 2, 2.0, -2.0, 1.5, 2.5, -2.0000001, NAN, INF, -INF, True, "0", None, 10**400]
+POOLS: dict[str, list[Any]] = {
+    "n": [1, 2, 8, 16384, 16385, 0, -1, 1.0, True, "1", 2**63 - 1, 2**63, 2**64],
+    "presence_penalty": PENALTY,
+    "frequency_penalty": PENALTY,
+    "repetition_penalty": [1.0, 1, 0.5, 1.2, 0.0, 0, -1.0, INF, NAN, 1.7976931348623157e308, 10**308, 10**309,
+                           2**1024, True, None],
+    "temperature": [1.0, 0.0, 0, 1, 2, 2.0, 0.8, 0.005, 1e-6, 2.0000001, -0.0, -0.1, NAN, INF, True, "hot", None],
+    "top_p": [1.0, 0.95, 1, 0.0, 0, 1.5, 1e-9, NAN, False],
+    "top_k": [0, -1, 40, -2, 2.5, True, 2**63 - 1, 2**63],
+    "min_p": [0.0, 0, 1, 0.5, 1.5, -0.1, NAN],
+    "seed": [None, 0, 42, -1, -5, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1, "42", True, 1.0],
+    "stop": [None, [], "x", ["a", "b"], [""], ("a",), [1], "", ["a", 1], 5, ["\n"], ["a", ""]],
+    "stop_token_ids": [None, [], [2, 7], [0], [-1], [True], [2**63], [2**63 - 1], (1, 2), [1.0], "1", [3, "4"]],
+    "ignore_eos": [False, True, 0, 1, None],
+    "max_tokens": [16, 64, None, 1, 0, -1, 2**63 - 1, 2**63, 1.0, True, "16"],
+    "min_tokens": [0, 1, 20, 100, -1, 2**63, True, 0.0],
+    "logprobs": [None, 0, 5, -1, -2, True, False, 1.0, 2**63],
+    "prompt_logprobs": [None, 0, 3, -1, -3, True, 2**63 - 1],
+    "detokenize": [True, False, 1, None],
+    "skip_special_tokens": [True, False, 0],
+    "spaces_between_special_tokens": [True, False, "yes"],
+    "include_stop_str_in_output": [False, True, 1],
+    "output_kind": list(RequestOutputKind) + [0, 1, 2, 3, -1, True, "delta", 1.0],
+    "truncate_prompt_tokens": [None, 5, -1, 0, -2, True],
+    "logit_bias": [None, {1: 1.0}, {1: 2}, {"a": 1.0}, [1], {1: NAN}],
+    "allowed_token_ids": [None, [1, 2], [], [1, "2"], [True]],
+    "bad_words": [None, ["a", "a", "b"], [""], "word", [" "]],
+    "extra_args": [None, {"k": 1}, [1]],
+    "flat_logprobs": [False, True, 1],
+    "structured_outputs": [None, StructuredOutputsParams(regex="a+"), {"regex": "a"}],
+    "guided_decoding": [None, StructuredOutputsParams(regex="a+"), StructuredOutputsParams(regex="b")],
+    "eos_token_id": [None, 2],
+    "bad_words_token_ids": [None, [[1, 2]]],
+}
+assert set(POOLS) == set(SamplingParams.__struct_fields__)
+TYPICAL = [
+    {},
+    {"max_tokens": 64, "temperature": 0.8, "top_p": 0.95},
+    {"max_tokens": 64, "temperature": 0.0},
+    {"temperature": 0, "max_tokens": 8},
+    {"temperature": 0.7, "seed": 3, "logprobs": 5, "top_k": 40, "min_p": 0.05},
+    {"n": 4, "temperature": 1, "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1},
+    {"stop": ["\n", "END"], "stop_token_ids": [2, 7], "include_stop_str_in_output": True},
+    {"max_tokens": None, "min_tokens": 5, "ignore_eos": True, "output_kind": RequestOutputKind.DELTA},
+    {"prompt_logprobs": 0, "detokenize": False, "skip_special_tokens": False, "flat_logprobs": True},
+    {"temperature": 0.005},
+    {"n": 2, "temperature": 0.0},
+    {"seed": -1},
+    {"logprobs": True},
+    {"stop": "x"},
+    {"output_kind": 1},
+]
+
+
+def random_cases(count: int, seed: int = 0) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    names = list(POOLS)
+    cases = []
+    for _ in range(count):
+        base = dict(rng.choice(TYPICAL))
+        for name in rng.sample(names, rng.randint(0, 3)):
+            base[name] = rng.choice(POOLS[name])
+        cases.append(base)
+    return cases
+
+
+CASES = TYPICAL + [{name: value} for name, pool in POOLS.items() for value in pool] + random_cases(3000)
+
+
+def outcome(make: Any) -> tuple[Any, ...]:
+    """What `make()` gives: each field's type and repr, or the exception's type and message."""
+    try:
+        params = make()
+    except Exception as exc:  # noqa: BLE001 - the exception is what is compared
+        return ("raised", type(exc), str(exc))
+    return ("built", tuple((type(v), repr(v)) for v in msgspec.structs.astuple(params)))
+
+
+def raw(cls: type, fields: dict[str, Any]) -> SamplingParams:
+    """Params of `cls` holding `fields` as given, unvalidated (what a peer could put on the wire)."""
+    params = cls()
+    for name, value in fields.items():
+        _set_field(params, name, value)
+    return params
+
+
+@pytest.fixture(autouse=True)
+def quiet_temperature_warning(caplog):
+    caplog.set_level(logging.ERROR, logger="shmvllm.sampling_params")
+
+
+def test_the_table_takes_both_paths(monkeypatch):
+    """The table is worth something only if it exercises the shortcut and the fallback both."""
+    detailed_runs = []
+    normalize = SamplingParams._normalize
+    monkeypatch.setattr(SamplingParams, "_normalize", lambda self: (detailed_runs.append(1), normalize(self)))
+    shortcut = fallback = 0
+    for fields in CASES:
+        before = len(detailed_runs)
+        if outcome(lambda: SamplingParams(**fields))[0] == "built":
+            shortcut += len(detailed_runs) == before
+            fallback += len(detailed_runs) > before
+    assert shortcut > 500 and fallback > 200, (shortcut, fallback)
+
+
+@pytest.mark.parametrize("chunk", range(4))
+def test_construction_and_decoding_agree_with_the_detailed_checks(chunk):
+    encode = msgspec.msgpack.Encoder().encode
+    decode_fast = msgspec.msgpack.Decoder(SamplingParams).decode
+    decode_detailed = msgspec.msgpack.Decoder(Detailed).decode
+    decoded = 0
+    for fields in CASES[chunk::4]:
+        built = outcome(lambda: SamplingParams(**fields))
+        assert built == outcome(lambda: Detailed(**fields)), fields
+        try:
+            buf = encode(raw(SamplingParams, fields))
+        except (OverflowError, TypeError):  # beyond msgpack (an int over 64 bits): never on the wire
+            continue
+        assert encode(raw(Detailed, fields)) == buf
+        got = outcome(lambda: decode_fast(buf))
+        assert got == outcome(lambda: decode_detailed(buf)), fields
+        decoded += 1
+        if built[0] == "built":  # what was accepted crosses the wire (an int float field arrives as a float)
+            params = SamplingParams(**fields)
+            fields_of = msgspec.structs.astuple
+            assert fields_of(decode_fast(encode(params))) == fields_of(params) == fields_of(decode_detailed(encode(params)))
+    assert decoded > 400
+
+
+@pytest.mark.parametrize("base", [{"temperature": 0.8, "max_tokens": 32}, {"temperature": 0.0}, {"n": 3}])
+def test_assignment_agrees_with_the_detailed_checks(base):
+    for name, pool in POOLS.items():
+        for value in pool:
+            fast, detailed = SamplingParams(**base), Detailed(**base)
+
+            def assign(params: SamplingParams) -> SamplingParams:
+                setattr(params, name, value)
+                return params
+
+            assert outcome(lambda: assign(fast)) == outcome(lambda: assign(detailed)), (base, name, value)
+            assert outcome(lambda: fast) == outcome(lambda: detailed), (base, name, value)  # a refused value is not kept
+
+
+def test_max_n_sequences_is_read_on_every_validation(monkeypatch):
+    assert SamplingParams(n=5).n == 5
+    buf = msgspec.msgpack.encode(SamplingParams())
+    monkeypatch.setenv("SHMVLLM_MAX_N_SEQUENCES", "4")
+    with pytest.raises(ValueError, match=r"n must be at most 4 \(\$SHMVLLM_MAX_N_SEQUENCES\), got 5"):
+        SamplingParams(n=5)
+    assert SamplingParams(n=4).n == 4
+    monkeypatch.setenv("SHMVLLM_MAX_N_SEQUENCES", "0")
+    with pytest.raises(ValueError, match="SHMVLLM_MAX_N_SEQUENCES must be a positive int, got 0"):
+        SamplingParams()
+    monkeypatch.setenv("SHMVLLM_MAX_N_SEQUENCES", "many")
+    with pytest.raises(ValueError, match="SHMVLLM_MAX_N_SEQUENCES must be an integer, got 'many'"):
+        msgspec.msgpack.decode(buf, type=SamplingParams)
+    monkeypatch.delenv("SHMVLLM_MAX_N_SEQUENCES")
+    assert SamplingParams(n=16384).n == 16384
+
+
+@pytest.mark.parametrize(("name", "value", "message"), [
+    ("n", 0, "n must be at least 1, got 0."),
+    ("temperature", NAN, "temperature must be a finite number, got nan."),
+    ("top_p", 0.0, "top_p must be in (0, 1], got 0.0."),
+    ("min_tokens", 99, "min_tokens must be less than or equal to max_tokens=16, got 99."),
+    ("stop_token_ids", [-1], "stop_token_ids must be non-negative 64-bit ints, got [-1]."),
+    ("stop", [""], "stop cannot contain an empty string, got ['']."),
+    ("seed", -(2**63), None),  # valid: decodes
+])
+def test_the_engine_refuses_invalid_params_on_the_wire(name, value, message):
+    request = EngineCoreRequest(request_id="wire", prompt_token_ids=EngineCoreRequest.pack_token_ids([1, 2, 3]),
+                                sampling_params=raw(SamplingParams, {name: value}))
+    got = decode_to_engine(make_encoder().encode(request))
+    if message is None:
+        assert getattr(got.sampling_params, name) == value
+        return
+    assert isinstance(got, UndecodableRequest) and got.request_id == "wire"
+    assert got.error.startswith("the engine could not decode the request: " + message), got.error

@@ -239,9 +239,13 @@ class SamplingParams(
             _set_field(self, "temperature", _MIN_TEMPERATURE)
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the other truncation knobs are meaningless, and n copies would be equal.
-            _set_field(self, "top_p", 1.0)
-            _set_field(self, "top_k", 0)
-            _set_field(self, "min_p", 0.0)
+            # (Each is set only if it is not that value, of that type and sign, already.)
+            if type(self.top_p) is not float or self.top_p != 1.0:
+                _set_field(self, "top_p", 1.0)
+            if type(self.top_k) is not int or self.top_k != 0:
+                _set_field(self, "top_k", 0)
+            if type(self.min_p) is not float or self.min_p != 0.0 or math.copysign(1.0, self.min_p) < 0:
+                _set_field(self, "min_p", 0.0)
             self._check_greedy_n()
 
     def __setattr__(self, name: str, value: Any) -> None:

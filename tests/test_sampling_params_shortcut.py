@@ -205,3 +205,13 @@ def test_the_engine_refuses_invalid_params_on_the_wire(name, value, message):
         return
     assert isinstance(got, UndecodableRequest) and got.request_id == "wire"
     assert got.error.startswith("the engine could not decode the request: " + message), got.error
+
+
+@pytest.mark.parametrize("knobs", [{}, {"top_p": 1, "top_k": -1, "min_p": 0}, {"min_p": -0.0},
+                                   {"top_p": 0.5, "top_k": 3, "min_p": 0.2}, {"top_p": 1.0, "top_k": 0, "min_p": 0.0}])
+def test_greedy_resets_the_truncation_knobs_to_exactly_their_defaults(knobs):
+    for params in (SamplingParams(temperature=0, **knobs),
+                   msgspec.msgpack.decode(msgspec.msgpack.encode(raw(SamplingParams, {"temperature": 0.0, **knobs})),
+                                          type=SamplingParams)):
+        assert [(type(v), repr(v)) for v in (params.top_p, params.top_k, params.min_p)] == [
+            (float, "1.0"), (int, "0"), (float, "0.0")]

@@ -36,8 +36,9 @@ def _raw(name: str) -> Optional[str]:
 # twice); SHMVLLM_MAX_N_SEQUENCES is read on every SamplingParams validation (construction and
 # the engine's decoding), so its absence is looked up in the dict behind os.environ, which every
 # write to os.environ (monkeypatch.setenv included) updates.
-_ENVIRON_STORE: dict[Any, Any] = os.environ._data  # type: ignore[attr-defined]
-_MAX_N_SEQUENCES_KEY = os.environ.encodekey("SHMVLLM_MAX_N_SEQUENCES")  # type: ignore[attr-defined]
+# (CPython's os._Environ; where it has no such dict, every read goes through os.environ.)
+_ENVIRON_STORE: Optional[dict[Any, Any]] = getattr(os.environ, "_data", None)
+_MAX_N_SEQUENCES_KEY = os.environ.encodekey("SHMVLLM_MAX_N_SEQUENCES") if _ENVIRON_STORE is not None else None  # type: ignore[attr-defined]
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -73,7 +74,7 @@ def SHMVLLM_RING_CAPACITY() -> Optional[int]:
 
 
 def SHMVLLM_MAX_N_SEQUENCES() -> Optional[int]:
-    if _MAX_N_SEQUENCES_KEY not in _ENVIRON_STORE:
+    if _ENVIRON_STORE is not None and _MAX_N_SEQUENCES_KEY not in _ENVIRON_STORE:
         return None
     return _int("SHMVLLM_MAX_N_SEQUENCES")
 

@@ -130,6 +130,15 @@ int ipc_futex_wake(uint32_t *word, int n) {
 #endif
 }
 
+/* Set when this thread woke the other side out of its futex sleep, or was woken out of its own.
+ * Either way the other side is likely queued on this thread's CPU: the kernel tends to wake a
+ * process on the CPU of the one that woke it (a VM's scheduler packs them there, to spare
+ * waking an idle virtual CPU). So this thread's next wait gives the CPU away first
+ * (sched_yield) instead of spinning on it while the other side waits to run: a round trip with
+ * a sleeping peer becomes a hand-over of one CPU, as with a pipe. It costs one sched_yield, and
+ * only after a futex wake or wait, which cost a system call already: never on the busy path. */
+static __thread int yield_next_wait;
+
 /* The 32-bit half of a u64 flag that holds its value (0 or 1): the futex word of that flag. */
 static inline uint32_t *flag_word(uint8_t *b, int64_t flag_off) {
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
@@ -157,6 +166,7 @@ static inline int take_sleeper(uint8_t *b, int flag_off) {
     if (LOAD_RLX(b, flag_off) == 0) return 0;
     if (__atomic_exchange_n((uint64_t *)(b + flag_off), 0, __ATOMIC_SEQ_CST) == 0) return 0;
     if (LOAD_RLX(b, OFF_WAKE) == WAKE_FUTEX) ipc_futex_wake(flag_word(b, flag_off), 1);
+    yield_next_wait = 1;
     __atomic_fetch_add((uint64_t *)(b + (flag_off == OFF_C_SLEEPING ? OFF_P_WAKES : OFF_C_WAKES)), 1, __ATOMIC_RELAXED);
     return 1;
 }
@@ -335,6 +345,7 @@ static int ring_sleep(uint8_t *b, int flag_off, int64_t closed_off, int space, i
     }
     ipc_futex_wait(flag_word(b, flag_off), 1, timeout_ns);
     STORE_RLX(b, flag_off, 0);
+    yield_next_wait = 1;
     return ready(b, space, n);
 }
 
@@ -351,6 +362,11 @@ int ipc_sleep_producer(uint8_t *b, int64_t n, int64_t closed_off, int64_t timeou
  * that a peer sharing our core (a loaded machine) gets to run within a couple of µs. */
 static int spin_until(uint8_t *b, int space, int64_t n, int64_t ns) {
     if (ready(b, space, n)) return 1;
+    if (yield_next_wait) {
+        yield_next_wait = 0;
+        sched_yield();
+        if (ready(b, space, n)) return 1;
+    }
     int64_t deadline = now_ns() + ns;
     for (uint32_t i = 1;; i++) {
         cpu_relax();
@@ -498,8 +514,8 @@ static PyObject *py_take(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
  * functools.partial; what they do not handle they hand to the Python method.
  * `gate` is a bytearray of the ring object: while gate[0] (gate[1]) is nonzero, push (pop) goes
  * to the Python method at once (the ring is closed, or a fragmented message is under way).
- *   push_fast(base, gate, push, ring, data[, timeout]): a bytes object that fits in a record
- *     and in the ring now is pushed here; anything else is push(ring, data[, timeout]).
+ *   push_fast(base, gate, push, ring, data[, timeout]): bytes, or a contiguous buffer, that fits
+ *     in a record and in the ring now is pushed here; anything else is push(ring, data[, timeout]).
  *   pop_fast(base, gate, spin_ns, sleep_ns, closed_off, pop, pop_rest, ring[, timeout]): without a
  *     timeout, the whole wait of the common case: peek, spin while empty (spin_ns), then sleep
  *     once (ring_sleep, at most sleep_ns: the poll interval; 0 = no sleep here) and copy out the
@@ -536,10 +552,19 @@ static PyObject *py_push_fast(PyObject *m, PyObject *const *args, Py_ssize_t nar
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "push_fast(base, gate, push, ring, ...)");
         return NULL;
     }
-    if (nargs >= 5 && gate_open(args[1], 0) && no_timeout(args, nargs, 5, kwnames) && PyBytes_CheckExact(args[4])
-        && PyBytes_GET_SIZE(args[4]) <= INT32_MAX) {
-        int64_t r = ipc_push(b, (const uint8_t *)PyBytes_AS_STRING(args[4]), (int)PyBytes_GET_SIZE(args[4]));
-        if (r >= 0) Py_RETURN_NONE;
+    if (nargs >= 5 && gate_open(args[1], 0) && no_timeout(args, nargs, 5, kwnames)) {
+        if (PyBytes_CheckExact(args[4]) && PyBytes_GET_SIZE(args[4]) <= INT32_MAX) {
+            if (ipc_push(b, (const uint8_t *)PyBytes_AS_STRING(args[4]), (int)PyBytes_GET_SIZE(args[4])) >= 0) Py_RETURN_NONE;
+        } else if (PyObject_CheckBuffer(args[4])) { /* a bytearray, a memoryview (of another ring, say) */
+            Py_buffer view;
+            if (PyObject_GetBuffer(args[4], &view, PyBUF_SIMPLE) == 0) {
+                int64_t r = view.len <= INT32_MAX ? ipc_push(b, (const uint8_t *)view.buf, (int)view.len) : FULL;
+                PyBuffer_Release(&view);
+                if (r >= 0) Py_RETURN_NONE;
+            } else {
+                PyErr_Clear(); /* not contiguous, released, ...: the method says what is wrong */
+            }
+        }
     }
     return call_with_ring(args[2], args[3], args + 4, nargs - 4, kwnames);
 }
@@ -607,29 +632,51 @@ static PyObject *py_take_many(PyObject *m, PyObject *const *args, Py_ssize_t nar
     return out;
 }
 
-/* Producer: pushes the bytes objects of a list, in order, publishing the tail once for all of
- * them (one release store, one look at the consumer's flag), or once per PUBLISH_EVERY bytes
- * when they are long: the consumer then works on the first ones while we copy the next, and
- * frees their space, instead of waiting for the whole batch.
- * Stops at the first one that does not fit now (the ring is full, or it is longer than a
- * record: the caller pushes it the slow way). Returns how many were pushed. Futex rings only
- * (the wake happens here). */
+/* Producer: pushes the bytes objects of a list from index `start` on, in order, publishing the
+ * tail once for all of them (one release store, one look at the consumer's flag), or once per
+ * PUBLISH_EVERY bytes when they are long: the consumer then works on the first ones while we
+ * copy the next, and frees their space, instead of waiting for the whole batch. When the ring is
+ * full it publishes what it has and spins for space (the GIL released) for at most spin_ns.
+ * Stops at the first one that does not fit after that (or is not bytes, or is longer than a
+ * record: the caller pushes it the slow way). Returns the index it stopped at, as ~index (< 0)
+ * when it stopped at a ring still full after the spin (the caller then sleeps without spinning
+ * again). Futex rings only (the wake happens here). */
 #define PUBLISH_EVERY 65536
 static PyObject *py_push_many(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     uint8_t *b;
-    if (base_arg(args, nargs, 2, &b) < 0) return NULL;
+    if (base_arg(args, nargs, 4, &b) < 0) return NULL;
     if (!PyList_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "push_many(base, messages: list of bytes)");
+        PyErr_SetString(PyExc_TypeError, "push_many(base, messages: list of bytes, start, spin_ns)");
         return NULL;
     }
+    Py_ssize_t done = PyLong_AsSsize_t(args[2]);
+    long long spin_ns = PyLong_AsLongLong(args[3]);
+    if (PyErr_Occurred()) return NULL;
     PyObject *list = args[1];
-    Py_ssize_t count = PyList_GET_SIZE(list), done = 0;
     uint64_t tail = LOAD_RLX(b, OFF_TAIL), published = tail;
-    for (; done < count; done++) {
+    for (; done >= 0 && done < PyList_GET_SIZE(list); done++) {
         PyObject *item = PyList_GET_ITEM(list, done);
         if (!PyBytes_Check(item) || PyBytes_GET_SIZE(item) > INT32_MAX) break;
         int n = (int)PyBytes_GET_SIZE(item);
         int64_t off = reserve_at(b, tail, n);
+        if (off == FULL && spin_ns > 0) {
+            if (tail != published) {
+                publish(b);
+                published = tail;
+            }
+            Py_INCREF(item); /* the list is not ours: another thread may change it while we spin */
+            Py_BEGIN_ALLOW_THREADS
+            spin_until(b, 1, n, spin_ns);
+            Py_END_ALLOW_THREADS
+            int changed = done >= PyList_GET_SIZE(list) || PyList_GET_ITEM(list, done) != item;
+            Py_DECREF(item);
+            if (changed) break;
+            off = reserve_at(b, tail, n);
+        }
+        if (off == FULL) {
+            if (tail != published) publish(b);
+            return PyLong_FromSsize_t(~done);
+        }
         if (off < 0) break;
         memcpy(b + off, PyBytes_AS_STRING(item), (size_t)n);
         seal(b, n, KIND_MSG);

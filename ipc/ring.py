@@ -470,9 +470,15 @@ class RingBuffer:
         if not isinstance(messages, list):
             raise TypeError(f"messages must be a list of bytes-like objects, got {type(messages).__name__}")
         many, done = self._op_push_many, 0
+        spin_ns = self._space_waiter.spin_ns if timeout is None else 0  # a timeout: the Waiter's wait
         while done < len(messages):
             if many is not None and self._fast_push:
-                done += many(messages[done:] if done else messages)
+                done = many(messages, done, spin_ns)
+                if done < 0:  # the ring was full, after the C helper's spin if any
+                    done = ~done
+                    self._push_slow(messages[done], timeout, spun=spin_ns > 0)
+                    done += 1
+                    continue
                 if done == len(messages):
                     return
             self.push(messages[done], timeout)
@@ -484,7 +490,8 @@ class RingBuffer:
         must be announced first, for pop while a fragmented message is being reassembled."""
         self._gate[0 if name == "push" else 1] = 0 if on and not self._closed else 1
 
-    def _push_slow(self, data: "bytes | bytearray | memoryview", timeout: Optional[float]) -> None:
+    def _push_slow(self, data: "bytes | bytearray | memoryview", timeout: Optional[float], spun: bool = False) -> None:
+        """push the slow way; `spun`: the caller spun for space already (the first wait sleeps)."""
         if self._closed:
             raise RingClosedError(f"ring {self.name} is closed")
         deadline = _deadline(timeout)
@@ -495,7 +502,7 @@ class RingBuffer:
             self._accelerate("push", True)
         with memoryview(data) as raw, raw.cast("B") as view:
             if len(view) <= self.max_payload:
-                self._put_record(view, L.KIND_MSG, deadline)
+                self._put_record(view, L.KIND_MSG, deadline, spun=spun)
             else:
                 self._put_fragments(view, deadline)
 
@@ -513,7 +520,9 @@ class RingBuffer:
             self._accelerate("push", False)
             raise
 
-    def _put_record(self, view: "bytes | memoryview", kind: int, deadline: Optional[float], total: int = -1) -> None:
+    def _put_record(
+        self, view: "bytes | memoryview", kind: int, deadline: Optional[float], total: int = -1, spun: bool = False
+    ) -> None:
         n = len(view) + (8 if total >= 0 else 0)
         while True:
             off = self._ops.reserve(n)
@@ -521,7 +530,8 @@ class RingBuffer:
                 break
             if off != L.FULL:
                 raise self._corrupted(off)
-            self._space_waiter.wait(deadline, n)
+            self._space_waiter.wait(deadline, n, spin=not spun)
+            spun = False
         if total >= 0:
             _U64.pack_into(self._mv, off, total)
             off += 8

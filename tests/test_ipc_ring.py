@@ -114,6 +114,30 @@ def test_full_ring_times_out_and_then_drains(pair):
     assert rx.try_pop() is None
 
 
+def test_push_many_without_a_timeout_waits_for_space_and_delivers_in_order(pure_python):
+    """A batch bigger than the ring: push_many waits for space (the C helper spins, then the ring
+    sleeps) while a slow consumer drains it, stalling once for longer than the spin."""
+    with RingBuffer.create(1024, pure_python=pure_python, spin_us=300) as tx, RingBuffer.attach(
+        tx.name, pure_python=pure_python
+    ) as rx:
+        messages = [b"%04d" % i + b"." * (i % 90) for i in range(600)]
+        got: list = []
+
+        def drain() -> None:
+            stalled = False
+            while len(got) < len(messages):
+                got.extend(rx.pop_many(timeout=20))
+                time.sleep(0.05 if len(got) >= 40 and not stalled else 0.0002)
+                stalled = stalled or len(got) >= 40
+
+        consumer = threading.Thread(target=drain)
+        consumer.start()
+        tx.push_many(messages)
+        consumer.join(30)
+        assert got == messages
+        assert tx.wakeups()["space"] > 0, "the producer never slept for space: the test did not test the wait"
+
+
 def test_pop_timeout_try_pop_and_wait_readable(pair):
     tx, rx = pair
     t0 = time.monotonic()

@@ -16,6 +16,7 @@
  * __atomic_* builtins are the primitives C11 <stdatomic.h> is built on (gcc and clang); they
  * work on plain shared memory, which _Atomic-qualified objects would not let us name.
  */
+#define _GNU_SOURCE /* sched_getcpu */
 #ifdef IPC_PYTHON_MODULE
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -34,11 +35,13 @@
 #define OFF_CAPACITY 16
 #define OFF_MAX_RECORD 24
 #define OFF_TAIL 64
+#define OFF_P_CPU 72
 #define OFF_P_HEAD_CACHE 128
 #define OFF_P_PENDING 136
 #define OFF_P_RECORD_POS 144
 #define OFF_P_WAKES 152
 #define OFF_HEAD 192
+#define OFF_C_CPU 200
 #define OFF_C_TAIL_CACHE 256
 #define OFF_C_PENDING 264
 #define OFF_C_WAKES 272
@@ -89,6 +92,25 @@ static inline int64_t now_ns(void) {
 }
 
 static inline uint64_t align8(uint64_t n) { return (n + 7) & ~(uint64_t)7; }
+
+/* 1 + the CPU this thread runs on, 0 where that is unknown. glibc reads it from the rseq area
+ * the kernel keeps up to date (a load), or from the vDSO. */
+static inline uint64_t this_cpu(void) {
+#ifdef __linux__
+    int cpu = sched_getcpu();
+    return cpu < 0 ? 0 : (uint64_t)cpu + 1;
+#else
+    return 0;
+#endif
+}
+
+/* Notes in the counter's line (`off`: OFF_P_CPU next to the tail, OFF_C_CPU next to the head)
+ * where the side that is about to publish that counter runs: the other side, waiting, reads it
+ * with the counter's line it polls anyway (see spin_until). Written only when it changed. */
+static inline void note_cpu(uint8_t *b, int off) {
+    uint64_t cpu = this_cpu();
+    if (LOAD_RLX(b, off) != cpu) STORE_RLX(b, off, cpu);
+}
 
 /* ------------------------------------------------------------------ futex
  * A futex is a 32-bit word in shared memory that a process can sleep on; the kernel wakes it
@@ -220,6 +242,7 @@ static inline void seal(uint8_t *b, int n, int kind) { write_header(b, U64(b, OF
 
 /* Producer: publishes every sealed record (one release store of the tail, one look at the flag). */
 static inline int publish(uint8_t *b) {
+    note_cpu(b, OFF_P_CPU);
     STORE_REL(b, OFF_TAIL, U64(b, OFF_P_PENDING));
     return take_sleeper(b, OFF_C_SLEEPING);
 }
@@ -281,6 +304,7 @@ int64_t ipc_peek(uint8_t *b) { return peek_at(b, LOAD_RLX(b, OFF_HEAD)); }
 /* Consumer: free the record returned by ipc_peek (or, after a batch, every record up to
  * C_PENDING). Returns 1 when the producer slept for space and was woken. */
 int ipc_release(uint8_t *b) {
+    note_cpu(b, OFF_C_CPU);
     STORE_REL(b, OFF_HEAD, U64(b, OFF_C_PENDING));
     return take_sleeper(b, OFF_P_SLEEPING);
 }
@@ -359,7 +383,10 @@ int ipc_sleep_producer(uint8_t *b, int64_t n, int64_t closed_off, int64_t timeou
 
 /* Spin until there is data / space, for at most ns nanoseconds (call it without the GIL):
  * re-check after every pause instruction; read the clock and yield the CPU every 64 checks, so
- * that a peer sharing our core (a loaded machine) gets to run within a couple of µs. */
+ * that a peer sharing our core (a loaded machine) gets to run within a couple of µs; and at every
+ * check while the peer's last publish came from the CPU we run on (note_cpu): then it can only
+ * make progress when we give it that CPU (this VM's scheduler often keeps two processes that
+ * ping-pong on one virtual CPU), and spinning only delays it. */
 static int spin_until(uint8_t *b, int space, int64_t n, int64_t ns) {
     if (ready(b, space, n)) return 1;
     if (yield_next_wait) {
@@ -367,13 +394,20 @@ static int spin_until(uint8_t *b, int space, int64_t n, int64_t ns) {
         sched_yield();
         if (ready(b, space, n)) return 1;
     }
+    int peer_cpu_off = space ? OFF_C_CPU : OFF_P_CPU;
+    uint64_t mine = this_cpu();
+    int beside = mine && LOAD_RLX(b, peer_cpu_off) == mine;
     int64_t deadline = now_ns() + ns;
     for (uint32_t i = 1;; i++) {
         cpu_relax();
         if (ready(b, space, n)) return 1;
-        if ((i & 63) == 0) {
+        if (beside || (i & 63) == 0) {
             if (now_ns() >= deadline) return 0;
             sched_yield();
+            if ((i & 63) == 0) {
+                mine = this_cpu();
+                beside = mine && LOAD_RLX(b, peer_cpu_off) == mine;
+            }
         }
     }
 }

@@ -7,10 +7,10 @@ its own, so that the peer's loads of a published counter never miss on a line it
 dirtying for itself:
 
     0    magic, version, capacity, max_record, creator pid + start time, attacher pid + start time
-    64   tail (published by the producer)
+    64   tail (published by the producer), and the CPU the producer last published from
     128  the producer's private line: its cached head, the pending tail and record position, how
          often it woke the consumer (and close() adds its wake-ups there)
-    192  head (published by the consumer)
+    192  head (published by the consumer), and the CPU the consumer last freed space from
     256  the consumer's private line: its cached tail, the pending head, how often it woke the
          producer
     320  "consumer sleeping" flag: set by the consumer, cleared by either side; the futex word
@@ -44,11 +44,13 @@ OFF_CREATOR_START = 40
 OFF_ATTACHER_PID = 48
 OFF_ATTACHER_START = 56
 OFF_TAIL = 64
+OFF_P_CPU = 72  # 1 + the producer's CPU at its last publish (0: unknown); see spin_until in _native.c
 OFF_P_HEAD_CACHE = 128
 OFF_P_PENDING = 136
 OFF_P_RECORD_POS = 144
 OFF_P_WAKES = 152
 OFF_HEAD = 192
+OFF_C_CPU = 200  # 1 + the consumer's CPU at its last release (0: unknown)
 OFF_C_TAIL_CACHE = 256
 OFF_C_PENDING = 264
 OFF_C_WAKES = 272

@@ -29,8 +29,8 @@ def test_published_counters_and_private_caches_have_lines_of_their_own():
     producer_private = {L.OFF_P_HEAD_CACHE, L.OFF_P_PENDING, L.OFF_P_RECORD_POS}
     consumer_private = {L.OFF_C_TAIL_CACHE, L.OFF_C_PENDING}
     lines = {
-        "tail": {_line(L.OFF_TAIL)},
-        "head": {_line(L.OFF_HEAD)},
+        "tail": {_line(L.OFF_TAIL), _line(L.OFF_P_CPU)},  # the producer's CPU travels with the tail
+        "head": {_line(L.OFF_HEAD), _line(L.OFF_C_CPU)},
         "producer private": {_line(o) for o in producer_private},
         "consumer private": {_line(o) for o in consumer_private},
         "consumer sleeping": {_line(L.OFF_C_SLEEPING)},

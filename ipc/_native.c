@@ -152,14 +152,17 @@ int ipc_futex_wake(uint32_t *word, int n) {
 #endif
 }
 
-/* Set when this thread woke the other side out of its futex sleep, or was woken out of its own.
- * Either way the other side is likely queued on this thread's CPU: the kernel tends to wake a
- * process on the CPU of the one that woke it (a VM's scheduler packs them there, to spare
- * waking an idle virtual CPU). So this thread's next wait gives the CPU away first
- * (sched_yield) instead of spinning on it while the other side waits to run: a round trip with
- * a sleeping peer becomes a hand-over of one CPU, as with a pipe. It costs one sched_yield, and
- * only after a futex wake or wait, which cost a system call already: never on the busy path. */
-static __thread int yield_next_wait;
+/* Set when this process woke the other side out of its futex sleep, or was woken out of its
+ * own. Either way the other side is likely queued on this process's CPU: the kernel tends to
+ * wake a process on the CPU of the one that woke it (a VM's scheduler packs them there, to spare
+ * waking an idle virtual CPU). So the next wait gives the CPU away first (sched_yield) instead of
+ * spinning on it while the other side waits to run: a round trip with a sleeping peer becomes a
+ * hand-over of one CPU, as with a pipe. It costs one sched_yield, and only after a futex wake or
+ * wait, which cost a system call already: never on the busy path. One flag per process, not per
+ * thread (a thread-local costs a call per look in a shared library): another thread's wake-up
+ * costs at worst one needless yield. Relaxed atomics: a hint, ordering nothing. */
+static int yield_next_wait;
+#define HINT_YIELD() __atomic_store_n(&yield_next_wait, 1, __ATOMIC_RELAXED)
 
 /* The 32-bit half of a u64 flag that holds its value (0 or 1): the futex word of that flag. */
 static inline uint32_t *flag_word(uint8_t *b, int64_t flag_off) {
@@ -188,7 +191,7 @@ static inline int take_sleeper(uint8_t *b, int flag_off) {
     if (LOAD_RLX(b, flag_off) == 0) return 0;
     if (__atomic_exchange_n((uint64_t *)(b + flag_off), 0, __ATOMIC_SEQ_CST) == 0) return 0;
     if (LOAD_RLX(b, OFF_WAKE) == WAKE_FUTEX) ipc_futex_wake(flag_word(b, flag_off), 1);
-    yield_next_wait = 1;
+    HINT_YIELD();
     __atomic_fetch_add((uint64_t *)(b + (flag_off == OFF_C_SLEEPING ? OFF_P_WAKES : OFF_C_WAKES)), 1, __ATOMIC_RELAXED);
     return 1;
 }
@@ -369,7 +372,7 @@ static int ring_sleep(uint8_t *b, int flag_off, int64_t closed_off, int space, i
     }
     ipc_futex_wait(flag_word(b, flag_off), 1, timeout_ns);
     STORE_RLX(b, flag_off, 0);
-    yield_next_wait = 1;
+    HINT_YIELD();
     return ready(b, space, n);
 }
 
@@ -389,20 +392,22 @@ int ipc_sleep_producer(uint8_t *b, int64_t n, int64_t closed_off, int64_t timeou
  * ping-pong on one virtual CPU), and spinning only delays it. */
 static int spin_until(uint8_t *b, int space, int64_t n, int64_t ns) {
     if (ready(b, space, n)) return 1;
-    if (yield_next_wait) {
-        yield_next_wait = 0;
+    if (__atomic_load_n(&yield_next_wait, __ATOMIC_RELAXED)) {
+        __atomic_store_n(&yield_next_wait, 0, __ATOMIC_RELAXED);
         sched_yield();
         if (ready(b, space, n)) return 1;
     }
     int peer_cpu_off = space ? OFF_C_CPU : OFF_P_CPU;
     uint64_t mine = this_cpu();
     int beside = mine && LOAD_RLX(b, peer_cpu_off) == mine;
-    int64_t deadline = now_ns() + ns;
+    int64_t deadline = 0; /* from the first look at the clock: none in the first 64 checks */
     for (uint32_t i = 1;; i++) {
         cpu_relax();
         if (ready(b, space, n)) return 1;
         if (beside || (i & 63) == 0) {
-            if (now_ns() >= deadline) return 0;
+            int64_t now = now_ns();
+            if (deadline == 0) deadline = now + ns;
+            else if (now >= deadline) return 0;
             sched_yield();
             if ((i & 63) == 0) {
                 mine = this_cpu();

@@ -213,18 +213,22 @@ def _encode_ext(obj: Any) -> Any:
 
 def _decode_ext(code: int, data: memoryview) -> Any:
     """A writable array of its own (the engine's side: the scheduler may change what it got)."""
-    return _decode_ext_view(code, data).copy()
+    return _array_from_ext(code, data, bytearray)
 
 
 def _decode_ext_view(code: int, data: memoryview) -> Any:
-    """A read-only array over one copy of its bytes (the frontend's side: `numpy()` of an
-    embedding hands this out as is). One copy either way: `data` may be the ring's memory,
-    which the next message overwrites."""
+    """A read-only array (the frontend's side: `numpy()` of an embedding hands this out as is)."""
+    return _array_from_ext(code, data, bytes)
+
+
+def _array_from_ext(code: int, data: memoryview, copy: type) -> Any:
+    """The array over one copy of its bytes, made by `copy` (bytearray: writable, bytes: read-only):
+    `data` may be the ring's memory, which the next message overwrites."""
     if code != _NDARRAY_EXT:
         raise msgspec.ValidationError(f"unknown msgpack extension type {code}")
     dtype, ndim = _ARRAY_HEAD.unpack_from(data)
     shape = struct.unpack_from(f"<{ndim}I", data, _ARRAY_HEAD.size)
-    return np.frombuffer(bytes(data[_ARRAY_HEAD.size + 4 * ndim:]), dtype.rstrip(b"\0").decode()).reshape(shape)
+    return np.frombuffer(copy(data[_ARRAY_HEAD.size + 4 * ndim:]), dtype.rstrip(b"\0").decode()).reshape(shape)
 
 
 def make_encoder() -> msgspec.msgpack.Encoder:

@@ -112,6 +112,12 @@ static inline void note_cpu(uint8_t *b, int off) {
     if (LOAD_RLX(b, off) != cpu) STORE_RLX(b, off, cpu);
 }
 
+/* Whether the peer's last publish (its note at `peer_cpu_off`) came from the CPU we run on. */
+static inline int peer_beside(uint8_t *b, int peer_cpu_off) {
+    uint64_t mine = this_cpu();
+    return mine && LOAD_RLX(b, peer_cpu_off) == mine;
+}
+
 /* ------------------------------------------------------------------ futex
  * A futex is a 32-bit word in shared memory that a process can sleep on; the kernel wakes it
  * when another process calls ipc_futex_wake on the same word. FUTEX_WAIT compares the word with
@@ -398,8 +404,7 @@ static int spin_until(uint8_t *b, int space, int64_t n, int64_t ns) {
         if (ready(b, space, n)) return 1;
     }
     int peer_cpu_off = space ? OFF_C_CPU : OFF_P_CPU;
-    uint64_t mine = this_cpu();
-    int beside = mine && LOAD_RLX(b, peer_cpu_off) == mine;
+    int beside = peer_beside(b, peer_cpu_off);
     int64_t deadline = 0; /* from the first look at the clock: none in the first 64 checks */
     for (uint32_t i = 1;; i++) {
         cpu_relax();
@@ -409,10 +414,7 @@ static int spin_until(uint8_t *b, int space, int64_t n, int64_t ns) {
             if (deadline == 0) deadline = now + ns;
             else if (now >= deadline) return 0;
             sched_yield();
-            if ((i & 63) == 0) {
-                mine = this_cpu();
-                beside = mine && LOAD_RLX(b, peer_cpu_off) == mine;
-            }
+            if ((i & 63) == 0) beside = peer_beside(b, peer_cpu_off);
         }
     }
 }

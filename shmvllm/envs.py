@@ -28,17 +28,25 @@ from pathlib import Path
 from typing import Any, Optional
 
 
-def _raw(name: str) -> Optional[str]:
-    return os.environ.get(name)
-
-
 # os.environ.get of an unset name costs about a microsecond (it raises and catches KeyError
-# twice); SHMVLLM_MAX_N_SEQUENCES is read on every SamplingParams validation (construction and
-# the engine's decoding), so its absence is looked up in the dict behind os.environ, which every
-# write to os.environ (monkeypatch.setenv included) updates.
-# (CPython's os._Environ; where it has no such dict, every read goes through os.environ.)
+# twice), and some of these are read on hot paths (SHMVLLM_MAX_N_SEQUENCES on every
+# SamplingParams validation, in the engine's decoding too): an absent name is answered from the
+# dict behind os.environ (CPython's os._Environ), which every write to os.environ (monkeypatch.setenv
+# included) updates; where there is no such dict, every read goes through os.environ.
 _ENVIRON_STORE: Optional[dict[Any, Any]] = getattr(os.environ, "_data", None)
-_MAX_N_SEQUENCES_KEY = os.environ.encodekey("SHMVLLM_MAX_N_SEQUENCES") if _ENVIRON_STORE is not None else None  # type: ignore[attr-defined]
+
+
+_ENVIRON_KEYS: dict[str, Any] = {}  # name -> its key in _ENVIRON_STORE
+
+
+def _raw(name: str) -> Optional[str]:
+    if _ENVIRON_STORE is not None:
+        key = _ENVIRON_KEYS.get(name)
+        if key is None:
+            key = _ENVIRON_KEYS[name] = os.environ.encodekey(name)  # type: ignore[attr-defined]
+        if key not in _ENVIRON_STORE:
+            return None
+    return os.environ.get(name)
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -74,8 +82,6 @@ def SHMVLLM_RING_CAPACITY() -> Optional[int]:
 
 
 def SHMVLLM_MAX_N_SEQUENCES() -> Optional[int]:
-    if _ENVIRON_STORE is not None and _MAX_N_SEQUENCES_KEY not in _ENVIRON_STORE:
-        return None
     return _int("SHMVLLM_MAX_N_SEQUENCES")
 
 

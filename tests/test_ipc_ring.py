@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import pickle
 import signal
 import struct
@@ -112,6 +113,20 @@ def test_full_ring_times_out_and_then_drains(pair):
     assert 0.04 < time.monotonic() - t0 < 1.0
     assert [int(rx.pop()[1:4]) for _ in pushed] == pushed
     assert rx.try_pop() is None
+
+
+def test_each_side_notes_the_cpu_it_publishes_from():
+    """The native ring writes 1 + the publishing CPU next to the tail (push) and the head (pop),
+    which a waiter compares with its own CPU (spin_until in _native.c)."""
+    if not native_available():
+        pytest.fail("the C helper did not build (cc is expected on this machine)")
+    with RingBuffer.create(1024) as tx, RingBuffer.attach(tx.name) as rx:
+        assert (_u64(tx, L.OFF_P_CPU), _u64(tx, L.OFF_C_CPU)) == (0, 0)
+        cpus = {cpu + 1 for cpu in os.sched_getaffinity(0)}
+        tx.push(b"x")
+        assert _u64(tx, L.OFF_P_CPU) in cpus and _u64(tx, L.OFF_C_CPU) == 0
+        assert rx.pop() == b"x"
+        assert _u64(tx, L.OFF_C_CPU) in cpus
 
 
 def test_push_many_without_a_timeout_waits_for_space_and_delivers_in_order(pure_python):

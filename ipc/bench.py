@@ -10,6 +10,12 @@ For each transport and payload, a child process echoes what the parent sends:
 - msgs/s: one-way throughput, the parent sending back to back, acknowledged once at the end
           (the ring sends it in batches: `push_many` / `pop_many`, one published tail per batch).
 
+A round runs busy, then msgs/s, then paced, each in a steady state: the busy run follows 0.1 s
+of unmeasured busy round trips, the throughput pass follows the busy run at once (two processes
+that polled are on two CPUs by then), the paced run follows 150 unmeasured paced round trips
+(BUSY_WARMUP_S, PACED_WARMUP: where the kernel puts the two processes when a mode begins is a
+transient of its own, tens of µs a wake-up until it settles).
+
 Rounds: the speed of a shared machine drifts by tens of percent from one second to the next, so
 a case measured in one stretch can be judged on a slow second. For each payload the benchmark
 runs `--repeats` rounds; a round runs every case once (a fresh echo process each time, so that
@@ -74,6 +80,18 @@ PACE_S = 0.001
 BATCH = 64  # messages per push_many / pop_many in the ring's throughput run
 REPEATS = {True: 3, False: 5}  # rounds per payload by default, with --quick and without
 MIN_BUSY, MIN_PACED = 50, 20  # round trips a case makes in a round at least
+# The paced run follows the busy one in the same two processes. When both sides polled during the
+# busy run, the kernel has left them on two CPUs; a sleeper is then woken on its own idle CPU (a
+# virtual CPU the host has to wake: tens of µs) for the next ~50-100 wake-ups, until the
+# scheduler settles them. A transport whose receiver blocked in the busy run as well has settled
+# there already. So every case makes this many paced round trips, unmeasured, first: the paced
+# row is the steady state of one round trip a millisecond, whatever ran before it.
+PACED_WARMUP = 150
+# The busy run is likewise preceded by round trips for this long (at least Counts.warmup of them):
+# two pollers that start on one CPU (the echo process is often woken onto its parent's) hand the
+# CPU to each other until the kernel spreads them, within ~100 ms; a busy row is a sustained
+# ping-pong, not that start.
+BUSY_WARMUP_S = 0.1
 FLOOR = ("floor", "cacheline")
 ROUNDS_OF = {"rtt_us_median": "rtt_us_round_medians", "msgs_per_s": "msgs_per_s_rounds"}  # a row's figure -> its rounds'
 BIG = 64 << 10  # raw payloads from this size are received in place where the transport can
@@ -89,6 +107,7 @@ class Counts:
     busy: int
     paced: int
     tput: int
+    paced_warmup: int = PACED_WARMUP  # paced round trips made, unmeasured, before the measured ones
 
     @property
     def warmup(self) -> int:
@@ -98,7 +117,7 @@ class Counts:
         """One round's share of `repeats`: the round trips divided among the rounds (at least
         MIN_BUSY / MIN_PACED, at most the total), and a whole throughput pass."""
         return Counts(min(self.busy, max(MIN_BUSY, self.busy // repeats)),
-                      min(self.paced, max(MIN_PACED, self.paced // repeats)), self.tput)
+                      min(self.paced, max(MIN_PACED, self.paced // repeats)), self.tput, self.paced_warmup)
 
 
 def counts_for(size: int, quick: bool) -> Counts:
@@ -387,24 +406,45 @@ def endpoint(transport: str, variant: str, handles: dict, side: str, payload: Pa
     raise ValueError(f"transport must be one of {sorted({t for t, _ in CASES})}, got {transport!r}")
 
 
-def child_main(transport: str, variant: str, payload: Payload, handles: dict, counts: Counts) -> None:
-    """The echo side of one round: busy and paced round trips, then a throughput pass acknowledged once."""
+def child_main(transport: str, variant: str, payload: Payload, handles: dict, counts: Counts, warmups: Any) -> None:
+    """The echo side of one round: busy round trips, a throughput pass acknowledged once, paced
+    round trips. `warmups` (a shared integer) says how many round trips the parent's busy warm-up makes:
+    it writes the number before the last of them (see `_warm_up`)."""
     obj = payload.make()
     end = endpoint(transport, variant, handles, "child", payload)
     gc.disable()
     send, recv, echo = end.send, end.recv, end.echo
-    for _ in range(counts.warmup + counts.busy):
+    echoed = 0
+    while echoed < warmups.value:
         echo()
-    echo_paced = end.echo_paced
-    for _ in range(counts.paced):
-        echo_paced()
+        echoed += 1
+    for _ in range(counts.busy):
+        echo()
     end.recv_many(counts.tput)
     send(obj)
-    recv()  # the parent's "done": keeps our end open until the parent has read the ack
+    echo_paced = end.echo_paced
+    for _ in range(counts.paced_warmup + counts.paced):
+        echo_paced()
+    recv()  # the parent's "done": keeps our end open until the parent has read the last echo
     end.close()
 
 
 # ----------------------------------------------------------------------------- parent
+
+
+def _warm_up(send: Callable, recv: Callable, obj: Any, least: int, seconds: float, warmups: Any) -> None:
+    """Round trips for `seconds` (at least `least`), then tells the echo process how many there
+    were and makes the last one. The echo reads the number after each echo and stops once it has
+    echoed that many: written after our n-th reply and before the (n+1)-th send, it is read either
+    after the n-th echo (n+1 > n: it goes on) or after the (n+1)-th (it stops): never one early."""
+    n, end = 0, time.perf_counter() + seconds
+    while n < least or time.perf_counter() < end:
+        send(obj)
+        recv()
+        n += 1
+    warmups.value = n + 1
+    send(obj)
+    recv()
 
 
 def _round_trips(send: Callable, recv: Callable, obj: Any, n: int, pace: float) -> list[float]:
@@ -488,7 +528,8 @@ def run_round(transport: str, variant: str, payload: Payload, counts: Counts, ct
     obj = payload.make()
     size = encoded_size(payload, obj)
     parent_handles, child_handles, cleanup = make_handles(transport, variant, size, ctx, payload.ring_capacity)
-    child = ctx.Process(target=child_main, args=(transport, variant, payload, child_handles, counts), daemon=True)
+    warmups = ctx.RawValue("q", 1 << 62)  # the busy warm-up's round trips, once the parent knows
+    child = ctx.Process(target=child_main, args=(transport, variant, payload, child_handles, counts, warmups), daemon=True)
     child.start()
     if transport == "pipe" and variant == "os.pipe":  # the child has its ends now: close ours
         for conn in child_handles["ends"]["child"]:
@@ -501,13 +542,14 @@ def run_round(transport: str, variant: str, payload: Payload, counts: Counts, ct
         gc.collect()
         gc.disable()
         try:
-            _round_trips(send, recv, obj, counts.warmup, 0.0)
+            _warm_up(send, recv, obj, counts.warmup, BUSY_WARMUP_S, warmups)
             busy = _round_trips(send, recv, obj, counts.busy, 0.0)
-            paced = _round_trips(end.send_paced, end.recv_paced, obj, counts.paced, PACE_S)
-            t0 = time.perf_counter()
+            t0 = time.perf_counter()  # right after the busy run: the processes are where it left them
             end.send_many(obj, counts.tput)
             recv()
             rate = counts.tput / (time.perf_counter() - t0)
+            _round_trips(end.send_paced, end.recv_paced, obj, counts.paced_warmup, PACE_S)
+            paced = _round_trips(end.send_paced, end.recv_paced, obj, counts.paced, PACE_S)
             send(obj)
         finally:
             gc.enable()

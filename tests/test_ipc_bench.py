@@ -143,3 +143,15 @@ def test_a_tiny_run_end_to_end(tmp_path, capsys):
         if row["mode"] == "busy" and row["transport"] != "floor":
             assert len(row["msgs_per_s_rounds"]) == 2 and row["msgs_per_s"] == statistics.median(row["msgs_per_s_rounds"])
     assert "won " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("transport,variant", [("shm", "ring"), ("pipe", "os.pipe"), ("queue", "multiprocessing")])
+def test_a_round_warms_up_then_measures_exactly_its_counts(transport, variant, monkeypatch):
+    """The busy warm-up runs for a time, not a count: the echo process learns its length from the
+    parent at the end of it. Whatever the transport's speed, the round ends (no echo left waiting,
+    none missing) with exactly the counted round trips measured."""
+    monkeypatch.setattr(bench, "BUSY_WARMUP_S", 0.05)
+    counts = bench.Counts(busy=60, paced=7, tput=200, paced_warmup=5)
+    result = bench.run_round(transport, variant, bench.raw_payload("64B"), counts, mp.get_context("spawn"))
+    assert len(result["busy"]) == 60 and len(result["paced"]) == 7
+    assert result["msgs_per_s"] > 0 and result["payload_bytes"] == 64

@@ -408,8 +408,8 @@ def endpoint(transport: str, variant: str, handles: dict, side: str, payload: Pa
 
 def child_main(transport: str, variant: str, payload: Payload, handles: dict, counts: Counts, warmups: Any) -> None:
     """The echo side of one round: busy round trips, a throughput pass acknowledged once, paced
-    round trips. `warmups` (a shared integer) says how many round trips the parent's busy warm-up makes:
-    it writes the number before the last of them (see `_warm_up`)."""
+    round trips. `warmups` (a shared integer) says how many round trips the parent's busy
+    warm-up makes: it writes the number before the last of them (see `_warm_up`)."""
     obj = payload.make()
     end = endpoint(transport, variant, handles, "child", payload)
     gc.disable()
@@ -477,8 +477,7 @@ def ring_capacity(size: int) -> int:
     """The smallest ring that holds a message of `size` bytes in one record (a record, its 8-byte
     header included, is at most a quarter of the ring), in whole pages: 64 KiB at least, 8 MiB
     at most. Small, because a ring's records go round all of it: the fewer lines it has, the
-    more of them are still in the caches when they are written again (1 MiB round trips: ~55 µs
-    in a ring of 4 MiB + 8 KiB, ~75-125 µs in one of 8 MiB)."""
+    more of them are still in the caches when they are written again."""
     record = (size + 8 + 7) & ~7
     capacity = -(-4 * record // 4096) * 4096
     return min(max(capacity, 64 << 10), 8 << 20)

@@ -262,12 +262,23 @@ int ipc_commit(uint8_t *b, int n, int kind) {
     return publish(b);
 }
 
-/* Producer: reserve + copy + commit of one whole message. FULL/TOO_BIG/BAD_COUNTERS, or 0/1 as commit. */
+/* Producer: reserve + copy + commit of one whole message. FULL/TOO_BIG/BAD_COUNTERS, or 1 when
+ * the consumer slept and was woken, else 0.
+ *
+ * A message of 16 KiB to 1 MiB wakes a sleeping consumer before it is copied, not after: the
+ * consumer's wake-up (tens of µs when its CPU idles) then overlaps the copy (µs to ~100 µs), and
+ * the woken consumer spins for the publish (ring_sleep, WOKEN_SPIN_NS). This takes nothing from
+ * the handshake: the commit still publishes, fences and looks at the flag, and wakes the consumer
+ * again if it went back to sleep meanwhile (a consumer without the C helper does). Smaller
+ * messages copy in less time than a wake-up takes; larger ones take longer than the spin. */
+#define EARLY_WAKE_MIN 16384
+#define EARLY_WAKE_MAX (1 << 20)
 int64_t ipc_push(uint8_t *b, const uint8_t *data, int n) {
     int64_t off = ipc_reserve(b, n);
     if (off < 0) return off;
+    int woken = n >= EARLY_WAKE_MIN && n <= EARLY_WAKE_MAX ? take_sleeper(b, OFF_C_SLEEPING) : 0;
     memcpy(b + off, data, (size_t)n);
-    return ipc_commit(b, n, KIND_MSG);
+    return ipc_commit(b, n, KIND_MSG) | woken;
 }
 
 /* Consumer: the record at `head` (the published head, or the end of a batch not yet freed),
@@ -352,6 +363,9 @@ int ipc_arm_producer(uint8_t *b, int64_t n) {
 
 void ipc_disarm(uint8_t *b, int flag_off) { STORE_RLX(b, flag_off, 0); }
 
+static int spin_until(uint8_t *b, int space, int64_t n, int64_t ns);
+#define WOKEN_SPIN_NS 200000 /* 200 µs: the copy of a 1 MiB message (EARLY_WAKE_MAX), with room */
+
 /* The sleep of a futex ring, in one call (without the GIL): arm the flag, fence, re-check the
  * condition and the peer's "closed" flag, and sleep on the flag's futex word while it is 1, at
  * most timeout_ns. Returns 1 = the condition holds, 2 = the peer closed (the caller looks at it),
@@ -376,10 +390,14 @@ static int ring_sleep(uint8_t *b, int flag_off, int64_t closed_off, int space, i
         STORE_RLX(b, flag_off, 0);
         return 2;
     }
-    ipc_futex_wait(flag_word(b, flag_off), 1, timeout_ns);
+    int woken = ipc_futex_wait(flag_word(b, flag_off), 1, timeout_ns) == 0;
     STORE_RLX(b, flag_off, 0);
     HINT_YIELD();
-    return ready(b, space, n);
+    if (ready(b, space, n)) return 1;
+    /* Woken with nothing there yet: a producer announced a big message before copying it (see
+     * ipc_push), so its publish is due within the copy. Spin for it; 0 after WOKEN_SPIN_NS (the
+     * caller sleeps again, and the publish wakes it). */
+    return woken && !LOAD_ACQ(b, closed_off) && spin_until(b, space, n, WOKEN_SPIN_NS);
 }
 
 int ipc_sleep_consumer(uint8_t *b, int64_t closed_off, int64_t timeout_ns) {

@@ -20,7 +20,9 @@
    ring", the default there) the waiter sleeps in the kernel on its own sleeping flag, a word of
    the ring's header, with FUTEX_WAIT, and the other side wakes it with FUTEX_WAKE on that word
    right after publishing: no named semaphore, no file in /dev/shm, and the whole
-   arm-check-sleep-disarm is one C call (`ipc_sleep_*` in `_native.c`). Elsewhere (a
+   arm-check-sleep-disarm is one C call (`ipc_sleep_*` in `_native.c`); woken with nothing there
+   yet (a big message's producer wakes us before its copy: `ipc_push`), that call spins for the
+   publish before it returns. Elsewhere (a
    "semaphore ring") it sleeps on a named POSIX semaphore that the other side posts.
 
 All phases release the GIL: the spin, the nap and the futex sleep run inside the C helper, and

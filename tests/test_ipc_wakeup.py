@@ -231,3 +231,49 @@ def test_futex_primitive_waits_wakes_and_times_out():
         futex_wait(address, 0, -1)
     del word
     mem.close()
+
+
+@pytest.mark.parametrize("consumer_pure", [False, True], ids=["native-consumer", "python-consumer"])
+def test_a_big_message_wakes_a_sleeping_consumer_once_before_its_copy(consumer_pure):
+    """A native push of a message of 16 KiB to 1 MiB wakes the sleeping consumer before it copies
+    the payload (the commit wakes it again if it went back to sleep). Messages of that size, each
+    pushed while the consumer sleeps, arrive in order and intact, with a native consumer (which
+    spins for the publish after such a wake-up, so about one wake-up a message) and a pure-Python
+    one (which sleeps again). When the wake-up lands relative to the copy is for the benchmark's
+    paced 64 KiB row to show; a test cannot see it without timing."""
+    _require_native(False)
+    count = 40
+    tx = RingBuffer.create(1 << 20)
+    rx = RingBuffer.attach(tx.name, spin_us=0, poll_interval=30, pure_python=consumer_pure)
+    rng = random.Random(5)
+    messages = [rng.randbytes(rng.choice((16384, 40000, 65536))) for _ in range(count)]
+    received: list[bytes] = []
+    failed: list[BaseException] = []
+
+    def consume() -> None:
+        try:
+            for _ in range(count):
+                received.append(rx.pop(timeout=20))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failed.append(exc)
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    try:
+        for message in messages:
+            deadline = time.monotonic() + 10
+            while not rx._ops.load(L.OFF_C_SLEEPING):  # the consumer is asleep before each push
+                assert time.monotonic() < deadline, "the consumer never went to sleep"
+                time.sleep(0.0005)
+            tx.push(message)
+        consumer.join(30)
+        assert not failed, failed
+        assert received == messages
+        wakes = tx.wakeups()["data"]
+        if consumer_pure:
+            assert wakes >= count
+        else:
+            assert count <= wakes <= count + count // 4, wakes
+    finally:
+        rx.close()
+        tx.close()

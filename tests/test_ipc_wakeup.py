@@ -1,6 +1,7 @@
 """Sleeping and waking: no lost wake-up under random sleeps on both sides (futex rings, native and
 pure Python, and semaphore rings), the batch path, a dead peer noticed within the poll interval
-while we sleep, close() waking a sleeper at once, and the futex primitive itself."""
+while we sleep, close() waking a sleeper at once, the futex primitive itself, and a big message
+waking its consumer before its copy."""
 
 from __future__ import annotations
 
@@ -239,8 +240,7 @@ def test_a_big_message_wakes_a_sleeping_consumer_once_before_its_copy(consumer_p
     the payload (the commit wakes it again if it went back to sleep). Messages of that size, each
     pushed while the consumer sleeps, arrive in order and intact, with a native consumer (which
     spins for the publish after such a wake-up, so about one wake-up a message) and a pure-Python
-    one (which sleeps again). When the wake-up lands relative to the copy is for the benchmark's
-    paced 64 KiB row to show; a test cannot see it without timing."""
+    one (which sleeps again). That the wake-up comes before the copy: the next test."""
     _require_native(False)
     count = 40
     tx = RingBuffer.create(1 << 20)
@@ -274,6 +274,32 @@ def test_a_big_message_wakes_a_sleeping_consumer_once_before_its_copy(consumer_p
             assert wakes >= count
         else:
             assert count <= wakes <= count + count // 4, wakes
+    finally:
+        rx.close()
+        tx.close()
+
+
+@pytest.mark.parametrize("size, cleared_before_copy", [(16384, True), ((1 << 20) + 8, False), (8192, False)])
+def test_a_big_push_clears_the_sleeping_flag_before_it_copies(size, cleared_before_copy):
+    """The order of the early wake-up, without timing: the payload is copied from the ring's own
+    header, starting at the consumer's sleeping flag, so the message holds the flag as it was when
+    the copy ran. From 16 KiB to 1 MiB the flag is already cleared (the consumer woken before the
+    copy); below and above, it is cleared by the commit, after the copy. One wake-up either way."""
+    _require_native(False)
+    capacity = 1 << 18 if size <= 1 << 16 else 1 << 23
+    tx = RingBuffer.create(capacity)
+    rx = RingBuffer.attach(tx.name)
+    try:
+        tx.push(bytes(size + 8192))  # the next record starts past the range it is copied from
+        rx.pop()
+        base = tx._address
+        rx._ops.store(L.OFF_C_SLEEPING, 1)  # as a consumer does before it sleeps (none sleeps here)
+        push = ring_module._native_lib().fast.ipc_push
+        assert push(ctypes.c_void_p(base), ctypes.c_void_p(base + L.OFF_C_SLEEPING), size) == 1
+        flag_during_copy = int.from_bytes(rx.pop(timeout=5)[:8], sys.byteorder)
+        assert flag_during_copy == (0 if cleared_before_copy else 1)
+        assert rx._ops.load(L.OFF_C_SLEEPING) == 0
+        assert tx.wakeups()["data"] == 1
     finally:
         rx.close()
         tx.close()

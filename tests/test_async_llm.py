@@ -137,7 +137,9 @@ def test_abort_ends_the_stream_and_encode_embeds(tiny_llama_dir, tiny_bert_dir):
             llm.shutdown()
 
     n, finished, unfinished = asyncio.run(main())
-    assert n == 3 and finished and unfinished == 0
+    # An output the reader had handed to the event loop before the abort is still delivered (a
+    # closed stream ends after what it holds): one at most, the newest (CUMULATIVE keeps one).
+    assert n in (3, 4) and finished and unfinished == 0
 
     async def embed():
         llm = make_async(tiny_bert_dir, max_model_len=256)

@@ -394,10 +394,11 @@ static int ring_sleep(uint8_t *b, int flag_off, int64_t closed_off, int space, i
     STORE_RLX(b, flag_off, 0);
     HINT_YIELD();
     if (ready(b, space, n)) return 1;
-    /* Woken with nothing there yet: a producer announced a big message before copying it (see
-     * ipc_push), so its publish is due within the copy. Spin for it; 0 after WOKEN_SPIN_NS (the
-     * caller sleeps again, and the publish wakes it). */
-    return woken && !LOAD_ACQ(b, closed_off) && spin_until(b, space, n, WOKEN_SPIN_NS);
+    /* A consumer woken with nothing there yet: a producer announced a big message before copying
+     * it (see ipc_push), so its publish is due within the copy. Spin for it; 0 after WOKEN_SPIN_NS
+     * (the caller sleeps again, and the publish wakes it). A producer is never woken early: one
+     * woken to too little space sleeps again at once, as before. */
+    return woken && !space && !LOAD_ACQ(b, closed_off) && spin_until(b, 0, 0, WOKEN_SPIN_NS);
 }
 
 int ipc_sleep_consumer(uint8_t *b, int64_t closed_off, int64_t timeout_ns) {

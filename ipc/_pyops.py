@@ -32,10 +32,6 @@ from ipc.wait import futex_wait_py
 _HEADER = struct.Struct("=IHH")
 
 
-def _align8(n: int) -> int:
-    return (n + 7) & ~7
-
-
 class PythonOps:
     def __init__(self, buf: memoryview) -> None:
         self._buf = buf
@@ -66,7 +62,7 @@ class PythonOps:
         return cap - (tail - head)
 
     def _space_needed(self, n: int, cap: int) -> int:
-        rec, room = _align8(8 + n), cap - self._get(L.OFF_TAIL) % cap
+        rec, room = L.record_size(n), cap - self._get(L.OFF_TAIL) % cap
         return rec if rec <= room else room + rec
 
     def reserve(self, n: int) -> int:
@@ -74,7 +70,7 @@ class PythonOps:
         if geometry is None:
             return L.BAD_COUNTERS
         cap, max_rec = geometry
-        rec = _align8(8 + n)
+        rec = L.record_size(n)
         if n < 0 or rec > max_rec:
             return L.TOO_BIG
         tail = self._get(L.OFF_TAIL)
@@ -150,7 +146,7 @@ class PythonOps:
             pos = 0
         if not L.KIND_MSG <= kind <= L.KIND_ABORT:
             return L.BAD_KIND
-        rec = _align8(8 + length)
+        rec = L.record_size(length)
         if rec > max_rec or pos + rec > cap:
             return L.BAD_LENGTH
         if rec > avail:

@@ -478,8 +478,9 @@ def ring_capacity(size: int) -> int:
     header included, is at most a quarter of the ring), in whole pages: 64 KiB at least, 8 MiB
     at most. Small, because a ring's records go round all of it: the fewer lines it has, the
     more of them are still in the caches when they are written again."""
-    record = (size + 8 + 7) & ~7
-    capacity = -(-4 * record // 4096) * 4096
+    from ipc.layout import record_size
+
+    capacity = -(-4 * record_size(size) // 4096) * 4096
     return min(max(capacity, 64 << 10), 8 << 20)
 
 

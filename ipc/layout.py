@@ -96,6 +96,12 @@ PROBLEMS = {
 }
 
 
+def record_size(payload: int) -> int:
+    """The bytes a record of `payload` bytes takes in the ring: its 8-byte header and the payload,
+    padded to 8."""
+    return (8 + payload + 7) & ~7
+
+
 def max_record_for(capacity: int) -> int:
     """The largest record (header included): a quarter of the capacity, 8-aligned."""
     return (capacity // 4) & ~7

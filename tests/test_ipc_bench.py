@@ -155,3 +155,15 @@ def test_a_round_warms_up_then_measures_exactly_its_counts(transport, variant, m
     result = bench.run_round(transport, variant, bench.raw_payload("64B"), counts, mp.get_context("spawn"))
     assert len(result["busy"]) == 60 and len(result["paced"]) == 7
     assert result["msgs_per_s"] > 0 and result["payload_bytes"] == 64
+
+
+@pytest.mark.parametrize("size", [0, 64, 16376, 16377, 65536, 1 << 20, 3 << 20])
+def test_a_case_rings_are_the_smallest_that_hold_its_message_in_one_record(size):
+    from ipc import layout
+
+    capacity = bench.ring_capacity(size)
+    assert capacity % 4096 == 0 and 64 << 10 <= capacity <= 8 << 20
+    if capacity < 8 << 20:
+        assert layout.max_record_for(capacity) >= layout.record_size(size)
+    if capacity > 64 << 10:  # a page less would not hold it
+        assert layout.max_record_for(capacity - 4096) < layout.record_size(size)

@@ -189,7 +189,7 @@ class EngineArgs(VllmArgs):
         return cls(**{name: getattr(args, name) for name in cls.field_names() if hasattr(args, name)})
 
     def create_engine_config(self) -> EngineConfig:
-        from shmvllm.engine.validation import check_engine_args
+        from shmvllm.engine.validation import check_against_model, check_engine_args
 
         check_engine_args(self)
         self._verify()
@@ -232,7 +232,7 @@ class EngineArgs(VllmArgs):
                 f"max_num_batched_tokens ({max_batched}) must be at least max_model_len ({max_model_len}) "
                 "when enable_chunked_prefill is False."
             )
-        return EngineConfig(
+        config = EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size if self.block_size is not None else 16,
@@ -252,6 +252,8 @@ class EngineArgs(VllmArgs):
                 tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size
             ),
         )
+        check_against_model(config)
+        return config
 
     def _task(self, model_dir: Path, hf_config: Any) -> Task:
         """The task from task / runner / convert, checked against what the model is."""

@@ -200,8 +200,8 @@ class InputProcessor:
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
-                f"contains {len(prompt_ids)} input tokens, which leaves no room to generate; shorten the "
-                f"prompt or raise max_model_len."
+                f"contains {len(prompt_ids)} input tokens, which leaves no room to generate within "
+                f"max_model_len={self.max_model_len}; shorten the prompt or raise max_model_len."
             )
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
@@ -250,7 +250,7 @@ class InputProcessor:
         if len(prompt_ids) > self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
-                f"contains {len(prompt_ids)} input tokens (prompt_token_ids, more than max_model_len)."
+                f"contains {len(prompt_ids)} input tokens (prompt_token_ids, more than max_model_len={self.max_model_len})."
             )
         low, high = min(prompt_ids), max(prompt_ids)
         if low < 0 or high >= self.vocab_size:

@@ -1,4 +1,4 @@
-"""The benchmarks' own channels for the engine process, plugged in through SyncMPClient(channel=...).
+"""The benchmarks' own channels for the engine process, plugged in through MPClient(channel=...).
 
 - ZeroMQ, the peer: two pyzmq PUSH/PULL pairs over ipc:// sockets in a private temporary
   directory (what vLLM uses), bound by the frontend, connected by the engine, unbounded queues.
@@ -217,7 +217,7 @@ def engine_channel(factory: Callable[[], tuple[Endpoint, Addresses]]) -> Iterato
     def make_client(config: Any, multiprocess: bool = True) -> Any:
         if not multiprocess:
             return original(config, multiprocess=False)
-        return core_client.SyncMPClient(config, channel=factory)
+        return core_client.MPClient(config, channel=factory)
 
     core_client.EngineCoreClient.make_client = staticmethod(make_client)  # type: ignore[method-assign]
     try:

@@ -2,20 +2,8 @@
 
 Each is read when it is used (`envs.NAME()`), not at import, so that a test or a program that
 sets one before the call is obeyed; a bad value raises ValueError naming the variable. The
-engine process inherits the frontend's environment. README.md has the same table.
-
-| variable | default | what it does |
-|---|---|---|
-| SHMVLLM_CACHE | ~/.cache/shmvllm | where converted models (GGUF -> HF directories) are cached |
-| SHMVLLM_RING_CAPACITY | 4194304 | bytes of each frontend<->engine ring (a multiple of 8) |
-| SHMVLLM_MAX_N_SEQUENCES | 16384 | the largest SamplingParams.n (vLLM's VLLM_MAX_N_SEQUENCES) |
-| SHMVLLM_NATIVE_KERNELS | 1 | 0: never build or load the C kernels (torch paths only) |
-| SHMVLLM_QUANT_ISA | the CPU's best | avx512, avx2 or portable: which quantized GEMM build to load |
-| SHMVLLM_FUSED_DECODE | 1 | 0: no fused C decode step for single-sequence decode |
-| SHMVLLM_HUGE_PAGES | 1 | 0: no madvise(MADV_HUGEPAGE) on weights and the KV cache |
-| SHMVLLM_CPU_BF16 | from /proc/cpuinfo | 1 / 0: whether the CPU has native bf16 dot products |
-| SHMVLLM_TP_ALLREDUCE | shm | shm or gloo: how tensor-parallel ranks all-reduce (shm: the shared-memory arena, where its C helper builds; else gloo) |
-| OMP_NUM_THREADS | one per core | the engine's torch threads (data_parallel_size=N: every engine's; default: one per core of its share) (read to decide whether the frontend naps) |
+engine process inherits the frontend's environment. `VARIABLES` below is the one description
+of each; README.md's table is checked against it (tests/test_envs.py).
 
 The ipc/ library reads its own (IPC_NATIVE_CACHE, IPC_PURE_PYTHON, CC): it is a separate
 package with no shmvllm knowledge, documented in its own modules.
@@ -25,27 +13,31 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-
-# os.environ.get of an unset name costs about a microsecond (it raises and catches KeyError
-# twice), and some of these are read on hot paths (SHMVLLM_MAX_N_SEQUENCES on every
-# SamplingParams validation, in the engine's decoding too): an absent name is answered from the
-# dict behind os.environ (CPython's os._Environ), which every write to os.environ (monkeypatch.setenv
-# included) updates; where there is no such dict, every read goes through os.environ.
-_ENVIRON_STORE: Optional[dict[Any, Any]] = getattr(os.environ, "_data", None)
-
-
-_ENVIRON_KEYS: dict[str, Any] = {}  # name -> its key in _ENVIRON_STORE
+# name -> (default, what it does): README.md's table of environment variables.
+VARIABLES: dict[str, tuple[str, str]] = {
+    "SHMVLLM_CACHE": ("`~/.cache/shmvllm`", "where converted models (GGUF -> HF directories) are cached"),
+    "SHMVLLM_RING_CAPACITY": ("4194304", "bytes of each frontend<->engine ring (a multiple of 8)"),
+    "SHMVLLM_MAX_N_SEQUENCES": ("16384", "the largest `SamplingParams.n` (vLLM's `VLLM_MAX_N_SEQUENCES`)"),
+    "SHMVLLM_NATIVE_KERNELS": ("1", "0: never build or load the C kernels (torch paths only)"),
+    "SHMVLLM_QUANT_ISA": ("the CPU's best", "`avx512`, `avx2` or `portable`: which quantized GEMM build to load"),
+    "SHMVLLM_FUSED_DECODE": ("1", "0: no fused C decode step for single-sequence decode"),
+    "SHMVLLM_HUGE_PAGES": ("1", "0: no `madvise(MADV_HUGEPAGE)` on weights and the KV cache"),
+    "SHMVLLM_CPU_BF16": ("from `/proc/cpuinfo`", "1 / 0: whether the CPU has native bf16 dot products"),
+    "SHMVLLM_TP_ALLREDUCE": (
+        "`shm`",
+        "`shm` (the shared-memory arena, where its C helper builds) or `gloo`: how tensor-parallel ranks all-reduce",
+    ),
+    "OMP_NUM_THREADS": (
+        "one per core",
+        "the engine's torch threads (with `data_parallel_size=N`: every engine's; default one per core of its "
+        "cores / N share); read to decide whether the frontend naps",
+    ),
+}
 
 
 def _raw(name: str) -> Optional[str]:
-    if _ENVIRON_STORE is not None:
-        key = _ENVIRON_KEYS.get(name)
-        if key is None:
-            key = _ENVIRON_KEYS[name] = os.environ.encodekey(name)  # type: ignore[attr-defined]
-        if key not in _ENVIRON_STORE:
-            return None
     return os.environ.get(name)
 
 

@@ -23,10 +23,10 @@ from ipc.segment import pid_alive
 from shmvllm import LLM, SamplingParams
 from shmvllm.boundary.messages import SchedulerStats
 from shmvllm.config import EngineArgs
-from shmvllm.engine.core_client import EngineUtilityError, SyncMPClient
+from shmvllm.engine.core_client import MPClient
 from shmvllm.engine.dp_balancer import DPLoadBalancer
-from shmvllm.engine.dp_client import DPSyncMPClient, plan_cpus
-from shmvllm.engine.exceptions import EngineDeadError, EngineTimeoutError
+from shmvllm.engine.dp_client import plan_cpus
+from shmvllm.engine.exceptions import EngineDeadError, EngineTimeoutError, EngineUtilityError
 
 ENGINE_ARGS = dict(max_model_len=1024, num_kv_blocks=256)
 LONG = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
@@ -74,10 +74,9 @@ def test_dp2_outputs_equal_dp1_in_input_order_and_both_engines_serve(tiny_llama_
         with LLM(str(tiny_llama_dir), data_parallel_size=dp, **ENGINE_ARGS) as llm:
             client = llm.llm_engine.engine_core
             results[dp] = completions(llm.generate(prompts, params, use_tqdm=False))
+            assert type(client) is MPClient and client.num_engines == dp
             if dp == 1:
-                assert type(client) is SyncMPClient  # one engine: today's client
                 continue
-            assert isinstance(client, DPSyncMPClient)
             served = client.requests_per_engine
             stats = client.get_stats()
             pids = client.engine_pids
@@ -313,16 +312,6 @@ def test_async_llm_and_threads_over_two_engines(tiny_llama_dir):
         assert all(results[k] == reference[k::4] for k in range(4)), results
 
 
-def test_a_failing_start_stops_every_engine(tiny_llama_dir):
-    from test_multiprocess import FailingLoadExecutor  # raises FileNotFoundError at load
-
-    from shmvllm.engine.exceptions import EngineStartupError
-
-    config = EngineArgs(model=str(tiny_llama_dir), data_parallel_size=2, **ENGINE_ARGS).create_engine_config()
-    with pytest.raises(EngineStartupError, match="failed to start: FileNotFoundError: .*no such weights"):
-        DPSyncMPClient(config, executor_class=FailingLoadExecutor)
-
-
 def test_data_parallel_needs_engine_processes(tiny_llama_dir):
     with pytest.raises(ValueError, match="data_parallel_size=2 needs the engines in processes of their own"):
         LLM(str(tiny_llama_dir), data_parallel_size=2, multiprocess=False, **ENGINE_ARGS)
@@ -383,28 +372,3 @@ def test_tiny_rings_two_engines_long_prompts_and_logprobs(tiny_llama_dir, monkey
     assert [(ids, rows) for ids, rows, _ in got] == [(ids, rows) for ids, rows, _ in expected]
     np.testing.assert_allclose([lp for *_, lps in got for lp in lps], [lp for *_, lps in expected for lp in lps],
                                rtol=0, atol=1e-4)
-
-
-def test_an_engine_failing_mid_serving_is_engine_dead_error_with_its_traceback(tiny_llama_dir):
-    from test_multiprocess import FailingExecutor  # fails fatally in its third model step
-
-    from shmvllm.boundary.messages import EngineCoreRequest
-
-    config = EngineArgs(model=str(tiny_llama_dir), data_parallel_size=2, **ENGINE_ARGS).create_engine_config()
-    client = DPSyncMPClient(config, executor_class=FailingExecutor)
-    try:
-        pids = client.engine_pids
-        for i in range(2):  # one request each: both engines step, both fail at their third step
-            client.add_request(EngineCoreRequest(
-                request_id=f"r{i}", prompt_token_ids=EngineCoreRequest.pack_token_ids([1, 2, 3 + i]),
-                sampling_params=SamplingParams(max_tokens=50, ignore_eos=True),
-            ))
-        with pytest.raises(EngineDeadError, match="(?s)engine [01] of 2.*boom in execute_model"):
-            for _ in range(100):
-                client.get_output()
-        with pytest.raises(EngineDeadError):
-            client.get_output()
-        for pid in pids:
-            wait_until_dead(pid, 2.0)
-    finally:
-        client.shutdown()

@@ -53,7 +53,7 @@ def test_one_block_is_what_the_engine_needs(tiny_llama_dir):
                    kv_cache_memory=per_block - 1).create_engine_config()
     with LLM(str(tiny_llama_dir), max_model_len=64, dtype="float32", kv_cache_memory=per_block,
              multiprocess=False) as llm:
-        assert llm.llm_engine.engine_core.num_kv_blocks == 1
+        assert llm.llm_engine.engine_core.ready.num_kv_blocks == 1
 
 
 def test_max_model_len_above_the_models_limit_is_refused(refused_early, tiny_llama_dir):

@@ -12,7 +12,7 @@ import pytest
 from ipc.segment import pid_alive
 from shmvllm import LLM, SamplingParams
 from shmvllm.engine import llm_engine
-from shmvllm.engine.core_client import SyncMPClient
+from shmvllm.engine.core_client import MPClient
 from shmvllm.executor.uniproc import UniProcExecutor
 from shmvllm.model.sampler import Sampler
 
@@ -49,7 +49,7 @@ class FailingStepExecutor(UniProcExecutor):
 
 def llm_with(executor_class, tiny_llama_dir, monkeypatch) -> LLM:
     def make_client(config, multiprocess=True):
-        return SyncMPClient(config, executor_class=executor_class)
+        return MPClient(config, executor_class=executor_class)
 
     monkeypatch.setattr(llm_engine.EngineCoreClient, "make_client", staticmethod(make_client))
     return LLM(str(tiny_llama_dir), **ENGINE_ARGS)

@@ -115,7 +115,7 @@ def test_a_request_the_engine_cannot_decode_finishes_with_error(llm):
 
 def test_1_max_logprobs_minus_one_allows_the_whole_vocabulary(tiny_llama_dir):
     with LLM(str(tiny_llama_dir), max_logprobs=-1, **ENGINE_ARGS) as wide:
-        vocab = wide.llm_engine.engine_core.vocab_size
+        vocab = wide.llm_engine.engine_core.ready.vocab_size
         out = wide.generate("Hi", SamplingParams(max_tokens=1, logprobs=vocab), use_tqdm=False)
         assert len(out[0].outputs[0].logprobs[0]) == vocab
         with pytest.raises(ValueError, match="logprobs"):

@@ -22,8 +22,8 @@ from ipc.segment import pid_alive
 from shmvllm import LLM, SamplingParams
 from shmvllm.config import EngineArgs
 from shmvllm.boundary import channel
-from shmvllm.engine.core_client import EngineUtilityError, SyncMPClient
-from shmvllm.engine.exceptions import EngineDeadError, EngineStartupError
+from shmvllm.engine.core_client import MPClient
+from shmvllm.engine.exceptions import EngineDeadError, EngineStartupError, EngineUtilityError
 from shmvllm.boundary.messages import EngineCoreRequest
 from shmvllm.executor.uniproc import UniProcExecutor
 
@@ -50,7 +50,7 @@ def test_outputs_identical_in_process_and_over_shm(tiny_llama_dir):
                 token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)),
                 token_ids(llm.generate(PROMPTS, seeded, use_tqdm=False)),
                 [o.outputs[0].text for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)],
-                client.num_kv_blocks, client.block_size, client.get_stats()["num_steps"] > 0,
+                client.ready.num_kv_blocks, client.ready.block_size, client.get_stats()["num_steps"] > 0,
                 llm.llm_engine.reset_prefix_cache(),
             )
             pid = getattr(client, "engine_pid", None)
@@ -61,15 +61,15 @@ def test_outputs_identical_in_process_and_over_shm(tiny_llama_dir):
     assert results[True] == inproc
 
 
-def make_client(tiny_llama_dir, **kwargs) -> SyncMPClient:
-    config = EngineArgs(model=str(tiny_llama_dir), **ENGINE_ARGS).create_engine_config()
-    return SyncMPClient(config, **kwargs)
+def make_client(tiny_llama_dir, engines: int = 1, **kwargs) -> MPClient:
+    config = EngineArgs(model=str(tiny_llama_dir), data_parallel_size=engines, **ENGINE_ARGS).create_engine_config()
+    return MPClient(config, **kwargs)
 
 
 def test_utility_calls_return_results_and_exceptions(tiny_llama_dir):
     client = make_client(tiny_llama_dir)
     pid = client.engine_pid
-    assert client.get_stats()["num_kv_blocks"] == client.num_kv_blocks == 512
+    assert client.get_stats()["num_kv_blocks"] == client.ready.num_kv_blocks == 512
     with pytest.raises(EngineUtilityError, match="TypeError"):
         client.call_utility("abort_requests", 5)
     with pytest.raises(EngineUtilityError, match="AttributeError.*no_such_method"):
@@ -82,7 +82,7 @@ def test_utility_calls_return_results_and_exceptions(tiny_llama_dir):
     wait_until_dead(pid, 5.0)
 
 
-def add_many(client: SyncMPClient, count: int, prompt_len: int = 100, max_tokens: int = 2) -> None:
+def add_many(client: MPClient, count: int, prompt_len: int = 100, max_tokens: int = 2) -> None:
     """Adds `count` requests, pausing now and then so the engine steps meanwhile."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompt = EngineCoreRequest.pack_token_ids(list(range(5, 5 + prompt_len)))
@@ -123,7 +123,7 @@ def test_shutdown_with_a_full_output_ring_is_clean(tiny_llama_dir, monkeypatch):
     started = time.monotonic()
     client.shutdown()
     assert time.monotonic() - started < 3.0
-    assert client._manager.exitcode == 0
+    assert client.handles[0].manager.exitcode == 0
 
 
 def test_a_forked_child_exiting_leaves_the_engine_alone(tiny_llama_dir):
@@ -131,7 +131,7 @@ def test_a_forked_child_exiting_leaves_the_engine_alone(tiny_llama_dir):
     must not stop (or close the rings of) the engine, which belongs to the parent."""
     client = make_client(tiny_llama_dir)
     try:
-        ring = client._endpoint._send_ring
+        ring = client.handles[0].endpoint._send_ring
         pid = os.fork()
         if pid == 0:
             try:
@@ -141,7 +141,7 @@ def test_a_forked_child_exiting_leaves_the_engine_alone(tiny_llama_dir):
                 os._exit(0)
         assert os.waitpid(pid, 0)[1] == 0
         assert client.reset_prefix_cache() is True
-        assert client._manager.is_alive()
+        assert client.handles[0].manager.is_alive()
     finally:
         client.shutdown()
 
@@ -161,20 +161,27 @@ class FailingExecutor(UniProcExecutor):
         return super().execute_model(scheduler_output)
 
 
-def test_exception_in_step_raises_engine_dead_error(tiny_llama_dir):
-    client = make_client(tiny_llama_dir, executor_class=FailingExecutor)
+@pytest.mark.parametrize("engines", [1, 2])
+def test_exception_in_step_raises_engine_dead_error(tiny_llama_dir, engines):
+    """A fatal failure in a step: EngineDeadError with the engine's error; with two engines
+    (both fail at their third step) naming the one found first, the other shut down."""
+    client = make_client(tiny_llama_dir, engines, executor_class=FailingExecutor)
     try:
-        request = EngineCoreRequest(
-            request_id="r0", prompt_token_ids=EngineCoreRequest.pack_token_ids([1, 2, 3]),
-            sampling_params=SamplingParams(max_tokens=50, ignore_eos=True),
-        )
-        client.add_request(request)
-        with pytest.raises(EngineDeadError, match="boom in execute_model"):
+        pids = client.engine_pids
+        for i in range(engines):  # one request each
+            request = EngineCoreRequest(
+                request_id=f"r{i}", prompt_token_ids=EngineCoreRequest.pack_token_ids([1, 2, 3 + i]),
+                sampling_params=SamplingParams(max_tokens=50, ignore_eos=True),
+            )
+            client.add_request(request)
+        which = "engine process" if engines == 1 else "engine [01] of 2"
+        with pytest.raises(EngineDeadError, match=f"(?s){which} .*it failed: .*EngineFailure: boom in execute_model"):
             for _ in range(100):
                 client.get_output()
         with pytest.raises(EngineDeadError):  # and every later call
             client.add_request(request)
-        wait_until_dead(client.engine_pid, 2.0)
+        for pid in pids:
+            wait_until_dead(pid, 2.0)
     finally:
         client.shutdown()
 
@@ -211,7 +218,7 @@ def test_kill_engine_during_generate_20_trials(tiny_llama_dir):
     assert max(delays) < 2.0, delays
 
 
-def channel_segments(client: SyncMPClient) -> set[str]:
+def channel_segments(client: MPClient) -> set[str]:
     """The client's two rings (and their semaphores, where the rings use them) in /dev/shm."""
     names = {client.addresses.to_engine.lstrip("/"), client.addresses.to_frontend.lstrip("/")}
     return {entry.name for entry in Path("/dev/shm").iterdir() if any(name in entry.name for name in names)}
@@ -243,8 +250,8 @@ def test_sigterm_to_the_engine_is_engine_dead_error_and_leaves_nothing(tiny_llam
         assert raised_at - signalled_at[0] < 2.0
         assert not channel_segments(client), "the dead engine's channel stayed in /dev/shm"
         wait_until_dead(pid, 2.0)
-        client._manager.join(1.0)
-        assert client._manager.exitcode == -signum
+        client.handles[0].manager.join(1.0)
+        assert client.handles[0].manager.exitcode == -signum
         with pytest.raises(EngineDeadError, match=f"terminated by {name}"):
             llm.generate(["again"], params, use_tqdm=False)
 
@@ -338,11 +345,12 @@ class FailingLoadExecutor(UniProcExecutor):
         raise FileNotFoundError(2, "no such weights", "/nowhere/model.safetensors")
 
 
-def test_a_failing_load_names_its_type_and_message_in_the_first_line(tiny_llama_dir):
+@pytest.mark.parametrize("engines", [1, 2])
+def test_a_failing_load_names_its_type_and_message_in_the_first_line(tiny_llama_dir, engines):
     """The first line of the error says why (a log line or a test summary shows only it); the
-    engine's traceback follows."""
+    engine's traceback follows; every engine is stopped (no_engine_left_behind)."""
     with pytest.raises(EngineStartupError) as raised:
-        make_client(tiny_llama_dir, executor_class=FailingLoadExecutor)
+        make_client(tiny_llama_dir, engines, executor_class=FailingLoadExecutor)
     first, *rest = str(raised.value).splitlines()
     assert first.endswith("failed to start: FileNotFoundError: [Errno 2] no such weights: '/nowhere/model.safetensors'"), first
     assert rest[0].startswith("Traceback (most recent call last)") and "test_multiprocess.py" in "\n".join(rest)

@@ -55,6 +55,8 @@ RING_CAPACITY = 4 << 20  # bytes per ring; SHMVLLM_RING_CAPACITY overrides it
 ChannelTimeout = RingTimeoutError
 OUTBOX_RING_MULTIPLE = 4  # the engine stops stepping while its outbox holds more than this many rings' bytes
 FLUSH_POLL_S = 0.001  # how long an engine with a non-empty outbox waits for input before it flushes again
+POLL_S = 0.25  # how often a blocked side (either) looks at its peer process
+LAST_WORDS_S = 1.0  # how long a failing engine tries to deliver its EngineFailed before it exits
 # The frontend waits for each step's outputs by napping through this window before it sleeps
 # on the ring's semaphore (see ipc.wait). While it naps, the engine's send is a copy and a
 # counter store; once it sleeps, the send also wakes it: a futex wake of another process,

@@ -39,11 +39,12 @@ def _only(name: str, default: Any, why: str, *more: Any, cli_type: Optional[Call
 
 
 _NO_CUDA_GRAPHS = "shmvllm runs the model eagerly and compiles nothing (no CUDA graphs, no torch.compile)"
-_ONE_DEVICE = "shmvllm runs on one device"
+_ONE_NODE = "shmvllm's data-parallel engines are all started and routed by one LLM on one machine (data_parallel_size=N)"
+_CPU_TP = "shmvllm's parallelism is data_parallel_size engines and tensor_parallel_size CPU ranks per engine, on one machine"
 _NO_DOWNLOAD = "shmvllm loads local models only and downloads nothing"
 _NO_MM = "shmvllm serves text-only models; this only matters for multimodal ones"
 _NO_LORA = "LoRA adapters are not supported (enable_lora=True is refused)"
-_NO_MOE = "only matters for mixture-of-experts models across devices; shmvllm serves dense models on one device"
+_NO_MOE = "only matters for mixture-of-experts models across devices; shmvllm serves dense models"
 
 VLLM_ARGS: tuple[VllmArg, ...] = (
     # ---- accepted at any value: no effect here ---------------------------------------------
@@ -61,15 +62,15 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     _ignored("attention_config", None, "shmvllm has one attention implementation per device"),
     _ignored("disable_cascade_attn", False, "shmvllm has no cascade attention", bool),
     _ignored("disable_log_stats", False, "shmvllm always keeps its few counters (LLM.get_metrics)", bool),
-    _ignored("aggregate_engine_logging", False, "one engine: nothing to aggregate", bool),
+    _ignored("aggregate_engine_logging", False, "shmvllm logs no per-engine statistics to aggregate", bool),
     _ignored("disable_log_requests", True, "shmvllm does not log requests", bool),
     _ignored("swap_space", 4, "shmvllm recomputes preempted requests instead of swapping (as vLLM v1)", float),
     _ignored("use_tqdm_on_load", True, "loading shows no progress bar", bool),
     _ignored("safetensors_load_strategy", "lazy", "weights are read the one way the loader has"),
     _ignored("pt_load_map_location", "cpu", "weights load onto the engine's device"),
-    _ignored("max_parallel_loading_workers", None, _ONE_DEVICE, int),
-    _ignored("disable_custom_all_reduce", False, _ONE_DEVICE, bool),
-    _ignored("ray_workers_use_nsight", False, _ONE_DEVICE, bool),
+    _ignored("max_parallel_loading_workers", None, "each rank loads its own share once", int),
+    _ignored("disable_custom_all_reduce", False, "tensor-parallel all-reduces are chosen by SHMVLLM_TP_ALLREDUCE (shm or gloo)", bool),
+    _ignored("ray_workers_use_nsight", False, "no Nsight profiling of workers: tensor-parallel workers are CPU processes", bool),
     _ignored("async_scheduling", False, "results are the same either way; shmvllm's frontend already "
              "overlaps detokenizing with the engine's next step", bool),
     _ignored("prefix_caching_hash_algo", "sha256", "block hashes are internal; results do not depend on them"),
@@ -103,11 +104,11 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     _ignored("eplb_step_interval", 3000, _NO_MOE, int),
     _ignored("eplb_log_balancedness", False, _NO_MOE, bool),
     _ignored("expert_placement_strategy", "linear", _NO_MOE),
-    _ignored("all2all_backend", None, _ONE_DEVICE),
-    _ignored("enable_dbo", False, _ONE_DEVICE, bool),
-    _ignored("dbo_decode_token_threshold", 32, _ONE_DEVICE, int),
-    _ignored("dbo_prefill_token_threshold", 512, _ONE_DEVICE, int),
-    _ignored("disable_nccl_for_dp_synchronization", False, _ONE_DEVICE, bool),
+    _ignored("all2all_backend", None, _NO_MOE),
+    _ignored("enable_dbo", False, _NO_MOE, bool),
+    _ignored("dbo_decode_token_threshold", 32, _NO_MOE, int),
+    _ignored("dbo_prefill_token_threshold", 512, _NO_MOE, int),
+    _ignored("disable_nccl_for_dp_synchronization", False, "data-parallel engines synchronize over shared memory, not NCCL", bool),
     _ignored("mamba_cache_dtype", "auto", "shmvllm serves no Mamba models"),
     _ignored("mamba_ssm_cache_dtype", "auto", "shmvllm serves no Mamba models"),
     _ignored("mamba_block_size", None, "shmvllm serves no Mamba models", int),
@@ -131,16 +132,16 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     _only("rope_scaling", None, "the model's config is used as it is", {}),
     _only("rope_theta", None, "the model's config is used as it is"),
     _only("model_impl", "auto", "shmvllm has its own model classes only", "vllm"),
-    _only("pipeline_parallel_size", 1, _ONE_DEVICE, cli_type=int),
-    _only("data_parallel_rank", None, _ONE_DEVICE, cli_type=int),
-    _only("data_parallel_start_rank", None, _ONE_DEVICE, cli_type=int),
-    _only("data_parallel_size_local", None, _ONE_DEVICE, cli_type=int),
-    _only("data_parallel_address", None, _ONE_DEVICE),
-    _only("data_parallel_rpc_port", None, _ONE_DEVICE, cli_type=int),
-    _only("data_parallel_hybrid_lb", False, _ONE_DEVICE, cli_type=bool),
-    _only("data_parallel_backend", "mp", _ONE_DEVICE),
-    _only("decode_context_parallel_size", 1, _ONE_DEVICE, cli_type=int),
-    _only("distributed_executor_backend", None, "one engine process with one worker", "uni", "mp"),
+    _only("pipeline_parallel_size", 1, _CPU_TP + "; pipeline parallelism is not implemented", cli_type=int),
+    _only("data_parallel_rank", None, _ONE_NODE, cli_type=int),
+    _only("data_parallel_start_rank", None, _ONE_NODE, cli_type=int),
+    _only("data_parallel_size_local", None, _ONE_NODE, cli_type=int),
+    _only("data_parallel_address", None, _ONE_NODE),
+    _only("data_parallel_rpc_port", None, _ONE_NODE, cli_type=int),
+    _only("data_parallel_hybrid_lb", False, _ONE_NODE, cli_type=bool),
+    _only("data_parallel_backend", "mp", "data-parallel engines are processes started by the LLM ('mp'); use shmvllm.ray for Ray"),
+    _only("decode_context_parallel_size", 1, _CPU_TP + "; context parallelism is not implemented", cli_type=int),
+    _only("distributed_executor_backend", None, "an engine runs its worker in-process (uni) or its tensor-parallel workers as processes (mp)", "uni", "mp"),
     _only("worker_cls", "auto", "shmvllm has one worker class"),
     _only("worker_extension_cls", "", "shmvllm has one worker class"),
     _only("scheduler_cls", None, "shmvllm has one scheduler", "vllm.v1.core.sched.scheduler.Scheduler"),

@@ -20,7 +20,7 @@ import threading
 from typing import Any, AsyncGenerator, Optional, Union
 
 from shmvllm.config import EngineArgs, EngineConfig
-from shmvllm.engine.core_proc import POLL_S
+from shmvllm.boundary.channel import POLL_S
 from shmvllm.engine.exceptions import EngineDeadError, EngineTimeoutError
 from shmvllm.engine.input_processor import PromptType
 from shmvllm.engine.llm_engine import LLMEngine

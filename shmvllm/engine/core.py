@@ -18,7 +18,7 @@ from shmvllm.config import EngineConfig
 from shmvllm.core.request import Request, RequestStatus
 from shmvllm.core.sched.output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from shmvllm.core.sched.scheduler import Scheduler
-from shmvllm.executor.errors import WorkerDeadError
+from shmvllm.engine.exceptions import WorkerDeadError
 from shmvllm.model.parallel.split import split_sizes
 from shmvllm.boundary.messages import (
     EngineCoreOutput,

@@ -1,8 +1,9 @@
 """EngineCoreClient: the LLMEngine's handle on the EngineCore, wherever that runs.
 
-`make_client` picks the implementation: `SyncMPClient` (the engine in its own process, reached
-over the shared-memory channel of shmvllm.boundary; the default) or `InprocClient` (the engine
-in this process, which the tests and debugging use). Both expose the same calls.
+`make_client` picks the implementation: `MPClient` (the default: N = data_parallel_size engine
+processes, each reached over its own shared-memory channel of shmvllm.boundary) or
+`InprocClient` (the engine in this process, which the tests and debugging use). Both expose the
+same calls.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from abc import ABC, abstractmethod
 from typing import Any, Callable, Optional
 
 from ipc import PeerGoneError, RingClosedError
-from shmvllm.boundary.channel import Addresses, ChannelTimeout, Endpoint, FrontendInbox, open_frontend
+from shmvllm.boundary.channel import POLL_S, Addresses, ChannelTimeout, Endpoint, FrontendInbox, open_frontend
 from shmvllm.boundary.messages import (
     EngineCoreAbort,
     EngineCoreOutputs,
@@ -30,8 +31,8 @@ from shmvllm.boundary.messages import (
     make_encoder,
 )
 from shmvllm.config import EngineConfig
-from shmvllm.engine.core_proc import POLL_S
-from shmvllm.engine.exceptions import EngineDeadError, EngineTimeoutError
+from shmvllm.engine.dp_client import combine_ready, combine_stats, plan_cpus
+from shmvllm.engine.exceptions import EngineDeadError, EngineTimeoutError, EngineUtilityError
 from shmvllm.engine.proc_manager import DEFAULT_READY_TIMEOUT_S, CoreEngineProcManager, failure_text
 from shmvllm.engine.termination import FrontendTermination
 
@@ -41,19 +42,14 @@ logger = logging.getLogger(__name__)
 class EngineCoreClient(ABC):
     @staticmethod
     def make_client(config: EngineConfig, multiprocess: bool = True) -> "EngineCoreClient":
-        """SyncMPClient when multiprocess (DPSyncMPClient for data_parallel_size > 1), else
-        InprocClient."""
-        if config.parallel_config.data_parallel_size > 1:
-            if not multiprocess:
-                raise ValueError(
-                    f"data_parallel_size={config.parallel_config.data_parallel_size} needs the engines in "
-                    "processes of their own (multiprocess=True)."
-                )
-            from shmvllm.engine.dp_client import DPSyncMPClient
-
-            return DPSyncMPClient(config)
+        """MPClient (one engine process per data-parallel rank) when multiprocess, else InprocClient."""
         if multiprocess:
-            return SyncMPClient(config)
+            return MPClient(config)
+        if config.parallel_config.data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size={config.parallel_config.data_parallel_size} needs the engines in "
+                "processes of their own (multiprocess=True)."
+            )
         return InprocClient(config)
 
     @abstractmethod
@@ -84,28 +80,6 @@ class EngineCoreClient(ABC):
     def ready(self) -> EngineReady:
         """The engine's limits (its READY): KV blocks, max concurrency, the max_model_len the KV
         cache allows, the vocabulary size, max_logprobs."""
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.ready.num_kv_blocks
-
-    @property
-    def block_size(self) -> int:
-        return self.ready.block_size
-
-    @property
-    def max_concurrency(self) -> float:
-        return self.ready.max_concurrency
-
-    @property
-    def vocab_size(self) -> int:
-        """The engine's vocabulary size: token ids and logprobs stay below it."""
-        return self.ready.vocab_size
-
-    @property
-    def max_logprobs(self) -> int:
-        """The most (prompt) logprobs a request may ask of this engine."""
-        return self.ready.max_logprobs
 
 
 class InprocClient(EngineCoreClient):
@@ -147,68 +121,94 @@ class InprocClient(EngineCoreClient):
         return self.engine_core.ready()
 
 
-class EngineUtilityError(RuntimeError):
-    """A UTILITY call raised in the engine; the message carries the engine's exception text."""
-
-
 ABORT_SEND_TIMEOUT_S = 1.0  # an abort waits this long for room on a full input ring, then gives up
 SHUTDOWN_SEND_TIMEOUT_S = 1.0
-DEAD_ENGINE_EXIT_S = 1.0  # after the engine failed: how long the call that found out waits to reap it
-
-
-class _EngineResources:
-    """What a SyncMPClient must release, kept apart from it so that a finalizer can run it."""
-
-    def __init__(self, endpoint: Endpoint) -> None:
-        self.endpoint = endpoint
-        self.manager: Optional[CoreEngineProcManager] = None
-        self.closed = False
-        self.pid = os.getpid()  # a child forked from this process inherits the finalizer, not the engine
-
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """SHUTDOWN, wait (then terminate/kill), then remove the channel. Idempotent. The engine
-        drains its input whatever it has to send, so SHUTDOWN gets through a full output ring."""
-        if self.closed or os.getpid() != self.pid:
-            return
-        self.closed = True
-        try:
-            if self.manager is not None:
-                if self.manager.is_alive():
-                    try:
-                        self.endpoint.send(make_encoder().encode(EngineCoreShutdown()), SHUTDOWN_SEND_TIMEOUT_S)
-                    except Exception:  # a stuck or broken channel: the manager terminates it
-                        pass
-                self.manager.shutdown(timeout)
-        finally:
-            self.endpoint.close()
-
-    def release_on_termination(self) -> None:
-        """This process dies of SIGTERM/SIGHUP: remove the channel (the engine, finding it
-        closed, exits within a poll) and tell the engine to stop now."""
-        if self.closed or os.getpid() != self.pid:
-            return
-        self.closed = True
-        self.endpoint.close()
-        if self.manager is not None and self.manager.is_alive():
-            self.manager.proc.terminate()
-
+DEAD_ENGINE_EXIT_S = 1.0  # after an engine failed: how long it (and the others) get to exit
 
 ChannelFactory = Callable[[], "tuple[Endpoint, Addresses]"]
 
 
-class SyncMPClient(EngineCoreClient):
-    """The engine in its own process, reached over the channel (shmvllm.boundary.channel).
+class EngineHandle:
+    """One engine process and its channel (its endpoint, inbox, process manager)."""
 
-    Every blocking call waits with the GIL released and looks at the engine process at least
-    every POLL_S seconds, so a dead engine becomes an EngineDeadError, never a hang. The engine
-    stops on `shutdown()`, when this client is garbage-collected, and at interpreter exit.
+    def __init__(self, index: int, num_engines: int, endpoint: Endpoint, addresses: Addresses) -> None:
+        self.index = index
+        self.endpoint = endpoint
+        self.addresses = addresses
+        self.inbox = FrontendInbox(endpoint)
+        self.manager: Optional[CoreEngineProcManager] = None
+        self._name = "the engine process" if num_engines == 1 else f"data-parallel engine {index} of {num_engines}"
 
-    Sends simply block while the input ring is full (the engine drains it every turn of its
-    loop: see the channel's flow-control rule).
+    def __str__(self) -> str:
+        return f"{self._name} (pid {self.manager.pid if self.manager else None})"
 
-    executor_class: for the engine's EngineCore (tests inject faults with it).
-    channel: what creates the channel (default: the shared-memory rings); benchmarks/ passes
-    its own (a ZeroMQ peer, a timed endpoint), whose Addresses name the engine side's opener.
+
+class BackgroundResources:
+    """What an MPClient must release, apart from it so that a finalizer can run it: the
+    engines, their channels, the doorbell."""
+
+    def __init__(self) -> None:
+        self.handles: list[EngineHandle] = []
+        self.doorbell: Any = None
+        self.closed = False
+        self.pid = os.getpid()  # a child forked from this process inherits the finalizer, not the engines
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """SHUTDOWN to every live engine, `timeout` s for all of them to exit (then terminate,
+        kill, and remove what is left of their trees), then remove the channels and the
+        doorbell. Idempotent. An engine drains its input whatever it has to send, so SHUTDOWN
+        gets through a full output ring."""
+        if self.closed or os.getpid() != self.pid:
+            return
+        self.closed = True
+        try:
+            shutdown = make_encoder().encode(EngineCoreShutdown())
+            for handle in self.handles:
+                if handle.manager is not None and handle.manager.is_alive():
+                    try:
+                        handle.endpoint.send(shutdown, SHUTDOWN_SEND_TIMEOUT_S)
+                    except Exception:  # stuck or broken: terminated below
+                        pass
+            deadline = time.monotonic() + timeout
+            for handle in self.handles:
+                if handle.manager is not None:
+                    handle.manager.shutdown(max(deadline - time.monotonic(), 0.0))
+        finally:
+            self._close_channels()
+
+    def release_on_termination(self) -> None:
+        """This process dies of SIGTERM/SIGHUP: remove the channels (each engine, finding its
+        closed, exits within a poll) and tell the engines to stop now."""
+        if self.closed or os.getpid() != self.pid:
+            return
+        self.closed = True
+        self._close_channels()
+        for handle in self.handles:
+            if handle.manager is not None and handle.manager.is_alive():
+                handle.manager.proc.terminate()
+
+    def _close_channels(self) -> None:
+        for handle in self.handles:
+            handle.endpoint.close()
+        if self.doorbell is not None:
+            self.doorbell.close()
+
+
+class MPClient(EngineCoreClient):
+    """N = data_parallel_size engines (1 by default), each in its own process on its own
+    channel (shmvllm.boundary.channel), with N > 1 each on its share of the cores (`plan_cpus`).
+
+    Every blocking call waits with the GIL released and looks at every engine process at least
+    every POLL_S s: a dead engine is an EngineDeadError, never a hang (the others are shut down).
+    The engines stop on `shutdown()`, when this client is garbage-collected, and at exit. Sends
+    block while an input ring is full (the channel's flow-control rule). One engine: the client
+    waits on its output ring. N: a request goes to one engine (`DPLoadBalancer`), an abort to
+    the engine that holds it, a utility call to all (answers combined); the client sleeps on one
+    doorbell that every engine rings after each message (shmvllm.boundary.doorbell).
+
+    executor_class: for every engine's EngineCore (tests inject faults with it). channel: what
+    creates a single engine's channel (default: the shared-memory rings); benchmarks/ passes
+    its own, whose Addresses name the engine side's opener.
     """
 
     def __init__(
@@ -217,38 +217,98 @@ class SyncMPClient(EngineCoreClient):
         *,
         executor_class: Optional[type] = None,
         ready_timeout: float = DEFAULT_READY_TIMEOUT_S,
-        channel: ChannelFactory = open_frontend,
+        channel: Optional[ChannelFactory] = None,
     ) -> None:
-        self._endpoint, self.addresses = channel()
-        self._inbox = FrontendInbox(self._endpoint)
-        self._encode = make_encoder().encode
-        self._resources = resources = _EngineResources(self._endpoint)
+        self.num_engines = n = config.parallel_config.data_parallel_size
+        if n > 1 and channel is not None:
+            raise ValueError(f"channel= opens one engine's channel; data_parallel_size={n} uses the doorbell rings.")
+        self._resources = resources = BackgroundResources()
         # multiprocessing's finalizers run at exit (atexit), before the interpreter tears down
-        # what a shutdown needs: the engine gets SHUTDOWN first. SIGTERM and SIGHUP skip atexit:
-        # FrontendTermination removes the channel then.
+        # what a shutdown needs: the engines get SHUTDOWN first. SIGTERM and SIGHUP skip atexit:
+        # FrontendTermination removes the channels then.
         self._finalizer = multiprocessing.util.Finalize(self, resources.shutdown, exitpriority=100)
         FrontendTermination.register(resources)
         try:
-            self._manager = resources.manager = CoreEngineProcManager(config, self.addresses, executor_class)
-            self._ready = self._manager.wait_for_ready(self._inbox, ready_timeout)
+            if n == 1:
+                resources.handles.append(EngineHandle(0, 1, *(channel or open_frontend)()))
+                self.cpu_plan: list[tuple[list[int], Optional[int]]] = [([], None)]
+            else:
+                from shmvllm.boundary.doorbell import Doorbell, open_frontend_rung
+
+                resources.doorbell = Doorbell.create()
+                for i in range(n):
+                    resources.handles.append(EngineHandle(i, n, *open_frontend_rung(resources.doorbell)))
+                self.cpu_plan = plan_cpus(n)
+            self.handles = resources.handles
+            for handle, (cpus, threads) in zip(self.handles, self.cpu_plan):
+                handle.manager = CoreEngineProcManager(
+                    config, handle.addresses, executor_class, engine_index=handle.index, cpus=cpus, num_threads=threads,
+                )
+            self.engine_readies = self._wait_for_ready(ready_timeout)
         except BaseException:
             self._finalizer()
             raise
+        self._ready = self.engine_readies[0] if n == 1 else combine_ready(self.engine_readies)
+        self._doorbell = resources.doorbell
+        if n > 1:
+            from shmvllm.engine.dp_balancer import DPLoadBalancer
+
+            self.balancer = DPLoadBalancer(n)
+        self._encode = make_encoder().encode
+        self._send_lock = threading.Lock()  # the encoder and the input rings: one sender at a time
+        self._state_lock = threading.Lock()  # the balancer: senders and the reader both update it
+        # The output rings (and the doorbell) have one reader at a time: get_output, or a
+        # utility call waiting for its replies.
+        self._recv_lock = threading.RLock()
         # Step outputs that arrive while a utility call waits for its answer, for get_output.
         self._pending: collections.deque[EngineCoreOutputs] = collections.deque()
-        # The output channel has one reader at a time: get_output, or a utility call waiting
-        # for its reply.
-        self._recv_lock = threading.RLock()
+        self._next_ring = 0
+        self._last_watch = time.monotonic()
         # How long a send may wait for room on a full input ring (None: as long as it takes).
         self.request_timeout_s: Optional[float] = None
         self._call_ids = itertools.count()
         self._dead: Optional[str] = None
 
+    def _wait_for_ready(self, timeout: float) -> list[EngineReady]:
+        """READY from every engine (they start at the same time); EngineStartupError if any fails."""
+        if self.num_engines == 1:
+            handle = self.handles[0]
+            return [handle.manager.wait_for_ready(handle.inbox, timeout)]
+        readies: list[Optional[EngineReady]] = [None] * self.num_engines
+        while True:
+            self._resources.doorbell.clear()
+            for i, handle in enumerate(self.handles):
+                if readies[i] is None:
+                    readies[i] = handle.manager.poll_ready(handle.inbox, timeout)
+            if all(r is not None for r in readies):
+                return readies  # type: ignore[return-value]
+            self._resources.doorbell.wait(POLL_S)
+
+    @property
+    def addresses(self) -> Addresses:
+        """The first engine's channel (the only one's, with one engine)."""
+        return self.handles[0].addresses
+
     @property
     def engine_pid(self) -> Optional[int]:
-        return self._manager.pid
+        return self.handles[0].manager.pid
 
-    # ---- sending and receiving ------------------------------------------------------------
+    @property
+    def engine_pids(self) -> list[int]:
+        return [h.manager.pid for h in self.handles]
+
+    @property
+    def requests_per_engine(self) -> list[int]:
+        """How many requests each of N > 1 engines has finished (aborted ones included)."""
+        with self._state_lock:
+            return list(self.balancer.served)
+
+    def owner_of(self, request_id: str) -> Optional[int]:
+        """The engine that holds an unfinished request (N > 1)."""
+        with self._state_lock:
+            return self.balancer.owner.get(request_id)
+
+    # ---- faults --------------------------------------------------------------------------
 
     def _check_usable(self) -> None:
         if self._dead is not None:
@@ -256,89 +316,161 @@ class SyncMPClient(EngineCoreClient):
         if not self._finalizer.still_active():
             raise EngineDeadError("the engine client is shut down.")
 
-    def _died(self, why: str) -> EngineDeadError:
-        """The engine is dead (or exiting after its last words): the channel is removed now, the
-        process killed if it does not exit within DEAD_ENGINE_EXIT_S, its workers and their
-        segments removed, and every call from now on raises EngineDeadError."""
-        self._dead = f"the engine process (pid {self._manager.pid}) is dead: {why}"
-        self._endpoint.close()
-        self._manager.reap(DEAD_ENGINE_EXIT_S)
+    def _died(self, handle: EngineHandle, why: str) -> EngineDeadError:
+        """`handle`'s engine is dead (or exiting after its last words): its channel is removed
+        now, the process killed if it does not exit within DEAD_ENGINE_EXIT_S, with its workers
+        and their segments; the other engines are shut down; every call from now on raises
+        EngineDeadError."""
+        others = " (the other engines were shut down)" if self.num_engines > 1 else ""
+        self._dead = f"{handle} is dead{others}: {why}"
+        if others:
+            logger.error("%s", self._dead)
+        handle.endpoint.close()
+        handle.manager.reap(DEAD_ENGINE_EXIT_S)
+        self._resources.shutdown(DEAD_ENGINE_EXIT_S)
         return EngineDeadError(self._dead)
 
-    def _send(self, msg: Any, timeout: Optional[float] = None) -> None:
-        """Sends to the engine, blocking while the input ring is full. ChannelTimeout after
+    def _checked(self, handle: EngineHandle, msg: Any) -> EngineCoreOutputs:
+        if isinstance(msg, EngineFailed):
+            raise self._died(handle, f"it failed: {failure_text(msg)}")
+        if not isinstance(msg, EngineCoreOutputs):
+            raise self._died(handle, f"it sent an unexpected {type(msg).__name__}")
+        if self.num_engines > 1:
+            if msg.engine_index != handle.index:
+                raise self._died(handle, f"it sent engine_index {msg.engine_index} on engine {handle.index}'s ring")
+            with self._state_lock:
+                if msg.scheduler_stats is not None:
+                    self.balancer.report(handle.index, msg.scheduler_stats)
+                for output in msg.outputs:
+                    if output.finish_reason is not None:
+                        self.balancer.finished(output.request_id)
+        return msg
+
+    def _exited(self, handle: EngineHandle) -> EngineDeadError:
+        """`handle`'s engine has exited: EngineDeadError with what it said last, or its exit code."""
+        last: Any = None
+        try:
+            while (msg := handle.inbox.try_recv()) is not None:
+                last = msg
+        except Exception:  # what is left of the ring cannot be read: the exit code tells
+            pass
+        if isinstance(last, EngineFailed):
+            return self._died(handle, f"it failed: {failure_text(last)}")
+        return self._died(handle, f"it exited with code {handle.manager.exitcode}")
+
+    # ---- sending -------------------------------------------------------------------------
+
+    def _send(self, handle: EngineHandle, msg: Any, timeout: Optional[float] = None) -> None:
+        """Sends to one engine, blocking while its input ring is full. ChannelTimeout after
         `timeout` s without room; without a `timeout`, EngineTimeoutError after
         `request_timeout_s` (if set). EngineDeadError within ~POLL_S of the engine's death."""
         self._check_usable()
-        data = self._encode(msg)
         limit = self.request_timeout_s if timeout is None else timeout
         deadline = None if limit is None else time.monotonic() + limit
-        while True:
-            wait = POLL_S if deadline is None else max(min(POLL_S, deadline - time.monotonic()), 0.0)
-            try:
-                self._endpoint.send(data, wait)
-                return
-            except PeerGoneError as exc:
-                raise self._died(str(exc)) from exc
-            except RingClosedError:  # the ring is closed: another thread found the engine dead meanwhile
-                if self._dead is not None:
-                    raise EngineDeadError(self._dead) from None
-                raise
-            except ChannelTimeout:
-                if not self._manager.is_alive():
-                    raise self._died(f"it exited with code {self._manager.exitcode}") from None
-                if deadline is None or time.monotonic() < deadline:
-                    continue
-                if timeout is not None:
+        with self._send_lock:
+            data = self._encode(msg)
+            while True:
+                wait = POLL_S if deadline is None else max(min(POLL_S, deadline - time.monotonic()), 0.0)
+                try:
+                    handle.endpoint.send(data, wait)
+                    return
+                except PeerGoneError as exc:
+                    raise self._died(handle, str(exc)) from exc
+                except RingClosedError:  # the ring is closed: another thread found an engine dead meanwhile
+                    if self._dead is not None:
+                        raise EngineDeadError(self._dead) from None
                     raise
-                state = self._manager.state()
-                raise EngineTimeoutError(
-                    f"the engine process (pid {self._manager.pid}) took no input for {limit} s (request_timeout_s); "
-                    f"it is {state}", state,
-                ) from None
+                except ChannelTimeout:
+                    if not handle.manager.is_alive():
+                        raise self._died(handle, f"it exited with code {handle.manager.exitcode}") from None
+                    if deadline is None or time.monotonic() < deadline:
+                        continue
+                    if timeout is not None:
+                        raise
+                    state = handle.manager.state()
+                    raise EngineTimeoutError(
+                        f"{handle} took no input for {limit} s (request_timeout_s); it is {state}", state
+                    ) from None
 
-    def _checked(self, msg: Any) -> EngineCoreOutputs:
-        if isinstance(msg, EngineFailed):
-            raise self._died(f"it failed: {failure_text(msg)}")
-        if not isinstance(msg, EngineCoreOutputs):
-            raise self._died(f"it sent an unexpected {type(msg).__name__}")
-        return msg
+    # ---- receiving -----------------------------------------------------------------------
 
     def _recv(self, timeout: Optional[float] = None) -> EngineCoreOutputs:
-        """The engine's next message; EngineDeadError within ~POLL_S of its death,
-        EngineTimeoutError (naming the engine's state) when nothing came within `timeout` s."""
+        """The next message of any engine; EngineDeadError within ~POLL_S of any engine's death
+        (even while the others keep answering), EngineTimeoutError (naming the engines' states)
+        when nothing came within `timeout` s."""
         self._check_usable()
-        inbox = self._inbox
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait = POLL_S if deadline is None else max(min(POLL_S, deadline - time.monotonic()), 0.0)
-            try:
-                msg = inbox.recv(wait)
-            except ChannelTimeout:
-                if not self._manager.is_alive():
-                    msg = inbox.try_recv()  # what it said before it died
-                    if msg is None:
-                        raise self._died(f"it exited with code {self._manager.exitcode}") from None
-                elif deadline is not None and time.monotonic() >= deadline:
-                    state = self._manager.state()
-                    raise EngineTimeoutError(
-                        f"no output from the engine process (pid {self._manager.pid}) for {timeout} s "
-                        f"(request_timeout_s); it is {state}", state,
-                    ) from None
+            msg = self._wait_one(wait) if self._doorbell is None else self._wait_any(wait)
+            if msg is not None:
+                return msg
+            if deadline is not None and time.monotonic() >= deadline:
+                if self.num_engines == 1:
+                    what, states = str(self.handles[0]), f"it is {self.handles[0].manager.state()}"
                 else:
-                    continue
-            except PeerGoneError as exc:
-                raise self._died(str(exc)) from exc
-            except RingClosedError:  # the ring is closed: a sender found the engine dead meanwhile
-                if self._dead is not None:
-                    raise EngineDeadError(self._dead) from None
-                raise
-            return self._checked(msg)
+                    what = f"the {self.num_engines} data-parallel engines"
+                    states = ", ".join(f"engine {h.index}: {h.manager.state()}" for h in self.handles)
+                raise EngineTimeoutError(f"no output from {what} for {timeout} s (request_timeout_s); {states}", states)
 
-    # ---- the client API -------------------------------------------------------------------
+    def _wait_one(self, wait: float) -> Optional[EngineCoreOutputs]:
+        """One engine: its next message, blocking on its output ring up to `wait` s."""
+        handle = self.handles[0]
+        try:
+            return self._checked(handle, handle.inbox.recv(wait))
+        except ChannelTimeout:
+            if not handle.manager.is_alive():
+                raise self._exited(handle) from None
+            return None
+        except PeerGoneError as exc:
+            raise self._died(handle, str(exc)) from exc
+        except RingClosedError:  # the ring is closed: a sender found the engine dead meanwhile
+            if self._dead is not None:
+                raise EngineDeadError(self._dead) from None
+            raise
+
+    def _wait_any(self, wait: float) -> Optional[EngineCoreOutputs]:
+        """N engines: the next message of any, reading the rings in turn, asleep on the
+        doorbell up to `wait` s when all are empty; every engine watched at least every POLL_S."""
+        self._doorbell.clear()  # before the look: see shmvllm.boundary.doorbell
+        n = self.num_engines
+        for k in range(n):
+            handle = self.handles[(self._next_ring + k) % n]
+            try:
+                msg = handle.inbox.try_recv()
+            except PeerGoneError as exc:
+                raise self._died(handle, str(exc)) from exc
+            if msg is not None:
+                self._next_ring = (handle.index + 1) % n
+                if time.monotonic() - self._last_watch > POLL_S:
+                    self._watch()
+                return self._checked(handle, msg)
+        self._watch()
+        self._doorbell.wait(wait)
+        return None
+
+    def _watch(self) -> None:
+        """EngineDeadError if any engine has exited (after reading what it said last)."""
+        self._last_watch = time.monotonic()
+        for handle in self.handles:
+            if not handle.manager.is_alive():
+                raise self._exited(handle)
+
+    # ---- the client API ------------------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest, group: Optional[str] = None) -> None:
-        self._send(request)
+        if self.num_engines == 1:
+            self._send(self.handles[0], request)
+            return
+        with self._state_lock:
+            engine = self.balancer.choose(group)
+            self.balancer.added(request.request_id, engine, group)
+        try:
+            self._send(self.handles[engine], request)
+        except BaseException:
+            with self._state_lock:
+                self.balancer.finished(request.request_id, served=False)
+            raise
 
     def get_output(self, timeout: Optional[float] = None) -> EngineCoreOutputs:
         with self._recv_lock:
@@ -347,38 +479,65 @@ class SyncMPClient(EngineCoreClient):
             return self._recv(timeout)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        """A dead engine holds no requests: then there is nothing to abort, and no error. An
-        engine that does not read its input (stopped, stuck) within ABORT_SEND_TIMEOUT_S on a
-        full ring keeps them: logged, not raised (the caller is usually unwinding already)."""
-        if request_ids and self._dead is None and self._finalizer.still_active():
+        """Each id to the engine that holds it (with N > 1, ids of finished requests are
+        dropped). A dead engine holds no requests: then there is nothing to abort, and no
+        error. An engine that does not read its input (stopped, stuck) within
+        ABORT_SEND_TIMEOUT_S on a full ring keeps them: logged, not raised (the caller is
+        usually unwinding already)."""
+        if not request_ids or self._dead is not None or not self._finalizer.still_active():
+            return
+        if self.num_engines == 1:
+            by_engine = {0: list(request_ids)}
+        else:
+            by_engine = collections.defaultdict(list)
+            with self._state_lock:
+                for request_id in request_ids:
+                    engine = self.balancer.finished(request_id)
+                    if engine is not None:
+                        by_engine[engine].append(request_id)
+        for engine, ids in sorted(by_engine.items()):
             try:
-                self._send(EngineCoreAbort(list(request_ids)), timeout=ABORT_SEND_TIMEOUT_S)
+                self._send(self.handles[engine], EngineCoreAbort(ids), timeout=ABORT_SEND_TIMEOUT_S)
             except ChannelTimeout:
-                logger.warning("could not abort %d requests: the engine's input ring stays full", len(request_ids))
+                logger.warning("could not abort %d requests: %s's input ring stays full", len(ids), self.handles[engine])
+
+    def call_utility_all(self, method: str, *args: Any) -> list[Any]:
+        """`EngineCore.<method>(*args)` in every engine; the answers in engine order.
+        EngineUtilityError (naming the engine, with N > 1) if it raised in any."""
+        with self._recv_lock:  # nobody else may take the replies
+            call_id = next(self._call_ids)
+            for handle in self.handles:
+                self._send(handle, EngineCoreUtility(call_id, method, list(args)))
+            answers: dict[int, Any] = {}
+            failures: list[str] = []
+            while len(answers) + len(failures) < self.num_engines:
+                outputs = self._recv()
+                utility = outputs.utility_output
+                if utility is not None and utility.call_id == call_id:
+                    if utility.failure_message is None:
+                        answers[outputs.engine_index] = utility.result
+                    elif self.num_engines == 1:
+                        failures.append(utility.failure_message)
+                    else:
+                        failures.append(f"engine {outputs.engine_index}: {utility.failure_message}")
+                elif outputs.outputs or outputs.finished_requests:
+                    self._pending.append(outputs)
+        if failures:
+            raise EngineUtilityError(f"EngineCore.{method}() failed in the engine: {'; '.join(failures)}")
+        return [answers[i] for i in range(self.num_engines)]
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        """Calls `EngineCore.<method>(*args)` in the engine; EngineUtilityError if it raised there."""
-        call_id = next(self._call_ids)
-        with self._recv_lock:  # nobody else may take the reply
-            return self._call_utility(call_id, method, args)
-
-    def _call_utility(self, call_id: int, method: str, args: tuple[Any, ...]) -> Any:
-        self._send(EngineCoreUtility(call_id, method, list(args)))
-        while True:
-            outputs = self._recv()
-            utility = outputs.utility_output
-            if utility is not None and utility.call_id == call_id:
-                if utility.failure_message is not None:
-                    raise EngineUtilityError(f"EngineCore.{method}() failed in the engine: {utility.failure_message}")
-                return utility.result
-            if outputs.outputs or outputs.finished_requests:
-                self._pending.append(outputs)
+        """`EngineCore.<method>(*args)` in the engine: its answer (with N > 1, the answers in
+        engine order); EngineUtilityError if it raised there."""
+        answers = self.call_utility_all(method, *args)
+        return answers[0] if self.num_engines == 1 else answers
 
     def reset_prefix_cache(self) -> bool:
-        return self.call_utility("reset_prefix_cache")
+        return all(self.call_utility_all("reset_prefix_cache"))
 
     def get_stats(self) -> Any:
-        return self.call_utility("get_stats")
+        stats = self.call_utility_all("get_stats")
+        return stats[0] if self.num_engines == 1 else combine_stats(stats)
 
     def shutdown(self) -> None:
         self._finalizer()

@@ -34,7 +34,15 @@ from typing import Any, Optional
 
 import msgspec
 
-from shmvllm.boundary.channel import FLUSH_POLL_S, OUTBOX_RING_MULTIPLE, Addresses, ChannelTimeout, EngineOutbox
+from shmvllm.boundary.channel import (
+    FLUSH_POLL_S,
+    LAST_WORDS_S,
+    OUTBOX_RING_MULTIPLE,
+    POLL_S,
+    Addresses,
+    ChannelTimeout,
+    EngineOutbox,
+)
 from shmvllm.boundary.messages import (
     EngineCoreAbort,
     EngineCoreOutputs,
@@ -47,12 +55,11 @@ from shmvllm.boundary.messages import (
     decode_to_engine,
 )
 from shmvllm.config import EngineConfig
-from shmvllm.engine.termination import EngineTerminated, die_of, ignore_termination, raise_on_termination
+from shmvllm.engine.exceptions import EngineTerminated, FrontendGoneError
+from shmvllm.engine.termination import die_of, ignore_termination, raise_on_termination
 
 logger = logging.getLogger(__name__)
 
-POLL_S = 0.25  # how often a blocked side looks at its peer
-LAST_WORDS_S = 1.0  # how long the engine tries to deliver its EngineFailed before it exits
 
 
 def _error_line(exc: BaseException) -> str:
@@ -156,10 +163,6 @@ def pin_process(cpus: list[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
         except ProcessLookupError:  # that thread ended meanwhile
             pass
-
-
-class FrontendGoneError(Exception):
-    """The frontend process died or closed the channel without saying SHUTDOWN."""
 
 
 class _Shutdown(Exception):

@@ -28,10 +28,10 @@ from typing import Any, Optional
 
 from ipc.segment import pid_alive, process_start_time, sweep_stale_segments
 from shmvllm import envs
-from shmvllm.boundary.channel import Addresses, ChannelTimeout, FrontendInbox
+from shmvllm.boundary.channel import POLL_S, Addresses, ChannelTimeout, FrontendInbox
 from shmvllm.boundary.messages import EngineFailed, EngineReady
 from shmvllm.config import EngineConfig
-from shmvllm.engine.core_proc import POLL_S, EngineProcArgs, encode_proc_args, qualified_name
+from shmvllm.engine.core_proc import EngineProcArgs, encode_proc_args, qualified_name
 from shmvllm.engine.exceptions import EngineStartupError
 
 logger = logging.getLogger(__name__)

@@ -27,18 +27,11 @@ import threading
 import weakref
 from typing import Any, Protocol
 
+from shmvllm.engine.exceptions import EngineTerminated
+
 logger = logging.getLogger(__name__)
 
 TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-
-
-class EngineTerminated(BaseException):
-    """SIGTERM or SIGHUP reached the engine process (a BaseException, as SystemExit: no
-    `except Exception` of the engine's may swallow it)."""
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        super().__init__(f"the engine process was terminated by {signal.Signals(signum).name}")
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:

@@ -35,7 +35,7 @@ import torch
 
 from shmvllm.config import EngineConfig
 from shmvllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
-from shmvllm.executor.errors import WorkerDeadError
+from shmvllm.engine.exceptions import WorkerDeadError
 from shmvllm.model.parallel.group import DEFAULT_TIMEOUT_S, TPGroup, use_arena
 from shmvllm.worker.tp_worker import STORE_HOST, TPWorker
 

@@ -193,13 +193,17 @@ class EngineArgs(VllmArgs):
 
         check_engine_args(self)
         self._verify()
-        from transformers import AutoConfig
-
+        from shmvllm.model.models import check_causal_lm_dir, decoder_architecture
         from shmvllm.model.registry import resolve_model_dir
 
-        model_dir = resolve_model_dir(self.model)
+        model_dir = resolve_model_dir(self.model)  # refuses a GGUF file's unsupported architecture
+        check_causal_lm_dir(model_dir)  # before transformers and torch are imported (seconds)
+        from transformers import AutoConfig
+
         hf_config = AutoConfig.from_pretrained(model_dir)
         task = self._task(model_dir, hf_config)
+        if task == "generate":
+            decoder_architecture(hf_config)  # an unsupported model is refused here, before the engine starts
         device = self.device if self.device != "auto" else _default_device()
         dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         dtype = dtype if dtype != "auto" else _default_dtype(device, hf_config, task)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from shmvllm.model import attention, llama, rotary
+from shmvllm.model import attention, decoder, rotary
 from shmvllm.model.attention import PagedAttention, build_attention_metadata
 from shmvllm.model.kernels import cpu_kernels
 
@@ -117,13 +117,13 @@ def _without_kernels(monkeypatch, module, call):
 
 @pytest.mark.parametrize("rows, hidden", [(1, 576), (64, 576), (300, 1024), (3, 7)])
 def test_rms_norm_kernel(kernels, monkeypatch, rows, hidden) -> None:
-    norm = llama.RMSNorm(hidden, 1e-5)
+    norm = decoder.RMSNorm(hidden, 1e-5)
     generator = torch.Generator().manual_seed(rows)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(hidden, generator=generator))
         x = torch.randn(rows, hidden, generator=generator) * 3
         native = norm(x)
-        reference = _without_kernels(monkeypatch, llama, lambda: norm(x))
+        reference = _without_kernels(monkeypatch, decoder, lambda: norm(x))
         transformers_formula = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
     torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(native, transformers_formula, rtol=1e-5, atol=1e-6)

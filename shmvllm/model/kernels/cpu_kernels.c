@@ -91,46 +91,49 @@ static inline const act_t *block_rows(const act_t *head, const int32_t *blocks, 
  * work: group * (seq_len + head_dim) floats. */
 static void attend_one(const act_t *q, act_t *out, const act_t *k_head, const act_t *v_head,
                        const int32_t *blocks, int64_t seq_len, int64_t block_size, int64_t group,
-                       int64_t head_dim, float scale, float *work) {
-    float *scores = work;                /* [group, seq_len] */
-    float *acc = work + group * seq_len; /* [group, head_dim] */
-    const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
-    for (int64_t b = 0, start = 0; b < num_blocks; b++, start += block_size) {
+                       int64_t head_dim, float scale, int64_t window, float softcap, float *work) {
+    /* Positions [first, seq_len) are attended: all of them, or the last `window` (sliding window). */
+    const int64_t first = window > 0 && seq_len > window ? seq_len - window : 0, len = seq_len - first;
+    float *scores = work;            /* [group, len]: score of position first + i at i */
+    float *acc = work + group * len; /* [group, head_dim] */
+    const int64_t num_blocks = (seq_len + block_size - 1) / block_size, first_block = first / block_size;
+    for (int64_t b = first_block, start = b * block_size; b < num_blocks; b++, start += block_size) {
         const act_t *keys = block_rows(k_head, blocks, b, block_size, head_dim);
         if (b + 1 < num_blocks) prefetch_block(block_rows(k_head, blocks, b + 1, block_size, head_dim), block_size, head_dim);
-        for (int64_t j = 0; j < block_size && start + j < seq_len; j++) {
+        for (int64_t j = start < first ? first - start : 0; j < block_size && start + j < seq_len; j++) {
             const act_t *key = keys + j * head_dim;
             for (int64_t g = 0; g < group; g++) {
                 const act_t *qg = q + g * head_dim;
                 float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                 for (int64_t d = 0; d < head_dim; d++) dot += LD(qg[d]) * LD(key[d]);
-                scores[g * seq_len + start + j] = dot * scale;
+                /* Gemma 2's soft-capping: cap * tanh(score / cap), transformers' order of operations */
+                scores[g * len + start + j - first] = softcap > 0.0f ? tanhf(dot * scale / softcap) * softcap : dot * scale;
             }
         }
     }
     for (int64_t g = 0; g < group; g++) {
-        float *s = scores + g * seq_len;
+        float *s = scores + g * len;
         float max = s[0], sum = 0.0f;
-        for (int64_t pos = 1; pos < seq_len; pos++) max = s[pos] > max ? s[pos] : max;
+        for (int64_t pos = 1; pos < len; pos++) max = s[pos] > max ? s[pos] : max;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t pos = 0; pos < seq_len; pos++) {
+        for (int64_t pos = 0; pos < len; pos++) {
             s[pos] = expf(s[pos] - max);
             sum += s[pos];
         }
         const float inv = 1.0f / sum;
 #pragma omp simd
-        for (int64_t pos = 0; pos < seq_len; pos++) s[pos] *= inv;
+        for (int64_t pos = 0; pos < len; pos++) s[pos] *= inv;
     }
     memset(acc, 0, (size_t)(group * head_dim) * sizeof(float));
-    prefetch_block(block_rows(v_head, blocks, 0, block_size, head_dim), block_size, head_dim);
-    for (int64_t b = 0, start = 0; b < num_blocks; b++, start += block_size) {
+    prefetch_block(block_rows(v_head, blocks, first_block, block_size, head_dim), block_size, head_dim);
+    for (int64_t b = first_block, start = b * block_size; b < num_blocks; b++, start += block_size) {
         const act_t *values = block_rows(v_head, blocks, b, block_size, head_dim);
         if (b + 1 < num_blocks) prefetch_block(block_rows(v_head, blocks, b + 1, block_size, head_dim), block_size, head_dim);
-        for (int64_t j = 0; j < block_size && start + j < seq_len; j++) {
+        for (int64_t j = start < first ? first - start : 0; j < block_size && start + j < seq_len; j++) {
             const act_t *value = values + j * head_dim;
             for (int64_t g = 0; g < group; g++) {
-                const float p = scores[g * seq_len + start + j];
+                const float p = scores[g * len + start + j - first];
                 float *a = acc + g * head_dim;
 #pragma omp simd
                 for (int64_t d = 0; d < head_dim; d++) a[d] += p * LD(value[d]);
@@ -146,18 +149,21 @@ static void attend_one(const act_t *q, act_t *out, const act_t *k_head, const ac
 
 /* Decode attention for `num_decodes` requests, each one query token at row decode_rows[i] of
  * q (in) and out (out, rows of [num_heads * head_dim], `out_row_stride` apart), over its first
- * seq_lens[i] cache positions, found through block_table row i. Returns 0, or -1 when the
+ * seq_lens[i] cache positions (the last `window` of them when window > 0), found through
+ * block_table row i; scores soft-capped at `softcap` when it is > 0. Returns 0, or -1 when the
  * scratch memory could not be allocated (nothing is written then). */
-int shm_paged_decode_attention(act_t *out, int64_t out_row_stride, const act_t *q, int64_t q_row_stride,
-                               const int64_t *decode_rows, int64_t num_decodes, const act_t *k_cache,
-                               const act_t *v_cache, int64_t num_slots, const int32_t *block_table,
-                               int64_t block_table_stride, const int32_t *seq_lens, int64_t block_size,
-                               int64_t num_heads, int64_t kv_heads, int64_t head_dim, float scale) {
+int shm_paged_decode_attention_ex(act_t *out, int64_t out_row_stride, const act_t *q, int64_t q_row_stride,
+                                  const int64_t *decode_rows, int64_t num_decodes, const act_t *k_cache,
+                                  const act_t *v_cache, int64_t num_slots, const int32_t *block_table,
+                                  int64_t block_table_stride, const int32_t *seq_lens, int64_t block_size,
+                                  int64_t num_heads, int64_t kv_heads, int64_t head_dim, float scale, int64_t window,
+                                  float softcap) {
     const int64_t group = num_heads / kv_heads;
     int64_t max_len = 0, total_len = 0;
     for (int64_t i = 0; i < num_decodes; i++) {
-        max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
-        total_len += seq_lens[i];
+        const int64_t len = window > 0 && seq_lens[i] > window ? window : seq_lens[i];
+        max_len = len > max_len ? len : max_len;
+        total_len += len;
     }
     const int64_t work_floats = group * (max_len + head_dim);
     const int threads = omp_get_max_threads();
@@ -169,12 +175,23 @@ int shm_paged_decode_attention(act_t *out, int64_t out_row_stride, const act_t *
             const int64_t row = decode_rows[i];
             attend_one(q + row * q_row_stride + h * group * head_dim, out + row * out_row_stride + h * group * head_dim,
                        k_cache + h * num_slots * head_dim, v_cache + h * num_slots * head_dim,
-                       block_table + i * block_table_stride, seq_lens[i], block_size, group, head_dim, scale,
-                       work + omp_get_thread_num() * work_floats);
+                       block_table + i * block_table_stride, seq_lens[i], block_size, group, head_dim, scale, window,
+                       softcap, work + omp_get_thread_num() * work_floats);
         }
     }
     free(work);
     return 0;
+}
+
+/* The whole context, no soft-capping (the native decode step's signature). */
+int shm_paged_decode_attention(act_t *out, int64_t out_row_stride, const act_t *q, int64_t q_row_stride,
+                               const int64_t *decode_rows, int64_t num_decodes, const act_t *k_cache,
+                               const act_t *v_cache, int64_t num_slots, const int32_t *block_table,
+                               int64_t block_table_stride, const int32_t *seq_lens, int64_t block_size,
+                               int64_t num_heads, int64_t kv_heads, int64_t head_dim, float scale) {
+    return shm_paged_decode_attention_ex(out, out_row_stride, q, q_row_stride, decode_rows, num_decodes, k_cache,
+                                         v_cache, num_slots, block_table, block_table_stride, seq_lens, block_size,
+                                         num_heads, kv_heads, head_dim, scale, 0, 0.0f);
 }
 
 

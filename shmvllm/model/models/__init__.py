@@ -35,9 +35,9 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "gemma3": "Gemma3ForCausalLM",
 }
 
-# encoders the pooling runner serves (model/bert.py), by HF architecture name
-ENCODER_ARCHITECTURES: tuple[str, ...] = ("BertModel", "BertForMaskedLM", "BertForPreTraining")
-ENCODER_MODEL_TYPES: tuple[str, ...] = ("bert",)
+# encoders the pooling runner serves (model/encoders.py): by model_type, and by architecture prefix
+ENCODER_MODEL_TYPES: tuple[str, ...] = ("bert", "roberta", "xlm-roberta", "modernbert")
+ENCODER_ARCHITECTURE_PREFIXES: tuple[str, ...] = ("Bert", "Roberta", "XLMRoberta", "ModernBert")
 
 ArchitectureSource = Union[str, Sequence[str], Mapping[str, Any], Any]
 
@@ -60,13 +60,13 @@ def check_architecture(source: ArchitectureSource) -> str:
     (BERT) pass too: the pooling runner serves them."""
     names, model_type = _names(source)
     for name in names:
-        if name in ARCHITECTURES or name in ENCODER_ARCHITECTURES:
+        if name in ARCHITECTURES or name.startswith(ENCODER_ARCHITECTURE_PREFIXES):
             return name
     if model_type in ENCODER_MODEL_TYPES:
         return names[0] if names else str(model_type)
     raise ValueError(
         f"model architectures {names} (model_type {model_type!r}) are not supported; supported: "
-        f"{sorted(ARCHITECTURES)} and the encoders {list(ENCODER_ARCHITECTURES)}."
+        f"{sorted(ARCHITECTURES)} and the encoders of model types {list(ENCODER_MODEL_TYPES)}."
     )
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import torch
@@ -52,7 +51,7 @@ _NORM_NAMES = {
 @dataclass(frozen=True)
 class LayerOptions:
     sliding_window: Optional[int] = None  # the query sees the last `sliding_window` positions; None: all
-    rope: Optional[str] = "global"  # which rotary table (a key of DecoderOptions.rope); None: no rotary
+    rope: Optional[str] = "global"  # which rotary table (one of DecoderOptions.rope); None: no rotary
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,9 @@ class DecoderOptions:
     """Everything in which the supported families differ."""
 
     layers: tuple[LayerOptions, ...]
-    rope: dict[str, dict] = field(default_factory=lambda: {"global": {"rope_type": "default", "rope_theta": 10000.0}})
+    # the rotary tables: "global" (the config's rope parameters) or a layer type of parameters
+    # given per layer type (Gemma 3: "sliding_attention" has its own base)
+    rope: tuple[str, ...] = ("global",)
     norm: str = "pre"  # "pre" (Llama), "sandwich" (Gemma: before and after attention and MLP), "post" (OLMo 2)
     norm_offset: float = 0.0  # 1.0: the norms scale by (1 + weight) (Gemma)
     qk_norm: Optional[str] = None  # "head": RMSNorm over each head (Qwen3, Gemma 3); "proj": over the whole projection (OLMo 2)
@@ -122,11 +123,7 @@ def standard_options(config: Any, **overrides: Any) -> DecoderOptions:
     layer_types = list(getattr(config, "layer_types", None) or [])
     num_layers = config.num_hidden_layers
     per_type = bool(layer_types) and set(layer_types) <= set(params) and all(isinstance(v, dict) for v in params.values())
-    if per_type:
-        rope = {name: dict(params[name]) for name in sorted(set(layer_types))}
-    else:
-        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-        rope = {"global": params}
+    rope = tuple(sorted(set(layer_types))) if per_type else ("global",)
     window = getattr(config, "sliding_window", None)
     layers = []
     for index in range(num_layers):
@@ -285,13 +282,6 @@ class DecoderLayer(nn.Module):
         return hidden + (out if self.residual_scale == 1.0 else out * self.residual_scale)
 
 
-def _rope_config(config: Any, params: dict) -> Any:
-    """A stand-in config carrying one table's rope parameters (Gemma 3's local table has its own)."""
-    fields = {k: v for k, v in vars(config).items() if not k.startswith("_")} if hasattr(config, "__dict__") else {}
-    fields["rope_parameters"] = params
-    return SimpleNamespace(**fields)
-
-
 class DecoderModel(nn.Module):
     def __init__(self, config: Any, options: DecoderOptions, max_position: int) -> None:
         super().__init__()
@@ -299,9 +289,10 @@ class DecoderModel(nn.Module):
         head_dim = head_dim_of(config)
         used = {layer.rope for layer in options.layers if layer.rope is not None}
         # one table per rope kind, shared by the layers that use it
-        self.rotary = nn.ModuleDict(
-            {key: RotaryEmbedding(_rope_config(config, options.rope[key]), head_dim, max_position) for key in sorted(used)}
-        )
+        self.rotary = nn.ModuleDict({
+            key: RotaryEmbedding(config, head_dim, max_position, layer_type=None if key == "global" else key)
+            for key in sorted(used)
+        })
         self.layers = nn.ModuleList(DecoderLayer(config, options, layer) for layer in options.layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, options.norm_offset)
         self.embed_scale = options.embed_scale
@@ -321,7 +312,8 @@ class DecoderModel(nn.Module):
             out = self.decode_step.run(hidden, positions, meta)
             if out is not None:
                 return out
-        ropes = {key: table(positions, hidden.dtype) for key, table in self.rotary.items()}  # looked up once for all layers
+        # looked up once for all layers
+        ropes = {key: table(positions, hidden.dtype, meta.rope_lengths) for key, table in self.rotary.items()}
         for layer in self.layers:
             hidden = layer(ropes, hidden, meta)
         return self.norm(hidden)

@@ -81,7 +81,7 @@ class DecodeStep:
         self._scratch: Optional[torch.Tensor] = None
 
     def usable(self) -> bool:
-        if self.quant is None or self.cpu is None:
+        if self.quant is None or self.cpu is None or not self.model.rotary_emb.by_position_only:
             return False
         for layer in self.model.layers:
             attn = layer.self_attn

@@ -14,7 +14,7 @@ min: the fastest, the least disturbed by other programs). torch runs one thread 
 would compete with the frontend, and at hidden size 64 it buys nothing.
 
 Each workload runs at two levels:
-- generate: `LLM.generate`, the issue's workload. The frontend detokenizes and builds
+- generate: `LLM.generate`, the workload a user runs. The frontend detokenizes and builds
   RequestOutputs; in-process that work adds to every step, in multiprocess it overlaps the
   engine's next step, so multiprocess can beat in-process and the overhead come out negative:
   it then says nothing about the transport.
@@ -37,7 +37,7 @@ difference of walls.
     python benchmarks/e2e_overhead.py [--repeats 30] [--threads 1]
                                       [--stat median|min] [--json out.json] [--plot out.png]
 
-After the table it prints one CHECK line per acceptance item of the issue, "holds" or "FAILS"
+After the table it prints one CHECK line per target, "holds" or "FAILS"
 with the figures: shm's overhead per step <= 1/3 of zmq's (engine channel time, client level,
 and generate level where zmq's overhead is positive), and multiprocess-over-shm wall <= 1.05x
 in-process on 64x64.

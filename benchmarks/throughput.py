@@ -379,7 +379,7 @@ def report(rows: list[dict[str, Any]], rooflines: list[dict[str, Any]], cpu_line
 
 
 def acceptance(by: dict[tuple[str, str], dict[str, Any]], cpu_bf16: bool = True, dense: Optional[str] = None) -> list[str]:
-    """The issues' targets, each with its figure and whether it holds in this run."""
+    """The targets, each with its figure and whether it holds in this run."""
     lines = []
 
     def check(what: str, value: float, target: float, unit: str, at_most: bool = False) -> None:

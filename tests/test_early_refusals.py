@@ -4,10 +4,13 @@ process started and nothing written to the cache (SHMVLLM_CACHE)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from shmvllm import LLM
@@ -67,3 +70,45 @@ def test_unreadable_weights_are_refused_naming_the_file(refused_early, tiny_llam
     refused_early(r"model\.safetensors", str(model))
     (model / "model.safetensors").unlink()
     refused_early(r"no \*\.safetensors weights", str(model))
+
+
+def test_an_unsupported_architecture_is_refused(refused_early, tiny_llama_dir, tmp_path):
+    model = tmp_path / "falcon"
+    shutil.copytree(tiny_llama_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config["architectures"] = ["FalconForCausalLM"]
+    (model / "config.json").write_text(json.dumps(config))
+    refused_early(r"FalconForCausalLM.*not supported", str(model))
+
+
+def _write_gguf(path: Path, architecture: str, tensor_type: str) -> Path:
+    """A GGUF file with llama-style metadata and one 256 x 256 weight in `tensor_type`."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[tensor_type]
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    writer.add_context_length(256)
+    writer.add_embedding_length(256)
+    writer.add_feed_forward_length(512)
+    writer.add_head_count(4)
+    writer.add_layer_norm_rms_eps(1e-5)
+    data = np.zeros((256, 256 // block_values * block_bytes), dtype=np.uint8)
+    writer.add_tensor("blk.0.attn_q.weight", data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_an_unsupported_gguf_architecture_is_refused(refused_early, tmp_path):
+    path = _write_gguf(tmp_path / "falcon.gguf", "falcon", "Q8_0")
+    refused_early(r"GGUF architecture 'falcon'", str(path))
+
+
+def test_a_file_that_is_not_gguf_is_refused_naming_it(refused_early, tmp_path):
+    path = tmp_path / "fake.gguf"
+    path.write_bytes(b"GGML but not really" * 10)
+    refused_early("fake.gguf", str(path))

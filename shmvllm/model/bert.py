@@ -98,19 +98,15 @@ class BertLayer(nn.Module):
 
 TOKEN_CHUNK = 2048
 """The token-wise half of a layer runs on chunks of this many tokens, so that the wide MLP
-activation stays in cache: measured here for 16384 tokens, the fused MLP runs at ~194 GFLOP/s
-in chunks of 2048 against ~169 in one piece (chunks of 1024-4096 are alike, 512 and less slower)."""
+activation stays in cache (benchmarks/results/embed.md, "Encoder choices")."""
 
 
 def _linear(
     x: torch.Tensor, layer: nn.Linear, residual: Optional[torch.Tensor] = None, gelu: Optional[str] = None
 ) -> torch.Tensor:
     """x @ W^T + b, then + residual, or GELU (`gelu` names its approximation: "none" is the
-    exact erf form, "tanh" the tanh one; None means no GELU), fused into the GEMM by oneDNN on CPU.
-
-    Measured on this CPU for 2048 tokens: the fused FFN (linear+GELU, linear+residual) takes
-    ~60% of the time of F.linear followed by separate GELU and add passes.
-    """
+    exact erf form, "tanh" the tanh one; None means no GELU), fused into the GEMM by oneDNN on
+    the CPU, which beats separate GELU and add passes (benchmarks/results/embed.md)."""
     if x.device.type == "cpu" and _ONEDNN_FUSION:
         if residual is not None:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, layer.weight, layer.bias, "add")
@@ -130,15 +126,8 @@ class AttentionPlan:
     a zero-copy [count, length, 3, heads, head_dim] view of the packed QKV, attended by one
     SDPA call without a mask; everything else in the model stays packed. Built once per
     forward, used by every layer. Callers get the fewest runs by packing sequences sorted by
-    length (a batch of 8192 tokens of 8-63-token sentences has ~55 runs).
-
-    Measured on this 2-core CPU, per layer, for length-sorted sentences of 8-63 tokens
-    (2048 / 8192-token batches): these runs take ~5 / 17 ms; gathering runs of similar length
-    into padded, key-masked buckets ~6 / 24 ms (the gathers cost more than the padding
-    saves); a per-sequence loop of matmuls ~6 ms for 2048 tokens, per-sequence SDPA ~10 ms;
-    one SDPA over the whole batch with a block-diagonal mask ~400 ms and nested jagged
-    tensors 50-80 ms.
-    """
+    length. The fastest of the layouts measured (padded buckets, per-sequence loops, one masked
+    SDPA, nested tensors: benchmarks/results/embed.md, "Encoder choices")."""
 
     def __init__(self, cu_seqlens: list[int]) -> None:
         self.runs: list[tuple[int, int, int]] = []  # (first token, number of sequences, length)

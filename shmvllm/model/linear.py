@@ -2,13 +2,11 @@
 
 `F.linear` on the CPU goes through an sgemm that re-packs the weight into its blocked layout on
 every call. oneDNN can pack a weight once (`_reorder_linear_weight`) and reuse that layout, and
-it fuses a residual add into the GEMM's epilogue. Measured on this machine (2 cores, AVX2,
-fp32, SmolLM2-135M shapes): ~215 GFLOP/s against ~130-175 for `F.linear` at 64-2048 rows, and
-~45 against ~19 for one row. The pack is a copy: call `pack()` after the weights are loaded
-(and again if they change). bf16 weights are packed the same way: oneDNN then runs its bf16
-GEMM (AVX512-BF16 / AMX where the CPU has them, fp32 accumulation, one rounding of each
-output): ~400 GFLOP/s against ~210 in fp32 at 64-256 rows on a 2-core Zen 5 with AVX512-BF16.
-Elsewhere (CUDA, fp16, no oneDNN) it is `F.linear`.
+it fuses a residual add into the GEMM's epilogue: faster than `F.linear` at every row count
+measured (benchmarks/results/throughput.md, "GEMM choices"). The pack is a copy: call `pack()`
+after the weights are loaded (and again if they change). bf16 weights are packed the same way:
+oneDNN then runs its bf16 GEMM (AVX512-BF16 / AMX where the CPU has them, fp32 accumulation, one
+rounding of each output). Elsewhere (CUDA, fp16, no oneDNN) it is `F.linear`.
 
 One dispatch in `forward`: GGML blocks -> the block path (`block_linear`); a packed dense
 weight -> the C kernel for a few rows, else the packed oneDNN GEMM (fp32 or bf16, by the
@@ -22,9 +20,8 @@ GEMM on this model's shapes: benchmarks/qgemm.py). A fused projection whose shar
 different formats keeps one block part per run of rows.
 
 With at most FEW_ROWS rows (decoding one to four requests) a GEMM is bound by reading the
-weights, and the C kernel `shm_linear_few_rows` streams them faster than oneDNN's blocked
-GEMM: a SmolLM2-135M token's GEMMs at one row take ~13-15 ms against ~25 (at 4 rows ~22 against
-~25; at 6 rows oneDNN wins).
+weights, and the C kernel `shm_linear_few_rows` streams them faster than oneDNN's blocked GEMM
+(up to 4 rows; from 6 oneDNN wins: benchmarks/results/throughput.md, "GEMM choices").
 """
 
 from __future__ import annotations

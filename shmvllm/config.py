@@ -127,7 +127,7 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
-    data_parallel_size: int = 1  # engine processes, each a replica (shmvllm.engine.dp_client)
+    data_parallel_size: int = 1  # engine processes, each a replica (shmvllm.engine.core_client.MPClient)
 
 
 @dataclass
@@ -169,7 +169,7 @@ class EngineArgs(VllmArgs):
     enable_chunked_prefill: Optional[bool] = True
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     tensor_parallel_size: int = 1
-    data_parallel_size: int = 1  # N > 1: N engine processes, each on cores / N cores (DPSyncMPClient)
+    data_parallel_size: int = 1  # N > 1: N engine processes, each on cores / N cores (MPClient)
     max_logprobs: int = 20
     skip_tokenizer_init: bool = False
     tokenizer_mode: str = "auto"  # "auto" | "hf" | "slow"

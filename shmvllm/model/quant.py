@@ -14,6 +14,8 @@ blocks move), so that the values equal those of transformers' dequantized model.
 
 from __future__ import annotations
 
+import mmap
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Union
@@ -32,12 +34,94 @@ FORMATS: dict[int, tuple[str, int, int]] = {
     12: ("Q4_K", 256, 144),
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    10: ("Q2_K", 256, 84),
+    11: ("Q3_K", 256, 110),
+    20: ("IQ4_NL", 32, 18),
+    23: ("IQ4_XS", 256, 136),
+    39: ("MXFP4", 32, 17),
 }
 FORMAT_IDS = {name: ident for ident, (name, _, _) in FORMATS.items()}
 
 
 def format_name(qtype: int) -> str:
-    return FORMATS[qtype][0] if qtype in FORMATS else f"ggml type {qtype}"
+    return FORMATS[qtype][0] if qtype in FORMATS else _GGML_NAMES.get(qtype, f"ggml type {qtype}")
+
+
+# The names of GGML types shmvllm does not run, for messages (ggml.h; without importing gguf).
+_GGML_NAMES = {9: "Q8_1", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 21: "IQ3_S", 22: "IQ2_S", 24: "I8",
+               25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 34: "TQ1_0", 35: "TQ2_0", 40: "NVFP4",
+               41: "Q1_0"}
+
+# GGUF metadata value types (gguf.GGUFValueType) -> size in bytes of a fixed-size value
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def check_gguf_formats(path: Union[str, Path]) -> dict[str, str]:
+    """{tensor name: GGML format name} of a GGUF file, read from its header alone (no tensor data,
+    no gguf import: milliseconds, whatever the file's size). A tensor in a format the kernels do
+    not run is a ValueError naming the tensor and the format; a file that is not GGUF v2/v3 is a
+    ValueError naming the file."""
+    path = Path(path)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        try:
+            formats = _read_tensor_types(m)
+        except (struct.error, IndexError) as exc:
+            raise ValueError(f"{str(path)!r} is not a readable GGUF file (header ends early: {exc}).") from None
+        except ValueError as exc:
+            raise ValueError(f"{str(path)!r}: {exc}") from None
+    for name, qtype in formats.items():
+        if qtype not in FORMATS:
+            raise ValueError(
+                f"GGUF tensor {name!r} is in GGML format {format_name(qtype)}, which shmvllm does not run; "
+                f"supported: {sorted(FORMAT_IDS)}."
+            )
+    return {name: FORMATS[qtype][0] for name, qtype in formats.items()}
+
+
+def _read_tensor_types(m: "mmap.mmap") -> dict[str, int]:
+    """The header's tensor infos: name -> GGML type id (the key/value metadata skipped)."""
+    if m[:4] != b"GGUF":
+        raise ValueError("not a GGUF file (no GGUF magic)")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", m, 4)
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} is not supported (2 or 3)")
+    pos = 24
+
+    def string(pos: int) -> tuple[str, int]:
+        (length,) = struct.unpack_from("<Q", m, pos)
+        return m[pos + 8 : pos + 8 + length].decode("utf-8", errors="replace"), pos + 8 + length
+
+    def skip_value(kind: int, pos: int) -> int:
+        if kind in _GGUF_SCALAR_BYTES:
+            return pos + _GGUF_SCALAR_BYTES[kind]
+        if kind == _GGUF_STRING:
+            return pos + 8 + struct.unpack_from("<Q", m, pos)[0]
+        if kind == _GGUF_ARRAY:
+            item, count = struct.unpack_from("<IQ", m, pos)
+            pos += 12
+            if item in _GGUF_SCALAR_BYTES:
+                return pos + count * _GGUF_SCALAR_BYTES[item]
+            for _ in range(count):
+                pos = skip_value(item, pos)
+            return pos
+        raise ValueError(f"unknown GGUF metadata value type {kind}")
+
+    for _ in range(n_kv):
+        _, pos = string(pos)
+        (kind,) = struct.unpack_from("<I", m, pos)
+        pos = skip_value(kind, pos + 4)
+    types = {}
+    for _ in range(n_tensors):
+        name, pos = string(pos)
+        (dims,) = struct.unpack_from("<I", m, pos)
+        pos += 4 + 8 * dims
+        (qtype,) = struct.unpack_from("<I", m, pos)
+        types[name] = qtype
+        pos += 4 + 8  # type, data offset
+    return types
 
 
 @dataclass
@@ -156,6 +240,7 @@ def read_gguf(path: Path, hf_config: Any) -> Iterator[tuple[str, Tensor]]:
     once into their own tensor)."""
     from gguf import GGUFReader
 
+    check_gguf_formats(path)
     reader = GGUFReader(str(path))
     arch = _architecture(reader)
     if arch not in _ARCHITECTURES:
@@ -165,11 +250,6 @@ def read_gguf(path: Path, hf_config: Any) -> Iterator[tuple[str, Tensor]]:
     for tensor in reader.tensors:
         name = checkpoint_name(tensor.name)
         qtype = int(tensor.tensor_type)
-        if qtype not in FORMATS:
-            raise ValueError(
-                f"GGUF tensor {tensor.name!r} is in GGML format {tensor.tensor_type.name}, which is not "
-                f"supported; supported: {sorted(FORMAT_IDS)}."
-            )
         data = np.asarray(tensor.data)
         if arch == "llama" and ".attn_q." in tensor.name:
             data = _unpermute_rows(data, heads)

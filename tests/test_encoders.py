@@ -233,3 +233,31 @@ def test_classify_probabilities_match_transformers(tmp_path_factory, minilm_dir,
         np.testing.assert_allclose(encoded[1].outputs.data.numpy(), expected[1], atol=1e-5)
         with pytest.raises(ValueError, match="Score"):
             llm.score("a", "b")
+
+
+@pytest.mark.parametrize("pooling", ["lasttoken", "mean"])
+def test_decoder_embedder_matches_sentence_transformers(tmp_path_factory, tiny_qwen2_dir, pooling):
+    """A generation architecture as an embedder (Qwen3-Embedding's recipe: last-token pooling,
+    normalized, an instruction prompt), causal attention within each packed sequence."""
+    import shutil
+
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoTokenizer
+
+    source = tmp_path_factory.mktemp(f"qwen2-{pooling}")
+    for item in tiny_qwen2_dir.iterdir():
+        if item.is_file() and item.name != "chat_template.jinja":  # else sentence-transformers 6 wraps texts in it
+            shutil.copy(item, source / item.name)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer.pad_token = tokenizer.eos_token  # sentence-transformers pads its batches
+    tokenizer.save_pretrained(source)
+    target = _save_st(source, tmp_path_factory.mktemp(f"qwen2-st-{pooling}"), pooling,
+                      prompts={"query": "Instruct: find the text\nQuery: "})
+    for name in ("config.json", "model.safetensors"):  # the *ForCausalLM checkpoint, as Qwen3-Embedding ships
+        shutil.copy(source / name, target / name)
+    reference = SentenceTransformer(str(target), device="cpu")
+    texts = [t for t in TEXTS if t]  # an empty text has no last token
+    expected = reference.encode(texts, batch_size=4, prompt_name="query")
+    with LLM(model=str(target), task="embed", multiprocess=False) as llm:
+        got = np.stack([o.outputs.numpy() for o in llm.embed(texts, use_tqdm=False, prompt_name="query")])
+    assert _cosines(got, expected).min() >= 0.99999

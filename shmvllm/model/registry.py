@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shmvllm import envs
+from shmvllm.model.models import check_gguf_file
 
 logger = logging.getLogger(__name__)
 
@@ -82,12 +83,14 @@ def resolve_model_dir(model: str) -> Path:
     path = _shipped_model_path(model.lower()) if model.lower() in SHIPPED_MODELS else Path(model)
     path = path.expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        check_gguf_file(path)  # an unsupported architecture is refused before any conversion
         return _converted_gguf_dir(path)
     if path.is_dir():
         if (path / "config.json").exists():
             return path
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
+            check_gguf_file(ggufs[0])
             return _converted_gguf_dir(ggufs[0])
         raise ValueError(f"model directory {str(path)!r} has no config.json and not exactly one .gguf file.")
     raise ValueError(

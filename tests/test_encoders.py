@@ -274,3 +274,17 @@ def test_decoder_embedder_matches_sentence_transformers(tmp_path_factory, tiny_q
     with LLM(model=str(target), task="embed", multiprocess=False) as llm:
         got = np.stack([o.outputs.numpy() for o in llm.embed(texts, use_tqdm=False, prompt_name="query")])
     assert _cosines(got, expected).min() >= 0.99999
+
+
+def test_bidirectional_decoder_is_refused(tmp_path):
+    """EmbeddingGemma's bidirectional attention is not run causally: the model is refused by name."""
+    from transformers import Gemma3TextConfig
+
+    from shmvllm.config import ModelConfig
+    from shmvllm.worker.pooling_runner import PoolingModelRunner
+
+    hf_config = Gemma3TextConfig(architectures=["Gemma3ForCausalLM"], use_bidirectional_attention=True)
+    config = ModelConfig(model="g", model_dir=tmp_path, hf_config=hf_config, task="embed", dtype="float32",
+                         device="cpu", max_model_len=128)
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        PoolingModelRunner(config)

@@ -61,6 +61,10 @@ _U64 = struct.Struct("=Q")
 _MASK = L.PEEK_FIELD_MASK
 _MSG = L.KIND_MSG
 _TAIL_WORD, _HEAD_WORD = L.OFF_TAIL // 8, L.OFF_HEAD // 8
+_PENDING_WORD = L.OFF_P_PENDING // 8
+# In place of a partial message while the consumer holds a view from pop_view: every whole-message
+# fast path tests `_partial is None`, so they all go to the slow path, which refuses (LoanError).
+_LOANED = bytearray()
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform == "linux" else None)  # Linux >= 5.14
 # Long enough to cover a peer that answers within a couple of hundred µs (a wake-up on this
 # kind of machine costs 10-30 µs, a cold msgspec decode about as much); cheap because the spin
@@ -91,6 +95,12 @@ class PeerDeadError(PeerGoneError):
 
 class PeerClosedError(PeerGoneError):
     """The peer closed its end of the ring (after everything it pushed was popped)."""
+
+
+class LoanError(RingError, RuntimeError):
+    """A loan used out of turn: a second `reserve` before `commit`, a `pop_view` before the
+    previous view's `release`, another push or pop while one is out, a commit or release of
+    nothing."""
 
 
 class RingClosedError(RingError, ValueError):
@@ -186,13 +196,17 @@ class RingBuffer:
         self._spin_us, self._poll_interval, self._nap_window_s = spin_us, poll_interval, nap_window_s
         self._pid = os.getpid()
         self._closed = False
-        self._partial: Optional[bytearray] = None
+        self._partial: Optional[bytearray] = None  # a fragmented message being reassembled, or _LOANED
         self._partial_total = 0
         self._send_abort = False
         self._fast_push = True  # not closed, no aborted fragmented message to announce
         self._gate = bytearray(2)  # [0] / [1]: nonzero while push / pop must not take the C fast path
         self._finalizer: Optional[weakref.finalize] = None
         self._bells: "Optional[tuple[Doorbell, Doorbell]]" = None
+        self._loan: Optional[memoryview] = None  # the producer's reserved record, until commit
+        self._loan_size = 0
+        self._view: Optional[memoryview] = None  # the consumer's record from pop_view, until release
+        self._view_in_ring = False  # whether that view's record is still to be freed (not a reassembled copy)
 
     def _bind(self, wake: int, bells: "Optional[tuple[Doorbell, Doorbell]]") -> None:
         """Hooks the wake-up mechanism (`wake`: layout.WAKE_FUTEX, or WAKE_SEMAPHORE with the
@@ -462,6 +476,23 @@ class RingBuffer:
                     return
         self._push_slow(data, timeout)
 
+    def try_push(self, data: "bytes | bytearray | memoryview") -> bool:
+        """Pushes one message if the ring has room for it now (never blocks): True if it was
+        pushed, False if not (nothing of it was). Raises like `push` otherwise."""
+        if self._fast_push and type(data) is bytes and len(data) <= self.max_payload:
+            r = self._op_push(data, len(data))
+            if r >= 0:
+                if r:
+                    self._ring_data()
+                return True
+            if r == L.FULL:
+                return False
+        try:
+            self.push(data, 0.0)
+        except RingTimeoutError:
+            return False
+        return True
+
     def push_many(self, messages: "list[bytes]", timeout: Optional[float] = None) -> None:
         """Pushes several messages in order, publishing the tail once for as many of them as fit
         (one wake-up of the consumer at most, instead of one look at its flag per message);
@@ -492,19 +523,113 @@ class RingBuffer:
 
     def _push_slow(self, data: "bytes | bytearray | memoryview", timeout: Optional[float], spun: bool = False) -> None:
         """push the slow way; `spun`: the caller spun for space already (the first wait sleeps)."""
+        deadline = self._before_push(timeout)
+        with memoryview(data) as raw, raw.cast("B") as view:
+            if len(view) <= self.max_payload:
+                self._put_record(view, L.KIND_MSG, deadline, spun=spun)
+            else:
+                self._put_fragments(view, deadline)
+
+    def _before_push(self, timeout: Optional[float]) -> Optional[float]:
+        """The checks and the announcement every slow push starts with; returns its deadline."""
         if self._closed:
             raise RingClosedError(f"ring {self.name} is closed")
+        if self._loan is not None:
+            raise LoanError(f"ring {self.name}: a reserved record is not committed yet (commit() or cancel() it first)")
         deadline = _deadline(timeout)
         if self._send_abort:
             self._put_record(b"", L.KIND_ABORT, deadline)
             self._send_abort = False
             self._fast_push = True
             self._accelerate("push", True)
-        with memoryview(data) as raw, raw.cast("B") as view:
-            if len(view) <= self.max_payload:
-                self._put_record(view, L.KIND_MSG, deadline, spun=spun)
+        return deadline
+
+    # ---------------------------------------------------------------- loans (zero-copy)
+
+    def reserve(self, n: int, timeout: Optional[float] = None) -> memoryview:
+        """A loan of the next record: a writable view of `n` bytes in the ring's memory, for the
+        producer to write the message in place; `commit()` publishes it (`cancel()` drops it).
+        `n` is at most `max_payload` (a loan is one record, never fragments). Blocks while the
+        ring has no room, raises like `push`. Until the commit, the view is the only way to
+        write to this ring: another reserve, push or push_many raises LoanError; after it the
+        view is released (using it raises ValueError)."""
+        if type(n) is not int or not 0 <= n <= self.max_payload:
+            raise ValueError(f"n must be an int in [0, {self.max_payload}] (max_payload: a loan is one record), got {n!r}")
+        off = self._op_reserve(n) if self._fast_push else L.FULL
+        if off < 0:
+            deadline = self._before_push(timeout)
+            while (off := self._ops.reserve(n)) < 0:
+                if off != L.FULL:
+                    raise self._corrupted(off)
+                self._space_waiter.wait(deadline, n)
+        self._loan, self._loan_size = self._mv[off : off + n], n
+        self._fast_push = False
+        self._gate[0] = 1
+        return self._loan
+
+    def commit(self, n: Optional[int] = None) -> None:
+        """Publishes the reserved record, with its first `n` bytes (default: all it reserved) as
+        the message: a producer that reserved an upper bound commits what it wrote."""
+        loan, size = self._loan, self._loan_size
+        if loan is None:
+            raise LoanError(f"ring {self.name}: commit() without a reserved record")
+        if n is None:
+            n = size
+        elif type(n) is not int or not 0 <= n <= size:
+            raise ValueError(f"n must be an int in [0, {size}] (the bytes reserved), got {n!r}")
+        self._end_loan(loan)
+        if self._closed:
+            raise RingClosedError(f"ring {self.name} is closed: the reserved record was dropped")
+        if n != size:  # the record shrinks: the tail to publish moves back by the bytes it gave up
+            self._words[_PENDING_WORD] -= L.record_size(size) - L.record_size(n)
+        if self._op_commit(n, _MSG):
+            self._ring_data()
+
+    def cancel(self) -> None:
+        """Drops the reserved record unpublished (the consumer never sees it)."""
+        if self._loan is None:
+            raise LoanError(f"ring {self.name}: cancel() without a reserved record")
+        self._end_loan(self._loan)
+
+    def _end_loan(self, loan: memoryview) -> None:
+        loan.release()
+        self._loan = None
+        self._fast_push = not (self._closed or self._send_abort)
+        self._accelerate("push", self._fast_push)
+
+    def pop_view(self, timeout: Optional[float] = None) -> memoryview:
+        """The next message, as a view of its record in the ring's memory (of the reassembled
+        bytes when it came in fragments), valid until `release()`, which frees the record.
+        Blocks while the ring is empty, raises like `pop`. Until the release, no other message
+        can be taken from this ring: pop_view, pop, consume and the others raise LoanError;
+        after it the view is released (using it raises ValueError; slices of it and arrays made
+        from it are the caller's to drop before)."""
+        r = self._op_peek()
+        if r >= 0 and r >> 60 == _MSG and self._partial is None:
+            off = r & _MASK
+            view, in_ring = self._mv[off : off + ((r >> 30) & _MASK)], True
+        else:
+            got = self._next_message(r, _deadline(timeout))
+            if type(got) is int:
+                off = got & _MASK
+                view, in_ring = self._mv[off : off + ((got >> 30) & _MASK)], True
             else:
-                self._put_fragments(view, deadline)
+                view, in_ring = memoryview(got), False
+        self._view, self._view_in_ring = view, in_ring
+        self._partial = _LOANED
+        self._gate[1] = 1
+        return view
+
+    def release(self) -> None:
+        """Ends the view `pop_view` returned and frees its record."""
+        view = self._view
+        if view is None:
+            raise LoanError(f"ring {self.name}: release() without a view from pop_view()")
+        view.release()
+        self._view, self._partial = None, None
+        self._accelerate("pop", True)
+        if self._view_in_ring and self._op_release():
+            self._ring_space()
 
     def _put_fragments(self, view: memoryview, deadline: Optional[float]) -> None:
         total, step = len(view), self.max_payload
@@ -645,8 +770,20 @@ class RingBuffer:
 
     def _consume_slow(self, fn: Callable[[memoryview], T], r: int, deadline: Optional[float], spun: bool = False) -> T:
         """The rest of pop/consume after a first look (`r`); `spun`: that look spun already."""
+        got = self._next_message(r, deadline, spun)
+        if type(got) is int:
+            return self._deliver(fn, got)
+        with memoryview(got) as view:
+            return fn(view)
+
+    def _next_message(self, r: int, deadline: Optional[float], spun: bool = False) -> "int | bytearray":
+        """Waits from a first look (`r`; `spun`: that look spun already) for the next message:
+        peek's result for a whole record (still in the ring), or the reassembled bytes of a
+        fragmented one (its records freed)."""
         if self._closed:
             raise RingClosedError(f"ring {self.name} is closed")
+        if self._view is not None:
+            raise LoanError(f"ring {self.name}: the view from pop_view() is not released yet (release() it first)")
         while True:
             if r == L.EMPTY:
                 self._data_waiter.wait(deadline, spin=not spun)
@@ -656,14 +793,13 @@ class RingBuffer:
             elif r >> 60 == _MSG:
                 if self._partial is not None:
                     raise self._corrupted(r, "a whole message inside a fragmented one")
-                return self._deliver(fn, r)
+                return r
             else:
                 message = self._take_fragment(r)
                 if self._op_release():
                     self._ring_space()
                 if message is not None:
-                    with memoryview(message) as view:
-                        return fn(view)
+                    return message
             r = self._op_peek()
 
     def _pop_rest(self, r: int, slept: bool) -> bytes:

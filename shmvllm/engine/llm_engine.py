@@ -38,7 +38,8 @@ class LLMEngine:
         self.renderer = Renderer(self.tokenizer)
         self.input_processor = InputProcessor(
             self.renderer, model_config.max_model_len, model_config.vocab_size, model_config.model_dir,
-            hidden_size=model_config.hidden_size, generates=not model_config.is_embedding,
+            hidden_size=model_config.embedding_size if model_config.is_embedding else model_config.hidden_size,
+            generates=not model_config.is_embedding,
             max_logprobs=model_config.max_logprobs,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -59,7 +60,7 @@ class LLMEngine:
 
     def get_tokenizer(self) -> Any:
         if self.tokenizer is None:
-            raise ValueError("this engine has no tokenizer: it was built with skip_tokenizer_init=True.")
+            raise ValueError("Tokenizer not available when `skip_tokenizer_init=True`.")
         return self.tokenizer
 
     def add_request(

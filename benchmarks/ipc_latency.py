@@ -146,7 +146,7 @@ class Payload:
     name: str
     make: Callable[[], Any]  # -> the object sent; a top-level function (it runs in the child too)
     codec: Optional[Callable[[], tuple[Callable, Callable]]] = None  # -> (encode, decode)
-    ring_capacity: Optional[int] = None  # the rings' capacity when the user of the messages has one; else ring_capacity()
+    ring_capacity: Optional[int] = None  # the rings' capacity when the user of the messages has one; else ring_geometry()
 
 
 def raw_payload(name: str) -> Payload:
@@ -525,15 +525,18 @@ def encoded_size(payload: Payload, obj: Any) -> int:
     return len(obj) if payload.codec is None else len(payload.codec()[0](obj))
 
 
-def ring_capacity(size: int) -> int:
-    """The smallest ring that holds a message of `size` bytes in one record (a record, its 8-byte
-    header included, is at most a quarter of the ring), in whole pages: 64 KiB at least, 8 MiB
-    at most. Small, because a ring's records go round all of it: the fewer lines it has, the
-    more of them are still in the caches when they are written again."""
+RECORDS_PER_RING = 2  # a raw payload's ring holds this many of its records (2: max_record = capacity/2)
+
+
+def ring_geometry(size: int) -> tuple[int, int]:
+    """(capacity, max_record) of the smallest ring that holds RECORDS_PER_RING records of a
+    message of `size` bytes, in whole pages: 64 KiB at least, 8 MiB at most. Small, because a
+    ring's records go round all of it: the fewer lines it has, the more of them are still in
+    the caches when they are written again."""
     from ipc.layout import record_size
 
-    capacity = -(-4 * record_size(size) // 4096) * 4096
-    return min(max(capacity, 64 << 10), 8 << 20)
+    capacity = min(max(-(-RECORDS_PER_RING * record_size(size) // 4096) * 4096, 64 << 10), 8 << 20)
+    return capacity, (capacity // RECORDS_PER_RING) & ~7
 
 
 def make_handles(transport: str, variant: str, size: int, ctx: Any, capacity: Optional[int] = None) -> tuple[dict, dict, Callable]:
@@ -541,7 +544,8 @@ def make_handles(transport: str, variant: str, size: int, ctx: Any, capacity: Op
     if transport == "shm":
         from ipc import RingBuffer
 
-        rings = tuple(RingBuffer.create(capacity or ring_capacity(size), prefault=True) for _ in range(2))
+        geometry = dict(capacity=capacity) if capacity else dict(zip(("capacity", "max_record"), ring_geometry(size)))
+        rings = tuple(RingBuffer.create(**geometry, prefault=True) for _ in range(2))
         return {"rings": rings, "size": size}, {"names": [r.name for r in rings], "size": size}, lambda: [r.close() for r in rings]
     if transport == "iceoryx2":
         tag = f"ipcbench/{os.getpid()}-{time.monotonic_ns()}"

@@ -261,7 +261,7 @@ class RingBuffer:
             )
         capacity = ops.load(L.OFF_CAPACITY)
         self.capacity = capacity
-        self.max_payload = L.max_record_for(capacity) - 8
+        self.max_payload = ops.load(L.OFF_MAX_RECORD) - 8
 
     # ---------------------------------------------------------------- construction
 
@@ -275,15 +275,22 @@ class RingBuffer:
         pure_python: bool = False,
         nap_window_s: float = 0.0,
         prefault: bool = False,
+        max_record: Optional[int] = None,
     ) -> "RingBuffer":
         """A new ring of `capacity` bytes (multiple of 8, 256 B .. 512 MiB) that this process owns.
 
-        Messages up to `capacity/4 - 8` bytes travel contiguously; longer ones in fragments.
+        Messages up to `max_payload` = `max_record - 8` bytes travel in one record; longer ones in
+        fragments. `max_record` (a multiple of 8, 16 .. capacity/2; default capacity/4): a ring
+        sized for one kind of message can hold two of them in half the memory.
         """
         if not isinstance(capacity, int) or capacity % 8 or not L.MIN_CAPACITY <= capacity <= L.MAX_CAPACITY:
             raise ValueError(
                 f"capacity must be a multiple of 8 in [{L.MIN_CAPACITY}, {L.MAX_CAPACITY}], got {capacity!r}"
             )
+        if max_record is None:
+            max_record = L.max_record_for(capacity)
+        elif type(max_record) is not int or max_record % 8 or not 16 <= max_record <= capacity // 2:
+            raise ValueError(f"max_record must be a multiple of 8 in [16, capacity/2 = {capacity // 2}], got {max_record!r}")
         check_wait_params(spin_us, nap_window_s, poll_interval)
         check_free_space(L.HEADER_SIZE + capacity + 2 * SEMAPHORE_BYTES, f"a ring of capacity {capacity}")
         segment = Segment.create(L.HEADER_SIZE + capacity)
@@ -294,7 +301,7 @@ class RingBuffer:
             )
             ring._finalizer = finalizer
             wake = L.WAKE_FUTEX if futex_supported(ring.native) else L.WAKE_SEMAPHORE
-            ring._init_header(capacity, wake)
+            ring._init_header(capacity, wake, max_record)
             bells = None
             if wake == L.WAKE_SEMAPHORE:
                 bells = Doorbell.create(segment.name + "-d"), Doorbell.create(segment.name + "-s")
@@ -306,12 +313,12 @@ class RingBuffer:
             raise
         return ring
 
-    def _init_header(self, capacity: int, wake: int) -> None:
+    def _init_header(self, capacity: int, wake: int, max_record: int) -> None:
         store, pid = self._ops.store, os.getpid()
         store(L.OFF_VERSION, L.VERSION)
         store(L.OFF_WAKE, wake)
         store(L.OFF_CAPACITY, capacity)
-        store(L.OFF_MAX_RECORD, L.max_record_for(capacity))
+        store(L.OFF_MAX_RECORD, max_record)
         store(L.OFF_CREATOR_PID, pid)
         store(L.OFF_CREATOR_START, process_start_time(pid))
         store(L.OFF_MAGIC, L.MAGIC)
@@ -375,6 +382,9 @@ class RingBuffer:
             raise RingCorruptedError(f"{self.name} has layout version {version}, expected {L.VERSION}")
         if capacity + L.HEADER_SIZE > self._segment.size or capacity < L.MIN_CAPACITY or capacity % 8:
             raise RingCorruptedError(f"{self.name} claims capacity {capacity} in a {self._segment.size}-byte segment")
+        max_record = load(L.OFF_MAX_RECORD)
+        if max_record % 8 or not 16 <= max_record <= capacity // 2:
+            raise RingCorruptedError(f"{self.name} claims records of up to {max_record} bytes in a ring of {capacity}")
         wake = load(L.OFF_WAKE)
         if wake not in (L.WAKE_FUTEX, L.WAKE_SEMAPHORE):
             raise RingCorruptedError(f"{self.name} has an unknown wake-up mechanism {wake}")

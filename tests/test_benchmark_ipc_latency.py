@@ -163,13 +163,15 @@ def test_a_round_warms_up_then_measures_exactly_its_counts(transport, variant, m
     assert result["msgs_per_s"] > 0 and result["payload_bytes"] == 64
 
 
-@pytest.mark.parametrize("size", [0, 64, 16376, 16377, 65536, 1 << 20, 3 << 20])
-def test_a_case_rings_are_the_smallest_that_hold_its_message_in_one_record(size):
+@pytest.mark.parametrize("size", [0, 64, 16376, 16377, 32760, 32761, 65536, 1 << 20, 3 << 20, 5 << 20])
+def test_a_case_rings_are_the_smallest_that_hold_two_of_its_records(size):
     from ipc import layout
 
-    capacity = bench.ring_capacity(size)
-    assert capacity % 4096 == 0 and 64 << 10 <= capacity <= 8 << 20
+    capacity, max_record = bench.ring_geometry(size)
+    assert capacity % 4096 == 0 and 64 << 10 <= capacity <= 8 << 20 and max_record == capacity // 2
     if capacity < 8 << 20:
-        assert layout.max_record_for(capacity) >= layout.record_size(size)
-    if capacity > 64 << 10:  # a page less would not hold it
-        assert layout.max_record_for(capacity - 4096) < layout.record_size(size)
+        assert max_record >= layout.record_size(size)
+    if capacity > 64 << 10:  # a page less would not hold two
+        assert (capacity - 4096) // 2 < layout.record_size(size)
+    ring = RingBuffer.create(capacity, max_record=max_record)  # a geometry the ring takes
+    ring.close()

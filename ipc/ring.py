@@ -486,23 +486,6 @@ class RingBuffer:
                     return
         self._push_slow(data, timeout)
 
-    def try_push(self, data: "bytes | bytearray | memoryview") -> bool:
-        """Pushes one message if the ring has room for it now (never blocks): True if it was
-        pushed, False if not (nothing of it was). Raises like `push` otherwise."""
-        if self._fast_push and type(data) is bytes and len(data) <= self.max_payload:
-            r = self._op_push(data, len(data))
-            if r >= 0:
-                if r:
-                    self._ring_data()
-                return True
-            if r == L.FULL:
-                return False
-        try:
-            self.push(data, 0.0)
-        except RingTimeoutError:
-            return False
-        return True
-
     def push_many(self, messages: "list[bytes]", timeout: Optional[float] = None) -> None:
         """Pushes several messages in order, publishing the tail once for as many of them as fit
         (one wake-up of the consumer at most, instead of one look at its flag per message);

@@ -404,21 +404,6 @@ def test_kept_references_to_push_and_pop_respect_close_and_fragments(pair):
         pop()
 
 
-def test_try_push_takes_what_fits_now_and_never_blocks(pair):
-    tx, rx = pair
-    pushed = 0
-    while tx.try_push(bytes([pushed]) * 100):
-        pushed += 1
-    assert pushed == 1024 // 112  # 112-byte records in a 1 KiB ring
-    assert not tx.try_push(bytearray(100))  # nothing of a refused message is delivered
-    assert [rx.pop(timeout=1) for _ in range(pushed)] == [bytes([i]) * 100 for i in range(pushed)]
-    assert rx.try_pop() is None
-    assert tx.try_push(bytearray(b"ba")) and rx.pop(timeout=1) == b"ba"
-    tx.close()
-    with pytest.raises(ValueError, match="closed"):
-        tx.try_push(b"x")
-
-
 def test_a_ring_sized_for_its_message_holds_records_of_half_its_capacity(pure_python):
     tx = RingBuffer.create(4096, max_record=2048, pure_python=pure_python)
     rx = RingBuffer.attach(tx.name, pure_python=pure_python)

@@ -109,6 +109,10 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory the engine may use
     num_kv_blocks: Optional[int] = None  # overrides both budgets (tests use it)
     enable_prefix_caching: bool = True
+    # prompts longer than this file their blocks apart: the model's rope rotates them by their
+    # length (dynamic: under that length; longrope: all such prompts alike; model/rotary.py)
+    rope_length_threshold: Optional[int] = None
+    rope_length_exact: bool = True
 
 
 @dataclass
@@ -196,17 +200,21 @@ class EngineArgs(VllmArgs):
         return cls(**{name: getattr(args, name) for name in cls.field_names() if hasattr(args, name)})
 
     def create_engine_config(self) -> EngineConfig:
-        from shmvllm.engine.validation import check_engine_args
+        from shmvllm.engine.validation import check_against_model, check_engine_args
 
         check_engine_args(self)
         self._verify()
-        from transformers import AutoConfig
-
+        from shmvllm.model.models import check_causal_lm_dir, decoder_architecture
         from shmvllm.model.registry import resolve_model_dir
 
-        model_dir = resolve_model_dir(self.model)
+        model_dir = resolve_model_dir(self.model)  # refuses a GGUF file's unsupported architecture
+        check_causal_lm_dir(model_dir)  # before transformers and torch are imported (seconds)
+        from transformers import AutoConfig
+
         hf_config = AutoConfig.from_pretrained(model_dir)
         task = self._task(model_dir, hf_config)
+        if task == "generate":
+            decoder_architecture(hf_config)  # an unsupported model is refused here, before the engine starts
         device = self.device if self.device != "auto" else _default_device()
         dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         dtype = dtype if dtype != "auto" else _default_dtype(device, hf_config, task)
@@ -239,7 +247,7 @@ class EngineArgs(VllmArgs):
                 f"max_num_batched_tokens ({max_batched}) must be at least max_model_len ({max_model_len}) "
                 "when enable_chunked_prefill is False."
             )
-        return EngineConfig(
+        config = EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size if self.block_size is not None else 16,
@@ -247,6 +255,8 @@ class EngineArgs(VllmArgs):
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 num_kv_blocks=self.num_kv_blocks if self.num_kv_blocks is not None else self.num_gpu_blocks_override,
                 enable_prefix_caching=self.enable_prefix_caching is not False,
+                rope_length_threshold=_rope_length_threshold(hf_config, max_model_len),
+                rope_length_exact=(getattr(hf_config, "rope_parameters", None) or {}).get("rope_type") == "dynamic",
             ),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=max_batched,
@@ -259,6 +269,8 @@ class EngineArgs(VllmArgs):
                 tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size
             ),
         )
+        check_against_model(config)
+        return config
 
     def _task(self, model_dir: Path, hf_config: Any) -> Task:
         """The task from task / runner / convert, checked against what the model is."""
@@ -459,8 +471,26 @@ def _default_dtype(device: str, hf_config: Any, task: str = "generate") -> str:
     return "bfloat16" if "bfloat16" in configured or "float32" in configured or not configured else "float16"
 
 
+def _rope_length_threshold(hf_config: Any, max_model_len: int) -> Optional[int]:
+    """The length past which the rope rotates a token by its sequence's length, where
+    max_model_len passes it (model/rotary.py reads the same fields)."""
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    kind = rope.get("rope_type", rope.get("type"))
+    threshold = None
+    if kind == "dynamic":
+        threshold = hf_config.max_position_embeddings
+    elif kind == "longrope":
+        threshold = getattr(hf_config, "original_max_position_embeddings", None) or rope.get(
+            "original_max_position_embeddings", hf_config.max_position_embeddings
+        )
+    return int(threshold) if threshold is not None and max_model_len > threshold else None
+
+
 def _resolve_max_model_len(requested: Optional[int], hf_config: Any, model_dir: Path) -> int:
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "dynamic":  # NTK scaling serves `factor` times the trained length, as vLLM derives it
+        limit = int(limit * rope["factor"])
     if getattr(hf_config, "model_type", "") in ("roberta", "xlm-roberta"):
         limit -= hf_config.pad_token_id + 1  # its positions start after padding_idx
     st_config = model_dir / "sentence_bert_config.json"

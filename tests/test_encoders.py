@@ -37,9 +37,14 @@ def _xlmr_tokenizer(target, minilm_dir):
 
 
 def _config(model_type: str, vocab_size: int, **extra):
-    from transformers import BertConfig, XLMRobertaConfig
+    from transformers import BertConfig, ModernBertConfig, XLMRobertaConfig
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    if model_type == "modernbert":
+        # 3 layers: global, local, local; a window of 8 either side, so longer texts are banded.
+        common.update(num_hidden_layers=3, max_position_embeddings=512, pad_token_id=0, bos_token_id=101,
+                      eos_token_id=102, cls_token_id=101, sep_token_id=102, local_attention=16)
+        return ModernBertConfig(**common, **extra)
     if model_type == "xlm-roberta":
         return XLMRobertaConfig(max_position_embeddings=130, pad_token_id=1, bos_token_id=0, eos_token_id=2, **common, **extra)
     return BertConfig(max_position_embeddings=128, **common, **extra)
@@ -100,6 +105,12 @@ def xlmr_embedder(tmp_path_factory, minilm_dir):
 
 
 @pytest.fixture(scope="module")
+def modernbert_embedder(tmp_path_factory, minilm_dir):
+    source = _save_hf(tmp_path_factory, minilm_dir, "modernbert")
+    return _save_st(source, tmp_path_factory.mktemp("modernbert-st"), "mean")
+
+
+@pytest.fixture(scope="module")
 def bert_st_dense(tmp_path_factory, tiny_bert_dir):
     """BERT with CLS pooling, a Dense 64 -> 32 (tanh), Normalize, and prompts with a default."""
     return _save_st(
@@ -114,6 +125,18 @@ def test_xlm_roberta_embeddings_match_sentence_transformers(xlmr_embedder):
     expected = SentenceTransformer(str(xlmr_embedder), device="cpu").encode(TEXTS, batch_size=4)
     got = _embed(xlmr_embedder, TEXTS)
     assert got.shape == expected.shape
+    assert _cosines(got, expected).min() >= 0.99999
+
+
+def test_modernbert_embeddings_match_sentence_transformers(modernbert_embedder):
+    """Local layers band their attention: the long texts (~60 tokens) see only 8 positions either side."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(modernbert_embedder)
+    assert config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"] and config.sliding_window == 8
+    expected = SentenceTransformer(str(modernbert_embedder), device="cpu").encode(TEXTS, batch_size=4)
+    got = _embed(modernbert_embedder, TEXTS)
     assert _cosines(got, expected).min() >= 0.99999
 
 
@@ -189,11 +212,13 @@ def test_reranker_scores_match_cross_encoder(request, which):
             llm.embed("x")
 
 
-@pytest.mark.parametrize("model_type", ["bert", "xlm-roberta"])
-def test_classify_probabilities_match_transformers(tmp_path_factory, minilm_dir, model_type):
+@pytest.mark.parametrize("model_type, extra", [
+    ("bert", {}), ("xlm-roberta", {}), ("modernbert", {"classifier_pooling": "mean"}), ("modernbert", {"classifier_pooling": "cls"}),
+])
+def test_classify_probabilities_match_transformers(tmp_path_factory, minilm_dir, model_type, extra):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    model_dir = _save_hf(tmp_path_factory, minilm_dir, model_type, head="-classify", num_labels=3)
+    model_dir = _save_hf(tmp_path_factory, minilm_dir, model_type, head="-classify", num_labels=3, **extra)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
     texts = TEXTS[1:]
@@ -208,3 +233,44 @@ def test_classify_probabilities_match_transformers(tmp_path_factory, minilm_dir,
         np.testing.assert_allclose(encoded[1].outputs.data.numpy(), expected[1], atol=1e-5)
         with pytest.raises(ValueError, match="Score"):
             llm.score("a", "b")
+
+
+def _tiny_qwen3(tmp_path_factory, smollm2_dir):
+    from transformers import Qwen3Config
+
+    from conftest import _save_tiny_causal_lm
+
+    config = Qwen3Config(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True,
+    )
+    return _save_tiny_causal_lm(config, smollm2_dir, tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+@pytest.mark.parametrize("family, pooling", [("qwen2", "lasttoken"), ("qwen2", "mean"), ("qwen3", "lasttoken")])
+def test_decoder_embedder_matches_sentence_transformers(tmp_path_factory, tiny_qwen2_dir, smollm2_dir, family, pooling):
+    """A generation architecture as an embedder (Qwen3-Embedding's recipe: last-token pooling,
+    normalized, an instruction prompt), causal attention within each packed sequence."""
+    import shutil
+
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoTokenizer
+
+    checkpoint = tiny_qwen2_dir if family == "qwen2" else _tiny_qwen3(tmp_path_factory, smollm2_dir)
+    source = tmp_path_factory.mktemp(f"{family}-{pooling}")
+    for item in checkpoint.iterdir():
+        if item.is_file() and item.name != "chat_template.jinja":  # else sentence-transformers 6 wraps texts in it
+            shutil.copy(item, source / item.name)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer.pad_token = tokenizer.eos_token  # sentence-transformers pads its batches
+    tokenizer.save_pretrained(source)
+    target = _save_st(source, tmp_path_factory.mktemp(f"{family}-st-{pooling}"), pooling,
+                      prompts={"query": "Instruct: find the text\nQuery: "})
+    for name in ("config.json", "model.safetensors"):  # the *ForCausalLM checkpoint, as Qwen3-Embedding ships
+        shutil.copy(source / name, target / name)
+    reference = SentenceTransformer(str(target), device="cpu")
+    texts = [t for t in TEXTS if t]  # an empty text has no last token
+    expected = reference.encode(texts, batch_size=4, prompt_name="query")
+    with LLM(model=str(target), task="embed", multiprocess=False) as llm:
+        got = np.stack([o.outputs.numpy() for o in llm.embed(texts, use_tqdm=False, prompt_name="query")])
+    assert _cosines(got, expected).min() >= 0.99999

@@ -22,7 +22,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Union
+from typing import Iterable, Iterator, Union
 
 import torch
 from safetensors import safe_open
@@ -31,25 +31,17 @@ from torch import nn
 from shmvllm.config import ModelConfig
 from shmvllm.model.kernels import quant_kernels
 from shmvllm.model.linear import Linear, VocabEmbedding
+from shmvllm.model.models import ARCHITECTURES, decoder_architecture, family
 from shmvllm.model.quant import FORMAT_IDS, QuantizedWeight, quantize, read_gguf
-from shmvllm.model.registry import gguf_source
+from shmvllm.model.registry import gguf_source, weight_files
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _llama(config: Any, max_position: int) -> nn.Module:
-    from shmvllm.model.llama import LlamaForCausalLM
-
-    return LlamaForCausalLM(config, max_position)
-
-
-MODEL_REGISTRY: dict[str, Callable[[Any, int], nn.Module]] = {
-    "LlamaForCausalLM": _llama,
-    "MistralForCausalLM": _llama,
-    "Qwen2ForCausalLM": _llama,
-}
+# HF architecture name -> decoder family (model/models/); a plain dict, read without building models
+MODEL_REGISTRY: dict[str, str] = ARCHITECTURES
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -62,15 +54,12 @@ def get_model(model_config: ModelConfig) -> nn.Module:
     """Returns the model of `model_config`, weights loaded, in eval mode on its device."""
     started = time.perf_counter()
     hf_config = model_config.hf_config
-    architectures = getattr(hf_config, "architectures", None) or []
-    builder = next((MODEL_REGISTRY[a] for a in architectures if a in MODEL_REGISTRY), None)
-    if builder is None:
-        raise ValueError(f"model architectures {architectures} are not supported; supported: {sorted(MODEL_REGISTRY)}.")
+    builder = family(decoder_architecture(hf_config))
     device = torch.device(model_config.device)
     dtype = torch_dtype(model_config.dtype)
     max_position = max(model_config.max_model_len, 1)
     with torch.device("meta"):
-        model = builder(hf_config, max_position)
+        model = builder.build(hf_config, max_position)
     model = _materialize(model, device, dtype)
     model_dir = Path(model_config.model_dir)
     source = gguf_source(model_dir) if model_config.quantization != "none" else None
@@ -83,7 +72,7 @@ def get_model(model_config: ModelConfig) -> nn.Module:
         logger.warning("GGUF blocks do not run on %s / %s here: loading dequantized weights", device, model_config.dtype)
         source = None
     if source is not None:
-        load_weights(model, read_gguf(source, hf_config))
+        load_weights(model, read_gguf(source, hf_config, builder))
     else:
         load_weights(model, _safetensors_tensors(model_dir))
         if model_config.quantization == "q8_0":
@@ -126,17 +115,6 @@ def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
     return model
 
 
-def _weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / n for n in names]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model directory {str(model_dir)!r} has no *.safetensors weights.")
-    return files
-
-
 def return_freed_memory() -> None:
     """glibc keeps the loader's freed temporaries (copies of shards) in its heap; hand them back
     so that the engine's resident memory is what the model holds (no-op elsewhere)."""
@@ -147,7 +125,7 @@ def return_freed_memory() -> None:
 
 
 def _safetensors_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in _weight_files(model_dir):
+    for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)

@@ -233,3 +233,44 @@ def test_classify_probabilities_match_transformers(tmp_path_factory, minilm_dir,
         np.testing.assert_allclose(encoded[1].outputs.data.numpy(), expected[1], atol=1e-5)
         with pytest.raises(ValueError, match="Score"):
             llm.score("a", "b")
+
+
+def _tiny_qwen3(tmp_path_factory, smollm2_dir):
+    from transformers import Qwen3Config
+
+    from conftest import _save_tiny_causal_lm
+
+    config = Qwen3Config(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True,
+    )
+    return _save_tiny_causal_lm(config, smollm2_dir, tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+@pytest.mark.parametrize("family, pooling", [("qwen2", "lasttoken"), ("qwen2", "mean"), ("qwen3", "lasttoken")])
+def test_decoder_embedder_matches_sentence_transformers(tmp_path_factory, tiny_qwen2_dir, smollm2_dir, family, pooling):
+    """A generation architecture as an embedder (Qwen3-Embedding's recipe: last-token pooling,
+    normalized, an instruction prompt), causal attention within each packed sequence."""
+    import shutil
+
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoTokenizer
+
+    checkpoint = tiny_qwen2_dir if family == "qwen2" else _tiny_qwen3(tmp_path_factory, smollm2_dir)
+    source = tmp_path_factory.mktemp(f"{family}-{pooling}")
+    for item in checkpoint.iterdir():
+        if item.is_file() and item.name != "chat_template.jinja":  # else sentence-transformers 6 wraps texts in it
+            shutil.copy(item, source / item.name)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer.pad_token = tokenizer.eos_token  # sentence-transformers pads its batches
+    tokenizer.save_pretrained(source)
+    target = _save_st(source, tmp_path_factory.mktemp(f"{family}-st-{pooling}"), pooling,
+                      prompts={"query": "Instruct: find the text\nQuery: "})
+    for name in ("config.json", "model.safetensors"):  # the *ForCausalLM checkpoint, as Qwen3-Embedding ships
+        shutil.copy(source / name, target / name)
+    reference = SentenceTransformer(str(target), device="cpu")
+    texts = [t for t in TEXTS if t]  # an empty text has no last token
+    expected = reference.encode(texts, batch_size=4, prompt_name="query")
+    with LLM(model=str(target), task="embed", multiprocess=False) as llm:
+        got = np.stack([o.outputs.numpy() for o in llm.embed(texts, use_tqdm=False, prompt_name="query")])
+    assert _cosines(got, expected).min() >= 0.99999

@@ -144,7 +144,7 @@ def test_dense_layers_prompts_and_dimensions_as_sentence_transformers(bert_st_de
     from sentence_transformers import SentenceTransformer
 
     reference = SentenceTransformer(str(bert_st_dense), device="cpu")
-    with LLM(model=str(bert_st_dense), multiprocess=False) as llm:
+    with LLM(model=str(bert_st_dense)) as llm:  # the engine process: token_embed's 2-D output over the rings
         outputs = llm.embed(TEXTS, use_tqdm=False)
         default = np.stack([o.outputs.numpy() for o in outputs])
         assert outputs[1].prompt_token_ids == llm.get_tokenizer()("query: cat")["input_ids"]
@@ -197,7 +197,7 @@ def test_reranker_scores_match_cross_encoder(request, which):
     reference = CrossEncoder(str(model_dir), device="cpu")
     pairs = [(q, d) for q in QUERIES for d in DOCS]
     expected = reference.predict(pairs, batch_size=5)
-    with LLM(model=str(model_dir), multiprocess=False) as llm:
+    with LLM(model=str(model_dir)) as llm:  # the engine process: pair token types over the rings
         assert llm.supported_tasks == ("classify", "score")
         scores = llm.score([q for q, _ in pairs], [d for _, d in pairs], use_tqdm=False)
         got = np.array([s.outputs.score for s in scores])

@@ -29,7 +29,7 @@ from shmvllm.model.kernels import quant_isas_supported
 from shmvllm.model.linear import Linear, VocabEmbedding
 from shmvllm.model.loader import get_model
 from shmvllm.model.parallel.group import TPGroup
-from shmvllm.model.parallel.layers import RowParallelLinear, shard_llama_
+from shmvllm.model.parallel.layers import RowParallelLinear, shard_decoder_
 from shmvllm.model.parallel.split import split_range, split_sizes
 from shmvllm.model.quant import FORMAT_IDS, FORMATS, QuantizedWeight
 
@@ -333,7 +333,7 @@ def test_each_rank_holds_only_its_blocks(tiny_gguf, caplog):
         model = get_model(config)
         with caplog.at_level(logging.WARNING, logger="shmvllm.model.parallel.layers"):
             caplog.clear()
-            shard_llama_(model, TPGroup(rank, 2))
+            shard_decoder_(model, TPGroup(rank, 2))
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             for linear in (attn.qkv_proj, attn.o_proj.local, mlp.gate_up_proj, mlp.down_proj.local):

@@ -43,10 +43,14 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # its two rope bases), so that the GGUF file's reference is the same model
     "gemma2": ("Gemma2Config", dict(tie_word_embeddings=True, sliding_window=8)),
     "gemma3": ("Gemma3TextConfig", dict(tie_word_embeddings=True, sliding_window=8, num_hidden_layers=6)),
+    "phi3": ("Phi3Config", dict(tie_word_embeddings=False)),
+    "granite": ("GraniteConfig", dict(tie_word_embeddings=True)),
+    "olmo2": ("Olmo2Config", dict(tie_word_embeddings=False)),
+    "smollm3": ("SmolLM3Config", dict(tie_word_embeddings=True)),
 }
 
 # GGUF architecture of each family and its layer tensor names (llama.cpp's), as the converter writes them
-GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3"}
+GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3"}
 _LLAMA_NAMES = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
@@ -57,7 +61,13 @@ _GEMMA_NAMES = {
     **_LLAMA_NAMES, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
 }
-GGUF_NAMES = {"llama": _LLAMA_NAMES, "qwen3": _LLAMA_NAMES, "gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES}
+_PHI3_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+GGUF_NAMES = {
+    "llama": _LLAMA_NAMES, "qwen3": _LLAMA_NAMES, "gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES, "phi3": _PHI3_NAMES,
+}
 
 
 def tiny_config(family: str, **overrides: Any) -> Any:

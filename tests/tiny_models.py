@@ -154,9 +154,12 @@ def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
     return weights.reshape(heads, 2, rows // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
 
 
-def write_gguf(model_dir: Path, path: Path) -> Path:
-    """The HF directory's weights as an F32 GGUF file with llama.cpp's names and conventions
-    (q/k rows interleaved for llama, Gemma's norms stored as 1 + w) and the config's metadata."""
+def write_gguf(model_dir: Path, path: Path, qtype: str = "F32") -> Path:
+    """The HF directory's weights as a GGUF file with llama.cpp's names and conventions (q/k rows
+    interleaved for llama, Gemma's norms stored as 1 + w) and the config's metadata; matrices
+    in `qtype` (F32, or a GGML block format gguf.quants can quantize, e.g. Q8_0), norms in F32."""
+    import gguf
+
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -195,7 +198,12 @@ def write_gguf(model_dir: Path, path: Path) -> Path:
                     values = _permute(values, config.num_key_value_heads)
             if family.startswith("gemma") and gguf_name.endswith("norm.weight"):
                 values = values + np.float32(1.0)
-            writer.add_tensor(gguf_name, np.ascontiguousarray(values, dtype=np.float32))
+            values = np.ascontiguousarray(values, dtype=np.float32)
+            if values.ndim == 2 and qtype != "F32":
+                kind = gguf.GGMLQuantizationType[qtype]
+                writer.add_tensor(gguf_name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+            else:
+                writer.add_tensor(gguf_name, values)
 
     _write_gguf_file(path, arch, metadata, add_tensors)
     return path

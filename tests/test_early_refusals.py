@@ -103,6 +103,11 @@ def _write_gguf(path: Path, architecture: str, tensor_type: str) -> Path:
     return path
 
 
+def test_an_unsupported_gguf_tensor_type_is_refused(refused_early, tmp_path):
+    path = _write_gguf(tmp_path / "iq2.gguf", "llama", "IQ2_XXS")
+    refused_early(r"(?s)blk\.0\.attn_q\.weight.*IQ2_XXS", str(path))
+
+
 def test_an_unsupported_gguf_architecture_is_refused(refused_early, tmp_path):
     path = _write_gguf(tmp_path / "falcon.gguf", "falcon", "Q8_0")
     refused_early(r"GGUF architecture 'falcon'", str(path))

@@ -127,6 +127,9 @@ def _write_gguf_source(target: Path, gguf_path: Path) -> None:
 
 def _converted_gguf_dir(gguf_path: Path) -> Path:
     """Dequantizes a GGUF file once with transformers and caches it as a safetensors directory."""
+    from shmvllm.model.quant import check_gguf_formats
+
+    check_gguf_formats(gguf_path)  # a format the kernels lack is refused before any conversion
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     target = cache_dir() / f"{gguf_path.stem}-{key}"

@@ -238,7 +238,9 @@ def load_bert_model(model_dir: Path, hf_config: Any, dtype: torch.dtype, device:
     state_dict: dict[str, torch.Tensor] = {}
     for file in files:
         state_dict.update(load_file(file))
-    with torch.device("meta"):
+    from shmvllm.model.loader import built_on_meta
+
+    with built_on_meta():
         model = BertModel(hf_config)
     model = model.to_empty(device="cpu")
     model.load_weights(state_dict)

@@ -21,6 +21,8 @@ from typing import Any, Iterator, Union
 import numpy as np
 import torch
 
+from shmvllm.model.gguf_file import GGUFFile
+
 # GGML type id -> (name, values per block, bytes per block): the formats the kernels run.
 FORMATS: dict[int, tuple[str, int, int]] = {
     0: ("F32", 1, 4),
@@ -89,7 +91,20 @@ def concat(weights: list[QuantizedWeight]) -> QuantizedWeight:
     for w in weights[1:]:
         if w.qtype != first.qtype or w.k != first.k:
             raise ValueError(f"cannot stack {w.name} [{w.n}, {w.k}] onto {first.name} [{first.n}, {first.k}].")
+    if _adjacent([w.data for w in weights]):  # one after the other in one storage (a mapped file): a view
+        rows = sum(w.n for w in weights)
+        return QuantizedWeight(first.data.as_strided((rows, first.data.shape[1]), first.data.stride()), first.qtype, first.k)
     return QuantizedWeight(torch.cat([w.data for w in weights]), first.qtype, first.k)
+
+
+def _adjacent(parts: list[torch.Tensor]) -> bool:
+    storage = parts[0].untyped_storage().data_ptr()
+    for before, after in zip(parts, parts[1:]):
+        if not (before.is_contiguous() and after.is_contiguous()) or after.untyped_storage().data_ptr() != storage:
+            return False
+        if after.data_ptr() != before.data_ptr() + before.numel() * before.element_size():
+            return False
+    return True
 
 
 def quantize(weight: torch.Tensor, qtype: int) -> QuantizedWeight:
@@ -121,14 +136,21 @@ Tensor = Union[torch.Tensor, QuantizedWeight]
 
 
 def gguf_architecture(path: Path) -> str:
-    from gguf import GGUFReader
-
-    return _architecture(GGUFReader(str(path)))
+    return GGUFFile(path).architecture
 
 
-def _architecture(reader: Any) -> str:
-    field = reader.fields["general.architecture"]
-    return bytes(field.parts[field.data[0]]).decode()
+def check_gguf_supported(reader: GGUFFile) -> None:
+    """A ValueError naming the architecture or the first tensor's GGML format that the loader
+    does not run (read from the header alone)."""
+    arch = reader.architecture
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {list(_ARCHITECTURES)}.")
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in FORMATS:
+            raise ValueError(
+                f"GGUF tensor {tensor.name!r} is in GGML format {format_name(tensor.tensor_type)}, which is not "
+                f"supported; supported: {sorted(FORMAT_IDS)}."
+            )
 
 
 def checkpoint_name(gguf_name: str) -> str:
@@ -152,36 +174,34 @@ def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
 
 def read_gguf(path: Path, hf_config: Any) -> Iterator[tuple[str, Tensor]]:
     """(checkpoint name, tensor) for every tensor of the file: 1-D tensors and F32 weights as
-    fp32 tensors, 2-D quantized / half weights as QuantizedWeight (memory-mapped bytes copied
-    once into their own tensor)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    arch = _architecture(reader)
-    if arch not in _ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {list(_ARCHITECTURES)}.")
+    fp32 tensors, 2-D quantized / half weights as QuantizedWeight over the file's mapped pages
+    (gguf_file.py; the q/k rows that llama files permute are the only copies)."""
+    reader = GGUFFile(path)
+    check_gguf_supported(reader)
+    # one storage over the whole mapping: neighbouring tensors stack into one view (concat)
+    mapped = torch.frombuffer(reader.buffer, dtype=torch.uint8)
+    arch = reader.architecture
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     for tensor in reader.tensors:
         name = checkpoint_name(tensor.name)
-        qtype = int(tensor.tensor_type)
-        if qtype not in FORMATS:
-            raise ValueError(
-                f"GGUF tensor {tensor.name!r} is in GGML format {tensor.tensor_type.name}, which is not "
-                f"supported; supported: {sorted(FORMAT_IDS)}."
-            )
+        qtype = tensor.tensor_type
         data = np.asarray(tensor.data)
+        permuted = False
         if arch == "llama" and ".attn_q." in tensor.name:
-            data = _unpermute_rows(data, heads)
+            data, permuted = _unpermute_rows(data, heads), True
         elif arch == "llama" and ".attn_k." in tensor.name:
-            data = _unpermute_rows(data, kv_heads)
+            data, permuted = _unpermute_rows(data, kv_heads), True
         k = int(tensor.shape[0])  # GGUF lists dimensions innermost first
         if qtype == FORMAT_IDS["F32"] or data.ndim == 1:
             values = data if qtype == FORMAT_IDS["F32"] else _dequantize_np(data, qtype)
             yield name, torch.from_numpy(np.array(values, dtype=np.float32)).reshape(tuple(int(d) for d in reversed(tensor.shape)))
         else:
-            rows = np.ascontiguousarray(data).view(np.uint8).reshape(data.shape[0], -1)
-            yield name, QuantizedWeight(torch.from_numpy(rows.copy()), qtype, k)
+            if permuted:
+                rows = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(data.shape[0], -1))
+            else:
+                rows = mapped[tensor.offset : tensor.offset + data.nbytes].view(data.shape[0], -1)
+            yield name, QuantizedWeight(rows, qtype, k)
 
 
 def _dequantize_np(data: np.ndarray, qtype: int) -> np.ndarray:

@@ -60,6 +60,13 @@ class ModelConfig:
         return self.hf_config.hidden_size
 
     @property
+    def embedding_size(self) -> int:
+        """The length of a pooled embedding: the last sentence-transformers Dense layer's, or hidden_size."""
+        from shmvllm.model.st_config import dense_out_features
+
+        return dense_out_features(self.model_dir) or self.hidden_size
+
+    @property
     def is_embedding(self) -> bool:
         return self.task == "embed"
 
@@ -425,8 +432,8 @@ def detect_task(model_dir: Path, hf_config: Any) -> Task:
     architectures = getattr(hf_config, "architectures", None) or []
     if any(a.endswith("ForCausalLM") for a in architectures):
         return "generate"
-    if getattr(hf_config, "model_type", "") in ("bert", "roberta", "xlm-roberta"):
-        return "embed"
+    if getattr(hf_config, "model_type", "") in ("bert", "roberta", "xlm-roberta", "modernbert"):
+        return "embed"  # an encoder: embeddings, or classify / score with its classification head
     return "generate"
 
 
@@ -462,6 +469,8 @@ def _default_dtype(device: str, hf_config: Any, task: str = "generate") -> str:
 
 def _resolve_max_model_len(requested: Optional[int], hf_config: Any, model_dir: Path) -> int:
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if getattr(hf_config, "model_type", "") in ("roberta", "xlm-roberta"):
+        limit -= hf_config.pad_token_id + 1  # its positions start after padding_idx
     st_config = model_dir / "sentence_bert_config.json"
     if st_config.exists():
         limit = min(limit, json.loads(st_config.read_text()).get("max_seq_length", limit))

@@ -8,7 +8,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 from transformers import BertModel as HFBertModel
 
-from shmvllm.model.bert import AttentionPlan, BertModel, load_bert_model
+from shmvllm.model.bert import AttentionPlan, BertModel
+from shmvllm.model.encoders import load_encoder
 
 LENGTHS = [1, 5, 17, 2, 33, 9]
 
@@ -25,7 +26,7 @@ def hf_model(tiny_bert_dir):
 
 @pytest.fixture(scope="module")
 def ours(tiny_bert_dir, hf_config):
-    return load_bert_model(tiny_bert_dir, hf_config, torch.float32, torch.device("cpu"))
+    return load_encoder(tiny_bert_dir, hf_config, torch.float32, torch.device("cpu"))[0]
 
 
 def _batch(seed: int = 0, with_token_types: bool = False):
@@ -86,7 +87,7 @@ def test_loads_prefixed_checkpoint_with_heads(tiny_bert_dir, hf_config, ours, tm
     prefixed = {f"bert.{k}": v.contiguous() for k, v in weights.items()}
     prefixed["cls.predictions.bias"] = torch.zeros(hf_config.vocab_size)
     save_file(prefixed, tmp_path / "model.safetensors")
-    other = load_bert_model(tmp_path, hf_config, torch.float32, torch.device("cpu"))
+    other = load_encoder(tmp_path, hf_config, torch.float32, torch.device("cpu"))[0]
     for (name, a), (_, b) in zip(ours.state_dict().items(), other.state_dict().items()):
         assert torch.equal(a, b), name
 
@@ -101,7 +102,7 @@ def test_unknown_weight_is_an_error(tiny_bert_dir, hf_config):
 
 def test_missing_weights_dir_is_an_error(tmp_path, hf_config):
     with pytest.raises(ValueError, match="safetensors"):
-        load_bert_model(tmp_path, hf_config, torch.float32, torch.device("cpu"))
+        load_encoder(tmp_path, hf_config, torch.float32, torch.device("cpu"))[0]
 
 
 def test_attention_runs_for_sorted_lengths(ours):

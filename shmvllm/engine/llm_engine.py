@@ -81,7 +81,8 @@ class LLMEngine:
         self.renderer = Renderer(self.tokenizer)
         self.input_processor = InputProcessor(
             self.renderer, model_config.max_model_len, model_config.vocab_size, model_config.model_dir,
-            hidden_size=model_config.hidden_size, generates=not model_config.is_embedding,
+            hidden_size=model_config.embedding_size if model_config.is_embedding else model_config.hidden_size,
+            generates=not model_config.is_embedding,
             max_logprobs=model_config.max_logprobs,
         )
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -14,13 +14,14 @@ import numpy as np
 from shmvllm.beam_search import BeamSearchOutput, beam_prompt_ids, run_beam_search
 from shmvllm.boundary.messages import EngineCoreRequest
 from shmvllm.config import EngineArgs
-from shmvllm.engine.input_processor import PromptType, check_prompt_keys
+from shmvllm.engine.input_processor import PromptType, check_prompt_keys, parse_tokenization_kwargs
 from shmvllm.engine.llm_engine import LLMEngine
 from shmvllm.engine.renderer import Conversation
 from shmvllm.entrypoints.output_router import OutputRouter, Sink
 from shmvllm.lora import check_no_lora
 from shmvllm.metrics import Metric
 from shmvllm.engine.validation import as_conversations, as_prompt_list
+from shmvllm.model.encoders import pooling_tasks
 from shmvllm.model.registry import DEFAULT_MODEL
 from shmvllm.outputs import (
     ClassificationRequestOutput,
@@ -30,7 +31,7 @@ from shmvllm.outputs import (
     RequestOutput,
     ScoringRequestOutput,
 )
-from shmvllm.pooling_params import POOLING_TASKS, PoolingParams
+from shmvllm.pooling_params import PoolingParams
 from shmvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,10 @@ class LLM:
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args, multiprocess=multiprocess)
         self.llm_engine.set_request_timeout(request_timeout_s)
         self.model_config = self.llm_engine.model_config
-        self.supported_tasks: tuple[str, ...] = ("embed",) if self.model_config.is_embedding else ("generate",)
+        self.supported_tasks: tuple[str, ...] = (
+            pooling_tasks(self.model_config.hf_config) if self.model_config.is_embedding else ("generate",)
+        )
+        self._st: Any = None  # the model's sentence-transformers config, read on first use
         self.default_sampling_params: Optional[dict[str, Any]] = None
         self.request_counter = itertools.count()
         self._router = OutputRouter(self.llm_engine)
@@ -205,6 +209,7 @@ class LLM:
         tokenization_kwargs: Optional[dict[str, Any]] = None,
         *,
         truncate_prompt_tokens: Optional[int] = None,
+        prompt_name: Optional[str] = None,
     ) -> list[EmbeddingRequestOutput]:
         """Embeds each prompt; one EmbeddingRequestOutput per prompt, in input order.
 
@@ -212,6 +217,9 @@ class LLM:
         list of those; text is truncated to max_model_len tokens, as sentence-transformers does
         (truncate_prompt_tokens=k keeps the last k). pooling_params: one for all prompts, or one
         per prompt (default: PoolingParams(), the model's own pooling).
+        prompt_name: as sentence-transformers' `encode`, the name of one of the model's prompts
+        (config_sentence_transformers.json) put before each text prompt; by default the
+        model's `default_prompt_name` one, if it has one.
         `.outputs.embedding` is a list of floats, as vLLM's; `.outputs.numpy()` the same vector
         as a float32 numpy array viewing the engine's output bytes (no copy).
         """
@@ -219,7 +227,7 @@ class LLM:
         kwargs = _with_truncation(tokenization_kwargs, truncate_prompt_tokens)
         return [
             EmbeddingRequestOutput.from_base(o)
-            for o in self._pool(prompts, pooling_params, use_tqdm, priority, kwargs, "embed")
+            for o in self._pool(prompts, pooling_params, use_tqdm, priority, kwargs, "embed", prompt_name)
         ]
 
     def encode(
@@ -233,31 +241,43 @@ class LLM:
         *,
         truncate_prompt_tokens: Optional[int] = None,
         priority: Optional[list[int]] = None,
+        prompt_name: Optional[str] = None,
     ) -> list[PoolingRequestOutput]:
-        """Like `embed`, but `.outputs.data` is the pooled vector as a float32 torch tensor.
-        pooling_task: "embed" (or vLLM's older "encode", the same vector here); the tasks shmvllm's
-        models do not have ("classify", "score", "token_embed", ...) are refused by name."""
+        """The model's pooled output as `.outputs.data`, a float32 torch tensor, per prompt.
+        pooling_task: "embed" (or vLLM's older "encode"): the embedding; "token_embed": every
+        token's hidden state, [num_tokens, hidden_size]; "classify": the class probabilities;
+        "score": a cross-encoder's score of one text (no pair). Default: the model's first task
+        (`supported_tasks`). A task the model does not have is a ValueError naming it.
+        prompt_name: as for `embed` (embedding tasks only)."""
         import torch
 
         check_no_lora(lora_request)
-        if pooling_task is not None and pooling_task not in POOLING_TASKS:
-            raise ValueError(
-                f"pooling_task={pooling_task!r} is not supported by model {self.model_config.model!r}: "
-                f"it does {list(POOLING_TASKS)}."
-            )
         kwargs = _with_truncation(tokenization_kwargs, truncate_prompt_tokens)
-        outputs = self._pool(prompts, pooling_params, use_tqdm, priority, kwargs, pooling_task)
+        outputs = self._pool(prompts, pooling_params, use_tqdm, priority, kwargs, pooling_task, prompt_name)
         for output in outputs:
             output.outputs.data = torch.from_numpy(output.outputs.data.copy())  # writable, owned
         return outputs
 
-    def classify(self, prompts: Prompts, **kwargs: Any) -> list[ClassificationRequestOutput]:
-        """vLLM's classification API: shmvllm serves no classification models, so it is refused as
-        vLLM refuses it for a model without a classifier head."""
-        raise ValueError(
-            f"Classification API is not supported by model {self.model_config.model!r}: shmvllm serves "
-            "generation and embedding models only."
-        )
+    def classify(
+        self,
+        prompts: Prompts,
+        *,
+        pooling_params: PoolingParamsArg = None,
+        use_tqdm: UseTqdm = True,
+        lora_request: Any = None,
+        priority: Optional[list[int]] = None,
+        tokenization_kwargs: Optional[dict[str, Any]] = None,
+        truncate_prompt_tokens: Optional[int] = None,
+    ) -> list[ClassificationRequestOutput]:
+        """The class probabilities of each prompt from the model's classification head (softmax
+        over the labels; sigmoid for one label or a multi-label model, raw for regression, as
+        its config says; `PoolingParams(use_activation=False)`: the logits)."""
+        check_no_lora(lora_request)
+        kwargs = _with_truncation(tokenization_kwargs, truncate_prompt_tokens)
+        return [
+            ClassificationRequestOutput.from_base(o)
+            for o in self._pool(prompts, pooling_params, use_tqdm, priority, kwargs, "classify")
+        ]
 
     def score(
         self,
@@ -273,13 +293,16 @@ class LLM:
         chat_template: Optional[str] = None,
     ) -> list[ScoringRequestOutput]:
         """Similarity of each pair (data_1[i], data_2[i]); one data_1 is paired with every data_2.
-        An embedding model scores by the cosine of the two embeddings (vLLM's bi-encoder scoring);
-        shmvllm serves no cross-encoders."""
+        A cross-encoder (a classification model with one label) runs each pair through its head,
+        tokenized as a pair the way its tokenizer does (token types included), with the
+        activation its sentence-transformers config names (sigmoid by default), as
+        `CrossEncoder.predict`; an embedding model scores by the cosine of the two embeddings
+        (vLLM's bi-encoder scoring)."""
         check_no_lora(lora_request)
         if not self.model_config.is_embedding:
             raise ValueError("LLM.score() is only supported for pooling models; this one generates.")
         if chat_template is not None:
-            raise ValueError("chat_template is only supported for cross-encoder models.")
+            raise ValueError("chat_template is not supported: shmvllm's cross-encoders take the pair as the tokenizer joins it.")
         first = as_prompt_list(data_1)
         second = as_prompt_list(data_2)
         if len(first) == 1:
@@ -287,6 +310,10 @@ class LLM:
         if len(first) != len(second):
             raise ValueError(f"data_1 has {len(first)} inputs and data_2 {len(second)}: give one, or as many as data_2.")
         kwargs = _with_truncation(tokenization_kwargs, truncate_prompt_tokens)
+        if "score" in self.supported_tasks:
+            return [ScoringRequestOutput.from_base(o) for o in self._score_pairs(first, second, pooling_params, use_tqdm, kwargs)]
+        if "embed" not in self.supported_tasks:
+            raise ValueError(f"Score API is not supported by model {self.model_config.model!r}: it does {list(self.supported_tasks)}.")
         encoded = self._pool(first + second, pooling_params, use_tqdm, None, kwargs, "embed")
         scores = []
         for a, b in zip(encoded[: len(first)], encoded[len(first) :]):
@@ -302,6 +329,19 @@ class LLM:
             scores.append(ScoringRequestOutput.from_base(base))
         return scores
 
+    def _pooling_task(self, task: Optional[str]) -> str:
+        """The task a pooling call asks for, checked against the model's (None: its first)."""
+        engine_task = "embed" if task == "encode" else task
+        if engine_task is None:
+            return self.supported_tasks[0]
+        if engine_task not in self.supported_tasks:
+            names = {"embed": "Embedding", "classify": "Classification", "score": "Score", "token_embed": "Token embedding"}
+            raise ValueError(
+                f"{names.get(engine_task, repr(engine_task))} API (pooling_task={task!r}) is not supported by model "
+                f"{self.model_config.model!r}: it does {list(self.supported_tasks)}."
+            )
+        return engine_task
+
     def _pool(
         self,
         prompts: Prompts,
@@ -310,8 +350,9 @@ class LLM:
         priority: Optional[list[int]],
         tokenization_kwargs: Optional[dict[str, Any]] = None,
         task: Optional[str] = None,
+        prompt_name: Optional[str] = None,
     ) -> list[PoolingRequestOutput]:
-        """Validates everything, then tokenizes chunk by chunk while the engine embeds what was
+        """Validates everything, then tokenizes chunk by chunk while the engine pools what was
         sent before; returns the outputs in prompt order."""
         engine = self.llm_engine
         prompt_list = as_prompt_list(prompts)
@@ -319,30 +360,140 @@ class LLM:
             raise ValueError("prompts is empty.")
         params_list = _pooling_params_per_prompt(pooling_params, len(prompt_list))
         engine.check_task(params_list[0])
-        for params in {id(p): p for p in params_list}.values():
-            engine.input_processor.verify_pooling_params(params)
-            if task is not None and params.task is not None and params.task != task:
-                raise ValueError(f"pooling_params.task={params.task!r} contradicts the pooling task {task!r}.")
+        engine_task = self._pooling_task(task)
+        params_list = self._with_task(params_list, engine_task, task)
         tokenization_kwargs = _pooling_truncation(tokenization_kwargs, params_list)
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts.")
+        prompt_list = self._with_st_prompt(prompt_list, prompt_name, engine_task)
         for prompt in prompt_list:
             self._check_pooling_prompt(prompt, tokenization_kwargs)
-        request_ids = [str(next(self.request_counter)) for _ in prompt_list]
+
+        def tokenize(start: int, chunk: list[PromptType]) -> list[tuple[Optional[str], list[int], PoolingParams]]:
+            pairs = engine.input_processor.tokenize_for_pooling(chunk, tokenization_kwargs)
+            return [(text, ids, params_list[start + i]) for i, (text, ids) in enumerate(pairs)]
+
+        return self._send_pooling(prompt_list, tokenize, use_tqdm, priority)
+
+    def _with_task(self, params_list: list[PoolingParams], engine_task: str, asked: Optional[str]) -> list[PoolingParams]:
+        """Each distinct params object checked and given the call's task."""
+        engine = self.llm_engine
+        tasked: dict[int, PoolingParams] = {}
+        for params in params_list:
+            if id(params) in tasked:
+                continue
+            if params.task is not None and asked is not None and params.task != asked and params.task != engine_task:
+                raise ValueError(f"pooling_params.task={params.task!r} contradicts the pooling task {asked!r}.")
+            if params.task is not None and asked is None:
+                engine_task = self._pooling_task(params.task)
+            if params.dimensions is not None and engine_task != "embed":
+                raise ValueError(f"pooling_params.dimensions is for task 'embed', not {engine_task!r}.")
+            if params.use_activation is not None and engine_task not in ("classify", "score"):
+                raise ValueError(f"pooling_params.use_activation is for tasks 'classify' and 'score', not {engine_task!r}.")
+            if params.extra_kwargs:
+                raise ValueError("pooling_params.extra_kwargs is set by LLM.score for cross-encoder pairs, not by callers.")
+            engine.input_processor.verify_pooling_params(params)
+            tasked[id(params)] = msgspec.structs.replace(params, task=engine_task)
+        return [tasked[id(p)] for p in params_list]
+
+    def _with_st_prompt(self, prompts: list[PromptType], prompt_name: Optional[str], task: str) -> list[PromptType]:
+        """The text prompts with the model's sentence-transformers prompt before them: the one
+        named, else the default one (token-id prompts stay as they are, as they are tokenized)."""
+        st = self._st_config()
+        if prompt_name is not None:
+            if task not in ("embed", "token_embed"):
+                raise ValueError(f"prompt_name is for embedding tasks, not {task!r}.")
+            if prompt_name not in st.prompts:
+                raise ValueError(f"prompt_name={prompt_name!r} is not one of the model's prompts {sorted(st.prompts)}.")
+        elif task in ("embed", "token_embed"):
+            prompt_name = st.default_prompt_name
+        prefix = st.prompts.get(prompt_name, "") if prompt_name is not None else ""
+        if not prefix:
+            return prompts
+        out: list[PromptType] = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                prompt = prefix + prompt
+            elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str) and "prompt_token_ids" not in prompt:
+                prompt = {**prompt, "prompt": prefix + prompt["prompt"]}
+            out.append(prompt)
+        return out
+
+    def _st_config(self) -> Any:
+        if self._st is None:
+            from shmvllm.model.st_config import read_st_config
+
+            self._st = read_st_config(self.model_config.model_dir, modules=False)
+        return self._st
+
+    def _score_pairs(
+        self,
+        first: list[PromptType],
+        second: list[PromptType],
+        pooling_params: Optional[PoolingParams],
+        use_tqdm: UseTqdm,
+        tokenization_kwargs: Optional[dict[str, Any]],
+    ) -> list[PoolingRequestOutput]:
+        """Each (first[i], second[i]) text pair through the cross-encoder's head."""
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            raise TypeError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}.")
+        (params,) = self._with_task([pooling_params or PoolingParams()], "score", "score")
+        truncate, add_special_tokens = parse_tokenization_kwargs(_pooling_truncation(tokenization_kwargs, [params]))
+        if truncate is not None:
+            raise ValueError("truncate_prompt_tokens is not supported for cross-encoder pairs: they are truncated to max_model_len as the tokenizer does.")
+        texts = []
+        for name, items in (("data_1", first), ("data_2", second)):
+            for item in items:
+                text = item.get("prompt") if isinstance(item, dict) and "prompt_token_ids" not in item else item
+                if not isinstance(text, str):
+                    raise TypeError(f"{name} must hold text (str or {{'prompt': str}}) for a cross-encoder, got {type(item).__name__}.")
+                if isinstance(item, dict):
+                    check_prompt_keys(item)
+            texts.append([t.get("prompt") if isinstance(t, dict) else t for t in items])
+        pairs = list(zip(*texts))
+        tokenizer = self.get_tokenizer()
+        uses_token_types = getattr(self.model_config.hf_config, "type_vocab_size", 1) > 1
+
+        def tokenize(start: int, chunk: list[tuple[str, str]]) -> list[tuple[Optional[str], list[int], PoolingParams]]:
+            encoded = tokenizer(
+                [q for q, _ in chunk], [d for _, d in chunk], truncation=True,
+                max_length=self.model_config.max_model_len, add_special_tokens=add_special_tokens,
+            )
+            types = encoded.get("token_type_ids") if uses_token_types else None
+            out = []
+            for i, ids in enumerate(encoded["input_ids"]):
+                pair_params = params
+                if types is not None and 1 in types[i]:
+                    pair_params = msgspec.structs.replace(params, extra_kwargs={"compressed_token_type_ids": types[i].index(1)})
+                out.append((None, ids, pair_params))
+            return out
+
+        return self._send_pooling(pairs, tokenize, use_tqdm, None)
+
+    def _send_pooling(
+        self,
+        items: list[Any],
+        tokenize: Callable[[int, list[Any]], list[tuple[Optional[str], list[int], PoolingParams]]],
+        use_tqdm: UseTqdm,
+        priority: Optional[list[int]],
+    ) -> list[PoolingRequestOutput]:
+        """Tokenizes `items` chunk by chunk (`tokenize(start, chunk)` -> (text, ids, params) each)
+        and queues them while the engine works on what came before; the outputs in order."""
+        engine = self.llm_engine
+        request_ids = [str(next(self.request_counter)) for _ in items]
         router, sink = self._router, Sink()
-        tracker = _PoolingTracker(router, sink, len(prompt_list), use_tqdm, self.request_timeout_s)
+        tracker = _PoolingTracker(router, sink, len(items), use_tqdm, self.request_timeout_s)
         max_in_flight = POOLING_MAX_IN_FLIGHT_STEPS * engine.config.scheduler_config.max_num_seqs
         sent = 0
         try:
-            for start in range(0, len(prompt_list), POOLING_TOKENIZE_CHUNK):
-                chunk = prompt_list[start : start + POOLING_TOKENIZE_CHUNK]
-                for text, ids in engine.input_processor.tokenize_for_pooling(chunk, tokenization_kwargs):
+            for start in range(0, len(items), POOLING_TOKENIZE_CHUNK):
+                for text, ids, params in tokenize(start, items[start : start + POOLING_TOKENIZE_CHUNK]):
                     while tracker.in_flight >= max_in_flight:
                         tracker.collect()
                     router.register(sink, request_ids[sent])
                     router.locked(
                         engine.add_tokenized_pooling_request,
-                        request_ids[sent], text, ids, params_list[sent], priority[sent] if priority else 0,
+                        request_ids[sent], text, ids, params, priority[sent] if priority else 0,
                     )
                     tracker.in_flight += 1
                     sent += 1

@@ -1,24 +1,28 @@
-"""Native BERT encoder over packed sequences (no padding anywhere).
+"""Native BERT / RoBERTa / XLM-RoBERTa encoder over packed sequences (no padding anywhere).
 
 The batch is one flat run of tokens, all sequences concatenated, described by `cu_seqlens`
 (cumulative lengths, `[0, len0, len0+len1, ...]`). Every matmul of the model therefore works on
 real tokens only; attention alone is per sequence (bidirectional, no mask needed inside one).
 
-Weights come from a Hugging Face `BertModel` directory (config.json + safetensors), with or
-without the `bert.` prefix that `BertFor*` checkpoints carry; the pooler and heads are ignored.
+Weights come from a Hugging Face `BertModel` / `RobertaModel` / `XLMRobertaModel` directory
+(config.json + safetensors), with or without the `bert.` / `roberta.` prefix that `*For*`
+checkpoints carry; a classification head's tensors are taken out before (model/classifier.py),
+the pooler and LM heads are ignored. RoBERTa and XLM-RoBERTa are BERT with position ids counted
+from padding_idx + 1 and (usually) one token type.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 
-_IGNORED_PREFIXES = ("pooler.", "cls.")
+_IGNORED_PREFIXES = ("pooler.", "cls.", "lm_head.")
+_MODEL_PREFIXES = ("bert.", "roberta.")
+# RoBERTa's position ids start after padding_idx (its own pad token's position).
+_OFFSET_POSITION_TYPES = ("roberta", "xlm-roberta")
 _IGNORED_SUFFIXES = ("position_ids",)
 
 
@@ -31,12 +35,13 @@ class BertEmbeddings(nn.Module):
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.position_offset = config.pad_token_id + 1 if config.model_type in _OFFSET_POSITION_TYPES else 0
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: Optional[torch.Tensor]
     ) -> torch.Tensor:
         x = self.word_embeddings(input_ids)
-        x += self.position_embeddings(positions)
+        x += self.position_embeddings(positions + self.position_offset if self.position_offset else positions)
         if token_type_ids is None:  # all zeros: one broadcast row instead of a gather
             x += self.token_type_embeddings.weight[0]
         else:
@@ -185,7 +190,8 @@ class BertModel(nn.Module):
         return x
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Loads HF BertModel tensors (names with or without `bert.`) and fuses Q, K and V."""
+        """Loads HF BertModel / RobertaModel tensors (names with or without `bert.` / `roberta.`)
+        and fuses Q, K and V."""
         weights = _strip_hf_names(state_dict)
         own: dict[str, torch.Tensor] = {}
         for name in list(weights):
@@ -205,7 +211,8 @@ class BertModel(nn.Module):
 def _strip_hf_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {}
     for name, tensor in state_dict.items():
-        name = name.removeprefix("bert.")
+        for prefix in _MODEL_PREFIXES:
+            name = name.removeprefix(prefix)
         if name.startswith(_IGNORED_PREFIXES) or name.endswith(_IGNORED_SUFFIXES):
             continue
         out[name] = tensor
@@ -228,20 +235,3 @@ def _layer_weights(weights: dict[str, torch.Tensor], hf: str, own: str) -> dict[
         for hf_name, own_name in renames.items():
             out[f"{own}{own_name}.{kind}"] = weights.pop(f"{hf}{hf_name}.{kind}")
     return out
-
-
-def load_bert_model(model_dir: Path, hf_config: Any, dtype: torch.dtype, device: torch.device) -> BertModel:
-    """Builds the encoder from `model_dir`'s safetensors files, in eval mode, on `device`."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model directory {str(model_dir)!r} has no .safetensors weights.")
-    state_dict: dict[str, torch.Tensor] = {}
-    for file in files:
-        state_dict.update(load_file(file))
-    from shmvllm.model.loader import built_on_meta
-
-    with built_on_meta():
-        model = BertModel(hf_config)
-    model = model.to_empty(device="cpu")
-    model.load_weights(state_dict)
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)

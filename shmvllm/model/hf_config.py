@@ -36,6 +36,11 @@ class HFConfig:
     def to_dict(self) -> dict[str, Any]:
         return {k: v.to_dict() if isinstance(v, HFConfig) else v for k, v in self.__dict__.items()}
 
+    @property
+    def num_labels(self) -> int:
+        """transformers' property: the number of labels of a classification head."""
+        return len(self.__dict__.get("id2label") or {}) or 2
+
     def get_text_config(self, *args: Any, **kwargs: Any) -> "HFConfig":
         text = self.__dict__.get("text_config")
         return text if isinstance(text, HFConfig) else self

@@ -1,22 +1,23 @@
 """Pooling: packed hidden states -> one vector per sequence (mean / CLS / last token), then the
-per-request post-processing of PoolingParams (Matryoshka truncation, L2 normalization).
+sentence-transformers Dense layers, then the per-request post-processing of PoolingParams
+(Matryoshka truncation, L2 normalization).
 
-How a model pools, and whether it normalizes by default, is read from a sentence-transformers
-directory (modules.json -> the Pooling module's config.json, a Normalize module); models without
-one get the usual defaults: CLS for encoders, last token for decoders, normalized.
+How a model pools, its Dense layers and whether it normalizes by default are read from its
+sentence-transformers files (model/st_config.py); models without them get the usual defaults:
+CLS for encoders, last token for decoders, normalized.
 """
 
 from __future__ import annotations
 
 import enum
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from shmvllm.model.st_config import DenseLayer, read_st_config
 from shmvllm.pooling_params import PoolingParams
 
 
@@ -26,48 +27,33 @@ class PoolingType(enum.Enum):
     LAST = "last"
 
 
-# sentence-transformers' Pooling config flags -> our pooling types.
-_ST_POOLING_MODES = {
-    "pooling_mode_mean_tokens": PoolingType.MEAN,
-    "pooling_mode_cls_token": PoolingType.CLS,
-    "pooling_mode_lasttoken": PoolingType.LAST,
-}
-_ST_UNSUPPORTED_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
-
-
 @dataclass(frozen=True)
 class PoolerConfig:
     pooling_type: PoolingType
     normalize: bool  # the default when a request's PoolingParams.normalize is None
+    dense: tuple[DenseLayer, ...] = field(default=(), compare=False)  # applied after pooling, in order
+
+    def project(self, pooled: torch.Tensor) -> torch.Tensor:
+        for layer in self.dense:
+            pooled = layer(pooled)
+        return pooled
+
+    def output_size(self, hidden_size: int) -> int:
+        return self.dense[-1].out_features if self.dense else hidden_size
 
 
 def load_pooler_config(model_dir: Path, hf_config: Any) -> PoolerConfig:
     """The pooling of a sentence-transformers directory, or the default for the architecture."""
-    modules_file = Path(model_dir) / "modules.json"
-    if not modules_file.exists():
+    st = read_st_config(Path(model_dir))
+    if st.pooling_mode is None:
+        if st.has_modules and not _is_classifier(hf_config):
+            raise ValueError(f"{Path(model_dir) / 'modules.json'} lists no Pooling module.")
         return _default_pooler_config(hf_config)
-    modules = json.loads(modules_file.read_text())
-    pooling = [m for m in modules if m.get("type", "").endswith(".Pooling")]
-    if len(pooling) != 1:
-        raise ValueError(f"{modules_file} must list exactly one Pooling module, found {len(pooling)}.")
-    pooling_type = _st_pooling_type(Path(model_dir) / pooling[0].get("path", "") / "config.json")
-    normalize = any(m.get("type", "").endswith(".Normalize") for m in modules)
-    return PoolerConfig(pooling_type=pooling_type, normalize=normalize)
+    return PoolerConfig(pooling_type=PoolingType(st.pooling_mode), normalize=st.normalize, dense=tuple(st.dense))
 
 
-def _st_pooling_type(config_file: Path) -> PoolingType:
-    config = json.loads(config_file.read_text())
-    mode = config.get("pooling_mode")  # newer sentence-transformers write the mode by name
-    if isinstance(mode, str):
-        try:
-            return PoolingType("last" if mode == "lasttoken" else mode)
-        except ValueError:
-            raise ValueError(f"pooling_mode {mode!r} in {config_file} is not supported.") from None
-    unsupported = [flag for flag in _ST_UNSUPPORTED_MODES if config.get(flag)]
-    chosen = [kind for flag, kind in _ST_POOLING_MODES.items() if config.get(flag)]
-    if unsupported or len(chosen) != 1:
-        raise ValueError(f"{config_file}: exactly one of mean / cls / lasttoken pooling is supported, got {config}.")
-    return chosen[0]
+def _is_classifier(hf_config: Any) -> bool:
+    return any(a.endswith("ForSequenceClassification") for a in getattr(hf_config, "architectures", None) or [])
 
 
 def _default_pooler_config(hf_config: Any) -> PoolerConfig:

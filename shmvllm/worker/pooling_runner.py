@@ -1,17 +1,20 @@
-"""PoolingModelRunner: runs an embedding model on one scheduler step and returns pooled vectors.
+"""PoolingModelRunner: runs a pooling model on one scheduler step and returns each request's
+output: its embedding (task embed), its tokens' hidden states (token_embed), or its class
+probabilities / score from the model's classification head (classify, score).
 
 Unlike the generation runner it keeps no state between steps (no KV cache, no persistent
 batch): every request arrives whole in `scheduled_new_reqs`, its tokens are packed with the
 others' (no padding), run once through the model, pooled, and forgotten.
 
-Models: BERT (the native packed encoder) and the Llama family (Llama, Mistral, Qwen2; causal
+Models: the encoders of model/encoders.py (BERT, RoBERTa, XLM-RoBERTa, ModernBERT; packed, with
+an optional classification head) and the Llama family (Llama, Mistral, Qwen2; causal
 attention over each sequence's own fresh keys and values, no KV cache, usually last-token
 pooling as e5-mistral-style embedders use).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -19,12 +22,11 @@ import torch
 from shmvllm.config import ModelConfig
 from shmvllm.core.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from shmvllm.model.attention import AttentionMetadata, PrefillSeq
-from shmvllm.model.bert import load_bert_model
+from shmvllm.model.encoders import ENCODER_MODEL_TYPES, is_classifier, load_encoder, max_positions, pooling_tasks
 from shmvllm.model.loader import MODEL_REGISTRY, get_model
 from shmvllm.model.pooler import PoolerConfig, finalize, load_pooler_config, pool
+from shmvllm.model.st_config import apply_activation, hf_classifier_activation, read_st_config
 from shmvllm.pooling_params import PoolingParams
-
-_ENCODER_MODEL_TYPES = ("bert",)
 
 
 class PoolingModelRunner:
@@ -32,27 +34,43 @@ class PoolingModelRunner:
         hf_config = model_config.hf_config
         architectures = getattr(hf_config, "architectures", None) or []
         self.is_decoder = any(a in MODEL_REGISTRY for a in architectures)
-        if hf_config.model_type not in _ENCODER_MODEL_TYPES and not self.is_decoder:
+        if hf_config.model_type not in ENCODER_MODEL_TYPES and not self.is_decoder:
             raise ValueError(
                 f"model_type {hf_config.model_type!r} (architectures {architectures}) is not supported for "
-                f"embedding; supported: {_ENCODER_MODEL_TYPES} and the architectures {sorted(MODEL_REGISTRY)}."
+                f"embedding; supported: {ENCODER_MODEL_TYPES} and the architectures {sorted(MODEL_REGISTRY)}."
             )
+        if self.is_decoder and is_classifier(hf_config):
+            raise ValueError(f"architectures {architectures}: sequence classification is supported for {ENCODER_MODEL_TYPES} only.")
         self.model_config = model_config
         self.device = torch.device(device if device is not None else model_config.device)
         self.dtype = getattr(torch, model_config.dtype)
         self.pooler_config: PoolerConfig = load_pooler_config(model_config.model_dir, model_config.hf_config)
-        self.max_model_len = min(model_config.max_model_len, model_config.hf_config.max_position_embeddings)
+        self.tasks = pooling_tasks(hf_config)
+        self.uses_token_types = not self.is_decoder and getattr(hf_config, "type_vocab_size", 1) > 1
+        if is_classifier(hf_config):
+            self.classify_activation = _classify_activation(hf_config)
+            st_activation = read_st_config(model_config.model_dir, modules=False).activation or hf_classifier_activation(hf_config)
+            self.score_activation = st_activation or self.classify_activation
+        limit = hf_config.max_position_embeddings if self.is_decoder else max_positions(hf_config)
+        self.max_model_len = min(model_config.max_model_len, limit)
         self.model: Optional[torch.nn.Module] = None
+        self.head: Optional[torch.nn.Module] = None
 
     @property
     def hidden_size(self) -> int:
         return self.model_config.hf_config.hidden_size
 
+    @property
+    def embedding_size(self) -> int:
+        return self.pooler_config.output_size(self.hidden_size)
+
     def load_model(self) -> None:
         if self.is_decoder:
             self.model = get_model(self.model_config)
         else:
-            self.model = load_bert_model(self.model_config.model_dir, self.model_config.hf_config, self.dtype, self.device)
+            self.model, self.head = load_encoder(
+                self.model_config.model_dir, self.model_config.hf_config, self.dtype, self.device
+            )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Embeds every request of the step; each must be a whole prompt scheduled at once."""
@@ -98,30 +116,104 @@ class PoolingModelRunner:
                 f"num_scheduled_tokens {scheduled} and num_computed_tokens {req.num_computed_tokens} "
                 f"for {len(prompt)} prompt tokens."
             )
-        if req.pooling_params.dimensions is not None:
-            req.pooling_params.verify(self.hidden_size)
+        params = req.pooling_params
+        task = self._task(params)
+        if task not in self.tasks:
+            raise ValueError(f"request {req.req_id!r}: task {task!r} is not supported by this model; it does {list(self.tasks)}.")
+        types_from = (params.extra_kwargs or {}).get("compressed_token_type_ids")
+        if types_from is not None and not (self.uses_token_types and types_from <= len(prompt)):
+            raise ValueError(
+                f"request {req.req_id!r}: extra_kwargs compressed_token_type_ids={types_from} "
+                + ("exceeds the prompt's length." if self.uses_token_types else "but this model has no token types.")
+            )
+        if params.dimensions is not None:
+            params.verify(self.embedding_size)
 
-    def _embed(self, prompts: list[list[int]], params: list[Optional[PoolingParams]]) -> list[np.ndarray]:
+    def _task(self, params: PoolingParams) -> str:
+        task = params.task or self.tasks[0]
+        return "embed" if task == "encode" else task
+
+    def _embed(self, prompts: list[list[int]], params: list[PoolingParams]) -> list[np.ndarray]:
         lengths = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=len(prompts))
         cu_seqlens = np.zeros(len(prompts) + 1, dtype=np.int64)
         np.cumsum(lengths, out=cu_seqlens[1:])
         num_tokens = int(cu_seqlens[-1])
         input_ids = np.fromiter((t for p in prompts for t in p), dtype=np.int64, count=num_tokens)
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu_seqlens[:-1], lengths)
+        token_types = self._token_types(params, cu_seqlens, num_tokens)
         hidden = self._forward(
-            torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device), cu_seqlens.tolist()
+            torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device), cu_seqlens.tolist(),
+            None if token_types is None else torch.from_numpy(token_types).to(self.device),
         )
-        pooled = pool(hidden, torch.from_numpy(cu_seqlens).to(self.device), self.pooler_config.pooling_type)
-        rows = finalize(pooled.float(), params, self.pooler_config.normalize)
-        return [row.cpu().numpy() for row in rows]
+        cu = torch.from_numpy(cu_seqlens).to(self.device)
+        tasks = [self._task(p) for p in params]
+        out: list[Optional[np.ndarray]] = [None] * len(prompts)
+        for task in set(tasks):
+            rows = [i for i, t in enumerate(tasks) if t == task]
+            for i, vec in zip(rows, self._task_outputs(task, hidden, cu, rows, [params[i] for i in rows])):
+                out[i] = vec.float().cpu().numpy()
+        return out  # type: ignore[return-value]
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+    def _task_outputs(
+        self, task: str, hidden: torch.Tensor, cu: torch.Tensor, rows: list[int], params: list[PoolingParams]
+    ) -> list[torch.Tensor]:
+        """The outputs of the sequences `rows` (indices into the packed batch) for one task."""
+        every = len(rows) == len(cu) - 1
+        index = None if every else torch.tensor(rows, device=hidden.device)
+        if task == "embed":
+            pooled = pool(hidden, cu, self.pooler_config.pooling_type)
+            if index is not None:
+                pooled = pooled.index_select(0, index)
+            return finalize(self.pooler_config.project(pooled).float(), params, self.pooler_config.normalize)
+        if task == "token_embed":
+            starts, ends = cu[:-1].tolist(), cu[1:].tolist()
+            out = []
+            for i, p in zip(rows, params):
+                tokens = hidden[starts[i] : ends[i]].float()
+                normalize = self.pooler_config.normalize if p.normalize is None else p.normalize
+                out.append(torch.nn.functional.normalize(tokens, dim=-1) if normalize else tokens)
+            return out
+        assert self.head is not None
+        logits = self.head(hidden, cu).float()
+        if index is not None:
+            logits = logits.index_select(0, index)
+        activation = self.score_activation if task == "score" else self.classify_activation
+        return [apply_activation(activation, row) if p.use_activation is not False else row for row, p in zip(logits.unbind(0), params)]
+
+    def _token_types(
+        self, params: list[PoolingParams], cu_seqlens: np.ndarray, num_tokens: int
+    ) -> Optional[np.ndarray]:
+        """Packed token type ids: 1 from each pair's second segment on (None: all zeros)."""
+        firsts = [(p.extra_kwargs or {}).get("compressed_token_type_ids") for p in params]
+        if all(f is None for f in firsts):
+            return None
+        types = np.zeros(num_tokens, dtype=np.int64)
+        for start, end, first in zip(cu_seqlens[:-1], cu_seqlens[1:], firsts):
+            if first is not None:
+                types[start + first : end] = 1
+        return types
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: list[int], token_types: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """Packed hidden states [num_tokens, H]; a decoder attends causally within each sequence."""
         assert self.model is not None
         if not self.is_decoder:
-            return self.model(input_ids, positions, cu_seqlens)
+            return self.model(input_ids, positions, cu_seqlens, token_types)
         # No slot_mapping: the attention layers neither need nor touch a KV cache.
         meta = AttentionMetadata(
             slot_mapping=None, prefills=[PrefillSeq(s, e, None, None) for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])]
         )
         return self.model(input_ids, positions, meta)
+
+
+def _classify_activation(hf_config: Any) -> str:
+    """transformers' loss convention: regression raw, multi-label sigmoid, one label sigmoid,
+    otherwise softmax over the labels (as vLLM's classify)."""
+    problem = getattr(hf_config, "problem_type", None)
+    if problem == "regression":
+        return "Identity"
+    if problem == "multi_label_classification" or hf_config.num_labels == 1:
+        return "Sigmoid"
+    return "Softmax"
+

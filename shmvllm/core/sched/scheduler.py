@@ -318,7 +318,8 @@ class Scheduler:
             pooled = runner_output.pooler_output.get(req_id)
             if pooled is not None:
                 # one copy, read-only: the runner's batch buffer is not the caller's to keep
-                pooling_output = np.frombuffer(np.ascontiguousarray(pooled, dtype="<f4").tobytes(), "<f4")
+                pooled = np.ascontiguousarray(pooled, dtype="<f4")  # a token_embed output keeps its [tokens, H] shape
+                pooling_output = np.frombuffer(pooled.tobytes(), "<f4").reshape(pooled.shape)
                 request.status = RequestStatus.FINISHED_STOPPED
         else:
             so_request = request.structured_output_request

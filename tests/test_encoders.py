@@ -1,0 +1,210 @@
+"""Encoder families (BERT, XLM-RoBERTa, ModernBERT), their classification heads and the
+sentence-transformers configuration, through `LLM` against sentence-transformers / transformers.
+
+Every model is a seeded tiny random one built with transformers (and saved with its
+sentence-transformers modules where those apply)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from shmvllm import LLM, PoolingParams
+
+# Mixed lengths (1 to ~60 tokens, an empty text, equal lengths side by side).
+TEXTS = [
+    "", "cat", "the river", "The cat and the river.", "quantum engine memory ring shared token",
+    "the of cat river quantum engine memory ring shared token throughput latency paris " * 4,
+    "Hello world, the cat.", "paris", "memory ring", "token throughput",
+]
+QUERIES = ["what is a cat", "river", "where is paris", "the engine"]
+DOCS = ["a cat is an animal of the river", "paris is a city", "memory ring shared token", ""]
+
+
+def _xlmr_tokenizer(target, minilm_dir):
+    """A small sentencepiece-style (Unigram) XLM-R tokenizer: <s> A </s></s> B </s> pairs."""
+    from transformers import XLMRobertaTokenizer
+
+    vocab = json.loads((minilm_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    words = [w for w in vocab if w.isalpha() and w.isascii()][:3000]
+    pieces = [("<s>", 0.0), ("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    pieces += [("\u2581" + w, -0.1 * len(w)) for w in words] + [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz.,?!"]
+    XLMRobertaTokenizer(vocab=pieces + [("<mask>", 0.0)]).save_pretrained(target)
+    return len(pieces) + 1
+
+
+def _config(model_type: str, vocab_size: int, **extra):
+    from transformers import BertConfig, XLMRobertaConfig
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    if model_type == "xlm-roberta":
+        return XLMRobertaConfig(max_position_embeddings=130, pad_token_id=1, bos_token_id=0, eos_token_id=2, **common, **extra)
+    return BertConfig(max_position_embeddings=128, **common, **extra)
+
+
+def _save_hf(tmp_path_factory, minilm_dir, model_type: str, head: str = "", **extra):
+    """A tiny random encoder (with a classification head when `head`) and its tokenizer."""
+    from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+
+    target = tmp_path_factory.mktemp(f"{model_type}{head}")
+    if model_type == "xlm-roberta":
+        vocab_size = _xlmr_tokenizer(target, minilm_dir)
+    else:
+        AutoTokenizer.from_pretrained(minilm_dir).save_pretrained(target)
+        vocab_size = 30522
+    torch.manual_seed(0)
+    config = _config(model_type, vocab_size, **extra)
+    model_class = AutoModelForSequenceClassification if head else AutoModel
+    model = model_class.from_config(config).eval()
+    with torch.no_grad():  # wider weights than the init, so that heads' outputs spread
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.mul_(10.0 if "classifier" in name or "pooler" in name else 3.0)
+            elif "classifier" in name and name.endswith("bias"):
+                p.zero_()
+    model.save_pretrained(target)
+    return target
+
+
+def _save_st(source, target, pooling: str, dense: int = 0, normalize: bool = True, **kwargs):
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules as models
+
+    modules = [models.Transformer(str(source))]
+    modules.append(models.Pooling(64, pooling_mode=pooling))
+    if dense:
+        torch.manual_seed(1)
+        modules.append(models.Dense(64, dense, activation_function=torch.nn.Tanh()))
+    if normalize:
+        modules.append(models.Normalize())
+    SentenceTransformer(modules=modules, device="cpu", **kwargs).save(str(target))
+    return target
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def _embed(model_dir, texts, **kwargs) -> np.ndarray:
+    with LLM(model=str(model_dir), multiprocess=False) as llm:
+        return np.stack([o.outputs.numpy() for o in llm.embed(texts, use_tqdm=False, **kwargs)])
+
+
+@pytest.fixture(scope="module")
+def xlmr_embedder(tmp_path_factory, minilm_dir):
+    source = _save_hf(tmp_path_factory, minilm_dir, "xlm-roberta")
+    return _save_st(source, tmp_path_factory.mktemp("xlmr-st"), "mean")
+
+
+@pytest.fixture(scope="module")
+def bert_st_dense(tmp_path_factory, tiny_bert_dir):
+    """BERT with CLS pooling, a Dense 64 -> 32 (tanh), Normalize, and prompts with a default."""
+    return _save_st(
+        tiny_bert_dir, tmp_path_factory.mktemp("bert-dense"), "cls", dense=32,
+        prompts={"query": "query: ", "doc": "passage: "}, default_prompt_name="query",
+    )
+
+
+def test_xlm_roberta_embeddings_match_sentence_transformers(xlmr_embedder):
+    from sentence_transformers import SentenceTransformer
+
+    expected = SentenceTransformer(str(xlmr_embedder), device="cpu").encode(TEXTS, batch_size=4)
+    got = _embed(xlmr_embedder, TEXTS)
+    assert got.shape == expected.shape
+    assert _cosines(got, expected).min() >= 0.99999
+
+
+def test_dense_layers_prompts_and_dimensions_as_sentence_transformers(bert_st_dense):
+    from sentence_transformers import SentenceTransformer
+
+    reference = SentenceTransformer(str(bert_st_dense), device="cpu")
+    with LLM(model=str(bert_st_dense), multiprocess=False) as llm:
+        outputs = llm.embed(TEXTS, use_tqdm=False)
+        default = np.stack([o.outputs.numpy() for o in outputs])
+        assert outputs[1].prompt_token_ids == llm.get_tokenizer()("query: cat")["input_ids"]
+        assert default.shape == (len(TEXTS), 32)
+        assert _cosines(default, reference.encode(TEXTS)).min() >= 0.99999  # the default prompt, "query: "
+        doc = np.stack([o.outputs.numpy() for o in llm.embed(TEXTS, use_tqdm=False, prompt_name="doc")])
+        assert _cosines(doc, reference.encode(TEXTS, prompt_name="doc")).min() >= 0.99999
+        small = llm.embed(TEXTS, PoolingParams(dimensions=8), use_tqdm=False)
+        truncated = SentenceTransformer(str(bert_st_dense), device="cpu", truncate_dim=8).encode(TEXTS, normalize_embeddings=True)
+        got = np.stack([o.outputs.numpy() for o in small])
+        assert got.shape == (len(TEXTS), 8)
+        assert _cosines(got, truncated).min() >= 0.99999
+        np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+        raw = llm.embed(TEXTS[:3], PoolingParams(normalize=False), use_tqdm=False)
+        assert not np.allclose(np.linalg.norm(np.stack([o.outputs.numpy() for o in raw]), axis=1), 1.0)
+        with pytest.raises(ValueError, match="dimensions"):
+            llm.embed("x", PoolingParams(dimensions=33))  # beyond the Dense output, before anything is queued
+        with pytest.raises(ValueError, match="prompt_name='passage'"):
+            llm.embed("x", prompt_name="passage")
+        with pytest.raises(ValueError, match="Classification"):
+            llm.classify("x")
+        tokens = llm.encode(TEXTS[3], pooling_task="token_embed", use_tqdm=False)[0].outputs.data
+        expected = reference.encode(TEXTS[3], output_value="token_embeddings", prompt_name="query")
+        assert tokens.shape == expected.shape
+        assert torch.nn.functional.cosine_similarity(tokens, torch.as_tensor(expected)).min() >= 0.99999
+
+
+@pytest.fixture(scope="module")
+def bert_reranker(tmp_path_factory, minilm_dir):
+    """A BertForSequenceClassification with one label, as transformers saves it (no modules.json)."""
+    return _save_hf(tmp_path_factory, minilm_dir, "bert", head="-rerank", num_labels=1)
+
+
+@pytest.fixture(scope="module")
+def xlmr_reranker(tmp_path_factory, minilm_dir):
+    """An XLM-RoBERTa cross-encoder saved by sentence-transformers' CrossEncoder."""
+    from sentence_transformers import CrossEncoder
+
+    source = _save_hf(tmp_path_factory, minilm_dir, "xlm-roberta", head="-rerank", num_labels=1)
+    target = tmp_path_factory.mktemp("xlmr-ce")
+    CrossEncoder(str(source), device="cpu").save(str(target))
+    return target
+
+
+@pytest.mark.parametrize("which", ["bert_reranker", "xlmr_reranker"])
+def test_reranker_scores_match_cross_encoder(request, which):
+    from sentence_transformers import CrossEncoder
+
+    model_dir = request.getfixturevalue(which)
+    reference = CrossEncoder(str(model_dir), device="cpu")
+    pairs = [(q, d) for q in QUERIES for d in DOCS]
+    expected = reference.predict(pairs, batch_size=5)
+    with LLM(model=str(model_dir), multiprocess=False) as llm:
+        assert llm.supported_tasks == ("classify", "score")
+        scores = llm.score([q for q, _ in pairs], [d for _, d in pairs], use_tqdm=False)
+        got = np.array([s.outputs.score for s in scores])
+        np.testing.assert_allclose(got, expected, atol=1e-4)
+        one_to_many = llm.score(QUERIES[0], DOCS, use_tqdm=False)
+        np.testing.assert_allclose([s.outputs.score for s in one_to_many], expected[: len(DOCS)], atol=1e-4)
+        logits = llm.score(QUERIES[0], DOCS, pooling_params=PoolingParams(use_activation=False), use_tqdm=False)
+        raw = reference.predict([(QUERIES[0], d) for d in DOCS], activation_fn=torch.nn.Identity())
+        np.testing.assert_allclose([s.outputs.score for s in logits], raw, atol=1e-4)
+        assert np.std(raw) > 0.02  # the pairs score apart (hundreds of times the tolerance)
+        with pytest.raises(ValueError, match="Embedding"):
+            llm.embed("x")
+
+
+@pytest.mark.parametrize("model_type", ["bert", "xlm-roberta"])
+def test_classify_probabilities_match_transformers(tmp_path_factory, minilm_dir, model_type):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model_dir = _save_hf(tmp_path_factory, minilm_dir, model_type, head="-classify", num_labels=3)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    texts = TEXTS[1:]
+    with torch.no_grad():
+        expected = [torch.softmax(hf(**tokenizer(t, return_tensors="pt")).logits[0], -1).numpy() for t in texts]
+    with LLM(model=str(model_dir), multiprocess=False) as llm:
+        assert llm.supported_tasks == ("classify",)
+        got = llm.classify(texts, use_tqdm=False)
+        np.testing.assert_allclose(np.array([o.outputs.probs for o in got]), np.stack(expected), atol=1e-5)
+        assert got[0].outputs.num_classes == 3
+        encoded = llm.encode(texts[:2], pooling_task="classify", use_tqdm=False)
+        np.testing.assert_allclose(encoded[1].outputs.data.numpy(), expected[1], atol=1e-5)
+        with pytest.raises(ValueError, match="Score"):
+            llm.score("a", "b")

@@ -98,7 +98,10 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, multiprocess: bool = True) -> "LLMEngine":
-        return cls(engine_args.create_engine_config(), multiprocess=multiprocess)
+        started = time.perf_counter()
+        config = engine_args.create_engine_config()
+        logger.info("Start-up: engine config (model %s) in %.3f s", config.model_config.model_dir, time.perf_counter() - started)
+        return cls(config, multiprocess=multiprocess)
 
     def get_tokenizer(self) -> Any:
         if self.tokenizer is None:

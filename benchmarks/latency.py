@@ -8,7 +8,17 @@ noise falls on every engine alike. Reported per engine: median and spread (min, 
 - TTFT: the wall time of a 1-token request (llama.cpp: the time to its first token);
 - decode tok/s: (128 - 1) tokens over the 128-token request's wall time minus its TTFT;
 - resident memory (MiB) after the first repetition: for shmvllm the engine process's (where the
-  weights live) and the frontend's, for the others their one process.
+  weights live) and the frontend's, for the others their one process;
+- decode as GB/s of weights read (tok/s x the bytes of the GGUF file's tensors: a token reads
+  every weight once, the tied Q8_0 embedding as the lm_head) and as a fraction of the machine's
+  streaming-read bandwidth, measured in the same run by a probe worker (`shm_read_probe`: the
+  run's thread count summing a 256 MiB buffer, best of 5 a repetition), interleaved with the
+  engines like one of them.
+
+The 4k-context rows (`--long-context 4096`, 0 to skip) decode the same 128 tokens after a
+4,096-token prompt that is already cached (prefix caching on, llama.cpp keeping its state): each
+repetition first runs the prompt once, so what is timed is decoding at a 4k context, where
+attention reads the KV cache (shmvllm's fp32, llama.cpp's f16) besides the weights.
 
 Prefix caching is off on every engine (llama.cpp's state is reset before each request), so each
 repetition pays the full prefill. Peers:
@@ -39,6 +49,7 @@ from typing import Any, Callable, Optional
 
 PROMPT_TOKENS = 85
 MAX_TOKENS = 128
+PROBE_MIB = 256
 MODEL = "smollm2-135m-instruct"
 _QUESTION = ("You are a careful assistant. Explain in plain words how a refrigerator keeps food cold, "
              "what the compressor and the refrigerant do, and why the back of the fridge feels warm.")
@@ -58,13 +69,13 @@ class _Engine:
 
 
 class _Shmvllm(_Engine):
-    def __init__(self, prompt: list[int], threads: int, extra: dict[str, Any]) -> None:
+    def __init__(self, prompt: list[int], threads: int, extra: dict[str, Any], cached: bool) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         from shmvllm import LLM, SamplingParams
 
         self.params = SamplingParams
         self.prompt = prompt
-        self.llm = LLM(model=MODEL, enable_prefix_caching=False, **extra)
+        self.llm = LLM(model=MODEL, enable_prefix_caching=cached, **extra)
 
     def one(self, n: int) -> tuple[float, Optional[float], list[int]]:
         params = self.params(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
@@ -77,15 +88,18 @@ class _Shmvllm(_Engine):
 
 
 class _LlamaCpp(_Engine):
-    def __init__(self, prompt: list[int], threads: int, gguf: str) -> None:
+    def __init__(self, prompt: list[int], threads: int, gguf: str, cached: bool) -> None:
         from llama_cpp import Llama
 
         self.prompt = prompt
-        self.llm = Llama(model_path=gguf, n_ctx=512, n_threads=threads, n_threads_batch=threads,
+        self.cached = cached
+        n_ctx = 512 if len(prompt) + MAX_TOKENS <= 512 else len(prompt) + MAX_TOKENS + 64
+        self.llm = Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                          n_batch=512, verbose=False, seed=0)
 
     def one(self, n: int) -> tuple[float, Optional[float], list[int]]:
-        self.llm.reset()  # no reuse of the previous request's prompt state
+        if not self.cached:
+            self.llm.reset()  # no reuse of the previous request's prompt state
         tokens: list[int] = []
         first: Optional[float] = None
         started = time.perf_counter()
@@ -96,6 +110,28 @@ class _LlamaCpp(_Engine):
             if len(tokens) == n:
                 break
         return time.perf_counter() - started, first, tokens
+
+
+class _Probe:
+    """The streaming-read bandwidth probe: `gb_per_s` is the best of five reads of a 256 MiB
+    buffer by `threads` threads."""
+
+    def __init__(self, threads: int) -> None:
+        import torch
+
+        from shmvllm.model.kernels import quant_kernels
+
+        self.lib = quant_kernels()
+        self.threads = threads
+        self.buf = torch.ones(PROBE_MIB << 20, dtype=torch.uint8)
+
+    def gb_per_s(self) -> float:
+        best = 0.0
+        for _ in range(5):
+            started = time.perf_counter()
+            self.lib.shm_read_probe(self.buf.data_ptr(), self.buf.numel(), self.threads)
+            best = max(best, self.buf.numel() / (time.perf_counter() - started) / 1e9)
+        return best
 
 
 class _HF(_Engine):
@@ -137,15 +173,19 @@ def _worker(kind: str, spec: dict[str, Any]) -> None:
     """Loads one engine, then answers each line on stdin ("rep") with one JSON line on stdout."""
     started = time.perf_counter()
     prompt, threads = spec["prompt"], spec["threads"]
+    if kind == "probe":
+        _probe_worker(_Probe(threads))
+        return
     engine: _Engine
+    cached = spec.get("cached", False)
     if kind == "shmvllm":
-        engine = _Shmvllm(prompt, threads, spec.get("extra", {}))
+        engine = _Shmvllm(prompt, threads, spec.get("extra", {}), cached)
     elif kind == "llama.cpp":
-        engine = _LlamaCpp(prompt, threads, spec["gguf"])
+        engine = _LlamaCpp(prompt, threads, spec["gguf"], cached)
     else:
         engine = _HF(prompt, threads, spec["gguf"])
     load_s = time.perf_counter() - started
-    engine.one(4)  # warm-up
+    engine.one(4)  # warm-up (and, cached, the prompt's first run)
     reply = sys.stdout
     reply.write(json.dumps({"load_s": load_s}) + "\n")
     reply.flush()
@@ -157,6 +197,17 @@ def _worker(kind: str, spec: dict[str, Any]) -> None:
         ttft = first if first is not None else one_wall
         reply.write(json.dumps({"ttft_s": ttft, "decode_tok_per_s": (MAX_TOKENS - 1) / max(wall - ttft, 1e-9),
                                 "wall_s": wall, "tokens": tokens, "rss_mib": engine.rss_mib()}) + "\n")
+        reply.flush()
+
+
+def _probe_worker(probe: _Probe) -> None:
+    reply = sys.stdout
+    reply.write(json.dumps({"load_s": 0.0}) + "\n")
+    reply.flush()
+    for line in sys.stdin:
+        if line.strip() != "rep":
+            break
+        reply.write(json.dumps({"read_gb_per_s": probe.gb_per_s()}) + "\n")
         reply.flush()
 
 
@@ -195,8 +246,8 @@ class _Worker:
                 self.proc.wait()
 
 
-def prompt_token_ids(gguf: str) -> list[int]:
-    """The chat-templated question, cut or padded (inside the user turn) to PROMPT_TOKENS ids."""
+def prompt_token_ids(gguf: str, length: int = PROMPT_TOKENS) -> list[int]:
+    """The chat-templated question, cut or padded (inside the user turn) to `length` ids."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(Path(gguf).parent), gguf_file=Path(gguf).name)
@@ -204,11 +255,19 @@ def prompt_token_ids(gguf: str) -> list[int]:
     while True:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        if len(ids) >= PROMPT_TOKENS:
+        if len(ids) >= length:
             break
-        text += " Please be precise."
+        text += " Please be precise." if length <= PROMPT_TOKENS else " " + _QUESTION
     tail = 5  # "<|im_end|>\n<|im_start|>assistant\n"
-    return ids[: PROMPT_TOKENS - tail] + ids[-tail:]
+    return ids[: length - tail] + ids[-tail:]
+
+
+def weight_bytes(gguf_path: str) -> int:
+    """The bytes of the GGUF file's tensors: what one decoded token reads (every weight once; a
+    tied embedding once, as the lm_head)."""
+    from gguf import GGUFReader
+
+    return sum(int(t.n_bytes) for t in GGUFReader(gguf_path).tensors)
 
 
 def shipped_gguf() -> str:
@@ -223,42 +282,57 @@ def shipped_gguf() -> str:
     return str(Path(spec.origin).parent / shipped.relative_path)
 
 
-def summarize(name: str, load_s: float, reps: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(name: str, load_s: float, reps: list[dict[str, Any]], weights: int, probe: float) -> dict[str, Any]:
+    """One engine's row; `weights`: bytes read per token, `probe`: the read probe's median GB/s."""
     def stats(key: str) -> dict[str, float]:
         values = [r[key] for r in reps]
         return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
+    decode = stats("decode_tok_per_s")
+    gb = decode["median"] * weights / 1e9
     return {"engine": name, "load_s": load_s, "repetitions": len(reps), "ttft_s": stats("ttft_s"),
-            "decode_tok_per_s": stats("decode_tok_per_s"), "rss_mib": reps[0]["rss_mib"],
+            "decode_tok_per_s": decode, "weights_gb_per_s": gb, "fraction_of_read_probe": gb / probe,
+            "rss_mib": reps[0]["rss_mib"],
             "ttft_s_each": [r["ttft_s"] for r in reps], "decode_tok_per_s_each": [r["decode_tok_per_s"] for r in reps],
             "token_ids": reps[-1]["tokens"]}
 
 
-def report(rows: list[dict[str, Any]], threads: int) -> list[str]:
-    print(f"one request: {PROMPT_TOKENS} prompt tokens, {MAX_TOKENS} greedy tokens, {threads} threads; "
-          f"median [min, max] over {rows[0]['repetitions']} interleaved repetitions")
-    print(f"{'engine':<16} {'TTFT ms':>24} {'decode tok/s':>26} {'RSS MiB':>24} {'load s':>7}")
+def report(rows: list[dict[str, Any]], threads: int, probe: dict[str, float], long_context: int) -> list[str]:
+    print(f"one request: {PROMPT_TOKENS} prompt tokens (@4k rows: {long_context}, cached), {MAX_TOKENS} greedy tokens, "
+          f"{threads} threads; median [min, max] over {rows[0]['repetitions']} interleaved repetitions")
+    print(f"read probe ({threads} threads): {probe['median']:.1f} [{probe['min']:.1f}, {probe['max']:.1f}] GB/s")
+    print(f"{'engine':<16} {'TTFT ms':>24} {'decode tok/s':>26} {'weights GB/s':>13} {'of probe':>9} {'RSS MiB':>24} {'load s':>7}")
     for r in rows:
         t, d = r["ttft_s"], r["decode_tok_per_s"]
         rss = " + ".join(f"{k} {v:.0f}" for k, v in r["rss_mib"].items())
         print(f"{r['engine']:<16} {t['median'] * 1e3:8.1f} [{t['min'] * 1e3:6.1f}, {t['max'] * 1e3:6.1f}] "
-              f"{d['median']:9.1f} [{d['min']:6.1f}, {d['max']:6.1f}]   {rss:>24} {r['load_s']:7.1f}")
+              f"{d['median']:9.1f} [{d['min']:6.1f}, {d['max']:6.1f}] {r['weights_gb_per_s']:13.1f} "
+              f"{r['fraction_of_read_probe']:8.0%} {rss:>24} {r['load_s']:7.1f}")
     by = {r["engine"]: r for r in rows}
-    ours = by.get("shmvllm")
     checks = []
-    for peer in rows:
-        if ours is None or peer is ours:
-            continue
-        same = _common_prefix(ours["token_ids"], peer["token_ids"])
-        print(f"shmvllm/{peer['engine']}: decode {ours['decode_tok_per_s']['median'] / peer['decode_tok_per_s']['median']:.2f}x, "
-              f"TTFT {ours['ttft_s']['median'] / peer['ttft_s']['median']:.2f}x; "
-              f"first {same} of {MAX_TOKENS} tokens identical")
-    peer = by.get("llama.cpp")
+    for suffix in ("", "@4k"):
+        ours = by.get("shmvllm" + suffix)
+        for peer in rows:
+            if ours is None or peer is ours or not peer["engine"].endswith(suffix) or ("@" in peer["engine"]) != bool(suffix):
+                continue
+            same = _common_prefix(ours["token_ids"], peer["token_ids"])
+            print(f"{ours['engine']}/{peer['engine']}: decode {ours['decode_tok_per_s']['median'] / peer['decode_tok_per_s']['median']:.2f}x, "
+                  f"TTFT {ours['ttft_s']['median'] / peer['ttft_s']['median']:.2f}x; "
+                  f"first {same} of {MAX_TOKENS} tokens identical")
+    ours, peer = by.get("shmvllm"), by.get("llama.cpp")
+    if ours:
+        share = ours["fraction_of_read_probe"]
+        checks.append(f"CHECK decode weights GB/s shmvllm/read probe = {share:.2f} (>= 0.60): {'holds' if share >= 0.6 else 'FAILS'}")
     if ours and peer:
         ratio = ours["decode_tok_per_s"]["median"] / peer["decode_tok_per_s"]["median"]
-        checks.append(f"CHECK decode tok/s shmvllm/llama.cpp = {ratio:.2f}x (>= 1.0x): {'holds' if ratio >= 1.0 else 'FAILS'}")
+        checks.append(f"CHECK decode tok/s shmvllm/llama.cpp = {ratio:.2f}x (>= 1.5x): {'holds' if ratio >= 1.5 else 'FAILS'}")
         ttft = ours["ttft_s"]["median"] / peer["ttft_s"]["median"]
-        checks.append(f"CHECK TTFT shmvllm/llama.cpp = {ttft:.2f}x (<= 1.0x): {'holds' if ttft <= 1.0 else 'FAILS'}")
+        checks.append(f"CHECK TTFT shmvllm/llama.cpp = {ttft:.2f}x (<= 0.6x): {'holds' if ttft <= 0.6 else 'FAILS'}")
+    ours, peer = by.get("shmvllm@4k"), by.get("llama.cpp@4k")
+    if ours and peer:
+        ratio = ours["decode_tok_per_s"]["median"] / peer["decode_tok_per_s"]["median"]
+        checks.append(f"CHECK decode tok/s at a {long_context}-token context shmvllm/llama.cpp = {ratio:.2f}x (>= 1.0x): "
+                      f"{'holds' if ratio >= 1.0 else 'FAILS'}")
     for line in checks:
         print(line)
     return checks
@@ -273,23 +347,33 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return same
 
 
-def plot(rows: list[dict[str, Any]], path: str) -> None:
+def plot(rows: list[dict[str, Any]], probe: float, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     names = [r["engine"] for r in rows]
+    colors = {"shmvllm": "tab:green", "llama.cpp": "tab:orange", "hf": "tab:gray"}
+    palette = [colors.get(n.split("@")[0], "tab:blue") for n in names]
     for ax, key, scale, title in ((axes[0], "decode_tok_per_s", 1.0, "decode tok/s (higher is better)"),
                                   (axes[1], "ttft_s", 1e3, "TTFT ms (lower is better)")):
         med = [r[key]["median"] * scale for r in rows]
         low = [m - r[key]["min"] * scale for m, r in zip(med, rows)]
         high = [r[key]["max"] * scale - m for m, r in zip(med, rows)]
-        bars = ax.bar(names, med, yerr=[low, high], capsize=4, color=["tab:green", "tab:orange", "tab:gray", "tab:blue"][: len(rows)])
+        bars = ax.bar(names, med, yerr=[low, high], capsize=4, color=palette)
         ax.bar_label(bars, fmt="%.1f")
         ax.set_title(title)
-    fig.suptitle(f"SmolLM2-135M-Instruct Q4_1 GGUF, one request ({PROMPT_TOKENS} + {MAX_TOKENS} tokens)")
+        ax.tick_params(axis="x", rotation=20)
+    bars = axes[2].bar(names, [r["weights_gb_per_s"] for r in rows], color=palette)
+    axes[2].bar_label(bars, fmt="%.1f")
+    axes[2].axhline(probe, color="black", linestyle="--", label=f"read probe {probe:.1f} GB/s")
+    axes[2].set_title("decode: GB/s of weights read")
+    axes[2].legend()
+    axes[2].tick_params(axis="x", rotation=20)
+    fig.suptitle(f"SmolLM2-135M-Instruct Q4_1 GGUF, one request ({PROMPT_TOKENS} + {MAX_TOKENS} tokens; @4k: after a "
+                 "cached 4,096-token prompt)")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -301,6 +385,8 @@ def main() -> None:
     parser.add_argument("--engines", default="shmvllm,llama.cpp,hf", help="comma-separated: shmvllm, llama.cpp, hf")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                         help="an extra shmvllm row with these engine arguments (repeatable)")
+    parser.add_argument("--long-context", type=int, default=4096,
+                        help="prompt tokens of the @4k rows (shmvllm and llama.cpp, prompt cached); 0: none")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions per engine (default 5)")
     parser.add_argument("--json", help="write the rows to this JSON file")
@@ -313,7 +399,8 @@ def main() -> None:
         return
     gguf = shipped_gguf()
     spec = {"prompt": prompt_token_ids(gguf), "threads": args.threads, "gguf": gguf}
-    plan: list[tuple[str, str, str, dict[str, Any]]] = []
+    long_spec = dict(spec, prompt=prompt_token_ids(gguf, args.long_context), cached=True) if args.long_context else None
+    plan: list[tuple[str, str, str, dict[str, Any]]] = [("read probe", "probe", sys.executable, spec)]
     for kind in [e for e in args.engines.split(",") if e]:
         if kind == "llama.cpp" and not args.llama_python:
             print("[latency] llama.cpp skipped: no --llama-python (see the module docstring)", file=sys.stderr)
@@ -324,6 +411,8 @@ def main() -> None:
             for variant in args.variant:
                 name, _, extra = variant.partition("=")
                 plan.append((name, kind, python, dict(spec, extra=json.loads(extra))))
+        if long_spec is not None and kind in ("shmvllm", "llama.cpp"):
+            plan.append((f"{kind}@4k", kind, python, long_spec))
     workers = [_Worker(name, kind, python, s) for name, kind, python, s in plan]
     reps: dict[str, list[dict[str, Any]]] = {w.name: [] for w in workers}
     try:
@@ -335,14 +424,27 @@ def main() -> None:
     finally:
         for w in workers:
             w.close()
-    rows = [summarize(w.name, w.load_s, reps[w.name]) for w in workers]
-    checks = report(rows, args.threads)
+    read = [r["read_gb_per_s"] for r in reps.pop("read probe")]
+    probe = {"median": statistics.median(read), "min": min(read), "max": max(read), "each": read}
+    weights = weight_bytes(gguf)
+    rows = [summarize(w.name, w.load_s, reps[w.name], weights, probe["median"]) for w in workers if w.name in reps]
+    checks = report(rows, args.threads, probe, args.long_context)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"prompt_tokens": PROMPT_TOKENS, "max_tokens": MAX_TOKENS,
-                                               "threads": args.threads, "rows": rows, "checks": checks}, indent=2))
+                                               "long_context": args.long_context, "threads": args.threads,
+                                               "cpu": _cpu_model(), "quant_isa": os.environ.get("SHMVLLM_QUANT_ISA"),
+                                               "weight_bytes_per_token": weights, "read_probe_gb_per_s": probe,
+                                               "rows": rows, "checks": checks}, indent=2))
     if args.plot:
-        plot(rows, args.plot)
+        plot(rows, probe["median"], args.plot)
+
+
+def _cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import re
 import secrets
 import stat
 from pathlib import Path
-from typing import Optional
+from typing import Collection, Optional
 
 import posix_ipc
 
@@ -170,8 +170,9 @@ def unlink_quietly(unlink, name: str) -> bool:
     return True
 
 
-def sweep_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
-    """Unlinks every ipcring segment and semaphore of ours whose creator process is dead.
+def sweep_stale_segments(shm_dir: Path = SHM_DIR, creators: Optional[Collection[int]] = None) -> list[str]:
+    """Unlinks every ipcring segment and semaphore of ours whose creator process is dead
+    (only those of the pids in `creators`, when given: a process tree known to be gone).
 
     Returns the POSIX names removed. What this user does not own, what is not a regular file
     (a directory, a link) and what cannot be removed is skipped and logged, never an error: an
@@ -187,7 +188,9 @@ def sweep_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
     uid = os.getuid()
     for entry in entries:
         match = _NAME_RE.match(entry.name)
-        if not match or pid_alive(int(match.group(1))):
+        if not match or (creators is not None and int(match.group(1)) not in creators):
+            continue
+        if pid_alive(int(match.group(1))):
             continue
         try:
             info = entry.lstat()

@@ -114,6 +114,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory the engine may use
     num_kv_blocks: Optional[int] = None  # overrides both budgets (tests use it)
     enable_prefix_caching: bool = True
+    # prompts longer than this hash their blocks under their length: the model's rope rotates
+    # them by it (dynamic / longrope past the trained length, see model/rotary.py)
+    rope_length_threshold: Optional[int] = None
 
 
 @dataclass
@@ -201,7 +204,7 @@ class EngineArgs(VllmArgs):
         return cls(**{name: getattr(args, name) for name in cls.field_names() if hasattr(args, name)})
 
     def create_engine_config(self) -> EngineConfig:
-        from shmvllm.engine.validation import check_engine_args
+        from shmvllm.engine.validation import check_against_model, check_engine_args
 
         check_engine_args(self)
         self._verify()
@@ -243,7 +246,7 @@ class EngineArgs(VllmArgs):
                 f"max_num_batched_tokens ({max_batched}) must be at least max_model_len ({max_model_len}) "
                 "when enable_chunked_prefill is False."
             )
-        return EngineConfig(
+        config = EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size if self.block_size is not None else 16,
@@ -251,6 +254,7 @@ class EngineArgs(VllmArgs):
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 num_kv_blocks=self.num_kv_blocks if self.num_kv_blocks is not None else self.num_gpu_blocks_override,
                 enable_prefix_caching=self.enable_prefix_caching is not False,
+                rope_length_threshold=_rope_length_threshold(hf_config, max_model_len),
             ),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=max_batched,
@@ -263,6 +267,8 @@ class EngineArgs(VllmArgs):
                 tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size
             ),
         )
+        check_against_model(config)
+        return config
 
     def _task(self, model_dir: Path, hf_config: Any) -> Task:
         """The task from task / runner / convert, checked against what the model is."""
@@ -467,8 +473,26 @@ def _default_dtype(device: str, hf_config: Any, task: str = "generate") -> str:
     return "bfloat16" if "bfloat16" in configured or "float32" in configured or not configured else "float16"
 
 
+def _rope_length_threshold(hf_config: Any, max_model_len: int) -> Optional[int]:
+    """The length past which the rope rotates a token by its sequence's length, where
+    max_model_len passes it (model/rotary.py reads the same fields)."""
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    kind = rope.get("rope_type", rope.get("type"))
+    threshold = None
+    if kind == "dynamic":
+        threshold = hf_config.max_position_embeddings
+    elif kind == "longrope":
+        threshold = getattr(hf_config, "original_max_position_embeddings", None) or rope.get(
+            "original_max_position_embeddings", hf_config.max_position_embeddings
+        )
+    return int(threshold) if threshold is not None and max_model_len > threshold else None
+
+
 def _resolve_max_model_len(requested: Optional[int], hf_config: Any, model_dir: Path) -> int:
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "dynamic":  # NTK scaling serves `factor` times the trained length, as vLLM derives it
+        limit = int(limit * rope["factor"])
     if getattr(hf_config, "model_type", "") in ("roberta", "xlm-roberta"):
         limit -= hf_config.pad_token_id + 1  # its positions start after padding_idx
     st_config = model_dir / "sentence_bert_config.json"

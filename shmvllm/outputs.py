@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Generic, Optional, TypeVar, Union
 
 import numpy as np
 
 from shmvllm.logprobs import FlatLogprobs, Logprob, PromptLogprobs, SampleLogprobs
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "CompletionOutput", "RequestOutput", "PoolingOutput", "EmbeddingOutput", "PoolingRequestOutput",
@@ -49,12 +52,14 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(init=False)
 class RequestOutput:
     """The state of one request: its prompt and its completions so far (or in this step, for DELTA).
 
     `error` is set (and each completion's finish_reason is "error") when the engine could not
-    serve the request; the other requests of the same call are not affected.
+    serve the request; the other requests of the same call are not affected. Keyword arguments
+    of later vLLM versions are accepted and dropped with a warning, as vLLM's own class does, so
+    code written for a newer vLLM still builds one.
     """
 
     request_id: str
@@ -71,6 +76,31 @@ class RequestOutput:
     encoder_prompt: None = None
     encoder_prompt_token_ids: None = None
     kv_transfer_params: None = None
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: Optional[str],
+        prompt_token_ids: Optional[list[int]],
+        prompt_logprobs: Optional[PromptLogprobs],
+        outputs: list[CompletionOutput],
+        finished: bool,
+        num_cached_tokens: Optional[int] = None,
+        error: Optional[str] = None,
+        metrics: Optional[RequestStateStats] = None,
+        lora_request: None = None,
+        encoder_prompt: None = None,
+        encoder_prompt_token_ids: None = None,
+        kv_transfer_params: None = None,
+        **unknown: Any,
+    ) -> None:
+        if unknown:
+            logger.warning("RequestOutput: ignoring arguments this version does not know: %s", sorted(unknown))
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.prompt_logprobs, self.outputs, self.finished = prompt_logprobs, outputs, finished
+        self.num_cached_tokens, self.error, self.metrics = num_cached_tokens, error, metrics
+        self.lora_request, self.encoder_prompt = lora_request, encoder_prompt
+        self.encoder_prompt_token_ids, self.kv_transfer_params = encoder_prompt_token_ids, kv_transfer_params
 
 
 @dataclass

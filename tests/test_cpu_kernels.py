@@ -91,6 +91,21 @@ def test_kernel_on_a_large_decode_batch(kernels, monkeypatch) -> None:
     assert torch.equal(native[1], reference[1])
 
 
+def test_kernel_on_long_contexts(kernels, monkeypatch) -> None:
+    """Contexts of one to several runs of positions (the kernel cuts attention into runs of 512
+    and joins their softmax pieces): one short, one just past a run, one ending on a run's
+    boundary, one of 2.3 runs, beside a prefill row."""
+    block_size, num_blocks = 16, 400
+    layer = _layer(9, 3, 64, num_blocks, block_size)
+    lengths = [40, 512, 1023, 1200]
+    meta = _step([1, 6, 1, 1, 1], [lengths[0], 3, *lengths[1:]], block_size, num_blocks, seed=6)
+    qkv = torch.randn(10, 15, 64, generator=torch.Generator().manual_seed(7))
+    native = _run(layer, meta, qkv, True, monkeypatch)
+    reference = _run(layer, meta, qkv, False, monkeypatch)
+    torch.testing.assert_close(native[0], reference[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(native[1], reference[1])
+
+
 def test_kernels_stay_off_where_they_do_not_apply(kernels) -> None:
     layer = _layer(4, 2, 16, 8, 4)
     q = torch.zeros(3, 8, 16)

@@ -313,16 +313,14 @@ def test_async_llm_and_threads_over_two_engines(tiny_llama_dir):
         assert all(results[k] == reference[k::4] for k in range(4)), results
 
 
-def test_a_failing_start_stops_every_engine(tmp_path, tiny_llama_dir):
-    import shutil
+def test_a_failing_start_stops_every_engine(tiny_llama_dir):
+    from test_multiprocess import FailingLoadExecutor  # raises FileNotFoundError at load
 
     from shmvllm.engine.exceptions import EngineStartupError
 
-    broken = tmp_path / "broken-llama"
-    shutil.copytree(tiny_llama_dir, broken)
-    (broken / "model.safetensors").write_bytes(b"this is not a safetensors file")
-    with pytest.raises(EngineStartupError, match="(?s)failed to start.*Traceback"):
-        LLM(str(broken), data_parallel_size=2, **ENGINE_ARGS)
+    config = EngineArgs(model=str(tiny_llama_dir), data_parallel_size=2, **ENGINE_ARGS).create_engine_config()
+    with pytest.raises(EngineStartupError, match="failed to start: FileNotFoundError: .*no such weights"):
+        DPSyncMPClient(config, executor_class=FailingLoadExecutor)
 
 
 def test_data_parallel_needs_engine_processes(tiny_llama_dir):

@@ -158,8 +158,8 @@ def test_rope_scalings_match_hf(tmp_path, rope):
 def test_unsupported_rope_type_is_named():
     from transformers import LlamaConfig
 
-    config = LlamaConfig(**_SMALL, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
-    with pytest.raises(ValueError, match="dynamic"):
+    config = LlamaConfig(**_SMALL, rope_parameters={"rope_type": "proportional", "rope_theta": 10000.0})
+    with pytest.raises(ValueError, match="proportional"):
         rope_inv_freq(config, 16)
 
 

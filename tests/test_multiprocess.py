@@ -7,7 +7,6 @@ from __future__ import annotations
 import gc
 import multiprocessing.util
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -334,12 +333,19 @@ def test_ctrl_c_during_generate_aborts_and_leaves_nothing(tmp_path, tiny_llama_d
     wait_until_dead(engine_pid, 2.0)
 
 
-def test_startup_failure_shows_the_engines_error(tmp_path, tiny_llama_dir):
-    broken = tmp_path / "broken-llama"
-    shutil.copytree(tiny_llama_dir, broken)
-    (broken / "model.safetensors").write_bytes(b"this is not a safetensors file")
-    with pytest.raises(EngineStartupError, match="(?s)failed to start.*Traceback"):
-        LLM(str(broken), **ENGINE_ARGS)
+class FailingLoadExecutor(UniProcExecutor):
+    def __init__(self, config) -> None:
+        raise FileNotFoundError(2, "no such weights", "/nowhere/model.safetensors")
+
+
+def test_a_failing_load_names_its_type_and_message_in_the_first_line(tiny_llama_dir):
+    """The first line of the error says why (a log line or a test summary shows only it); the
+    engine's traceback follows."""
+    with pytest.raises(EngineStartupError) as raised:
+        make_client(tiny_llama_dir, executor_class=FailingLoadExecutor)
+    first, *rest = str(raised.value).splitlines()
+    assert first.endswith("failed to start: FileNotFoundError: [Errno 2] no such weights: '/nowhere/model.safetensors'"), first
+    assert rest[0].startswith("Traceback (most recent call last)") and "test_multiprocess.py" in "\n".join(rest)
 
 
 def test_a_new_shm_channel_sweeps_rings_of_dead_runs(tmp_path):

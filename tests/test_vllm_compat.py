@@ -14,10 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from shmvllm.compat.v1_detokenizer import BaseIncrementalDetokenizer, IncrementalDetokenizer as V1IncrementalDetokenizer
+from shmvllm.compat.v1_engine import EngineCoreRequest as V1EngineCoreRequest
 from shmvllm import LLM, SamplingParams
 from shmvllm.compat.vllm_args import VLLM_ARGS
 from shmvllm.config import EngineArgs
 from shmvllm.lora import LoRARequest
+from shmvllm.outputs import RequestOutput
 from shmvllm.pooling_params import PoolingParams
 
 REPO = Path(__file__).resolve().parent.parent
@@ -101,6 +104,16 @@ def test_install_as_vllm_maps_vllm_modules_to_shmvllm_modules():
         from vllm.entrypoints.chat_utils import resolve_hf_chat_template
         from vllm.utils import FlexibleArgumentParser
         from vllm.v1.metrics.reader import Counter, Gauge, Histogram
+        from vllm.v1.engine import EngineCoreRequest as V1Request, FinishReason
+        from vllm.v1.engine.detokenizer import BaseIncrementalDetokenizer, FastIncrementalDetokenizer, IncrementalDetokenizer
+        from vllm.v1.engine.core import EngineCore
+        from vllm.distributed import cleanup_dist_env_and_memory
+        from vllm.platforms import current_platform
+        from vllm.tasks import PoolingTask, POOLING_TASKS
+        import shmvllm.compat.v1_engine, shmvllm.engine.core
+        assert V1Request is shmvllm.compat.v1_engine.EngineCoreRequest and EngineCore is shmvllm.engine.core.EngineCore
+        assert current_platform.is_cpu() != current_platform.is_cuda() and not current_platform.is_rocm()
+        cleanup_dist_env_and_memory()
         import shmvllm.sampling_params, shmvllm.entrypoints.llm, shmvllm.lora
         assert vllm.sampling_params is shmvllm.sampling_params
         assert shmvllm.sampling_params.__spec__.name == "shmvllm.sampling_params"
@@ -401,3 +414,87 @@ def test_readme_lists_every_ignored_argument():
     readme = (REPO / "README.md").read_text()
     table = readme[readme.index("vLLM engine arguments accepted at any value"):]
     assert all(f"`{arg.name}`" in table for arg in VLLM_ARGS)
+
+
+# ---- the surface vLLM's own offline tests touch ---------------------------------------------
+
+
+def test_prompt_errors_carry_vllms_wording_and_the_llm_keeps_serving(llm):
+    cases = [("", "decoder prompt cannot be empty"),
+             ({"prompt_token_ids": [5, 999999]}, "Token id 999999 is out of vocabulary"),
+             ({"prompt_token_ids": [5] * 300}, "maximum context length is 256 tokens.*300 input tokens")]
+    for prompt, words in cases:
+        with pytest.raises(ValueError, match=words):
+            llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(greedy_ids(llm, "Hello", 4)) == 4
+
+
+def test_request_output_takes_keywords_of_later_vllm_versions(caplog):
+    with caplog.at_level("WARNING", logger="shmvllm.outputs"):
+        output = RequestOutput(request_id="r", prompt="p", prompt_token_ids=[1, 2], prompt_logprobs=None,
+                               outputs=[], finished=False, field_of_a_later_version=1)
+    assert (output.request_id, output.prompt_token_ids, output.finished) == ("r", [1, 2], False)
+    assert "field_of_a_later_version" in caplog.text
+    with pytest.raises(TypeError, match="finished"):
+        RequestOutput(request_id="r", prompt=None, prompt_token_ids=[], prompt_logprobs=None, outputs=[])
+
+
+class _LetterDetokenizer(BaseIncrementalDetokenizer):
+    """Token id i is the character chr(i): the text is known exactly."""
+
+    def decode_next(self, next_token_id: int) -> str:
+        return chr(next_token_id)
+
+
+def _v1_request(**params) -> V1EngineCoreRequest:
+    return V1EngineCoreRequest(request_id="r", prompt_token_ids=[1], mm_features=None,
+                               sampling_params=SamplingParams(**params), pooling_params=None, arrival_time=0.0,
+                               lora_request=None, cache_salt=None, data_parallel_rank=None)
+
+
+def test_v1_detokenizer_stops_past_min_tokens_and_buffers_what_could_start_a_stop_string():
+    ids = [ord(c) for c in "xyz-abc-abd"]
+    # the "b" at index 5 lies in the first six tokens' text: only the next one stops it
+    detok = _LetterDetokenizer(_v1_request(stop=["b"], min_tokens=6))
+    assert detok.update(ids, stop_terminated=False) == "b"
+    assert detok.output_text == "xyz-abc-a" and detok.output_token_ids == ids
+    # while unfinished, the last len(longest stop) - 1 characters are held back
+    detok = _LetterDetokenizer(_v1_request(stop=["z-a", "c-"]))
+    assert detok.update(ids[:3], False) is None and detok.get_next_output_text(False, True) == "x"
+    assert detok.update(ids[3:5], False) == "z-a" and detok.output_text == "xy"
+    assert detok.get_next_output_text(True, True) == "y"
+    detok = _LetterDetokenizer(_v1_request(stop=["c-"], include_stop_str_in_output=True))
+    assert detok.update(ids, False) == "c-" and detok.get_next_output_text(False, False) == "xyz-abc-"
+    # a stop-terminated last id stays out of the text unless the stop string is to be shown
+    detok = _LetterDetokenizer(_v1_request(stop=["q"]))
+    assert detok.update(ids[:4], stop_terminated=True) is None
+    assert detok.output_text == "xyz" and detok.output_token_ids == ids[:4]
+    with pytest.raises(ValueError, match="mm_features"):
+        V1EngineCoreRequest(request_id="r", prompt_token_ids=[1], mm_features=[object()], sampling_params=SamplingParams(),
+                            pooling_params=None, arrival_time=0.0, lora_request=None, cache_salt=None, data_parallel_rank=None)
+
+
+def test_v1_fast_detokenizer_concatenates_to_the_tokenizers_decode(llm):
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer("Héllo wörld — ünïcödé 😀 text", add_special_tokens=False).input_ids
+    detok = V1IncrementalDetokenizer.from_new_request(tokenizer, _v1_request())
+    for token_id in ids:
+        detok.update([token_id], stop_terminated=False)
+    assert type(detok).__name__ == "FastIncrementalDetokenizer"
+    assert detok.output_text == tokenizer.decode(ids, skip_special_tokens=True)
+    wire = _v1_request(max_tokens=3).to_wire()
+    assert wire.request_id == "r" and list(wire.prompt_token_ids) == [1] and wire.sampling_params.max_tokens == 3
+
+
+def test_stop_strings_end_past_the_first_min_tokens_tokens(llm):
+    """vLLM's rule, in the engine's own output processor: a stop string inside the text of the
+    first min_tokens tokens does not stop the request."""
+    tokenizer = llm.get_tokenizer()
+    ids = greedy_ids(llm, "Once upon a time", 12)
+    full = tokenizer.decode(ids)
+    first = tokenizer.decode(ids[:2])
+    stop = first.strip()[-1]
+    at = full.find(stop, len(first))
+    expected = full[:at] if at != -1 else full
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop], min_tokens=2)
+    assert llm.generate("Once upon a time", params, use_tqdm=False)[0].outputs[0].text == expected

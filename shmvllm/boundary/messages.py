@@ -187,10 +187,12 @@ class EngineReady(msgspec.Struct, tag=1, **_STRUCT):  # type: ignore[call-arg]
 
 class EngineFailed(msgspec.Struct, tag=2, **_STRUCT):  # type: ignore[call-arg]
     """The engine's last message: it could not start ("startup", instead of READY) or its busy
-    loop failed ("serving"); `traceback` is the engine's own."""
+    loop failed ("serving"); `traceback` is the engine's own, `error` the failure's type and
+    message ("ValueError: ...") for the first line of the frontend's error."""
 
     stage: Literal["startup", "serving"]
     traceback: str
+    error: str = ""
 
 
 FromEngine = Union[EngineCoreOutputs, EngineReady, EngineFailed]

@@ -32,7 +32,7 @@ from shmvllm.boundary.messages import (
 from shmvllm.config import EngineConfig
 from shmvllm.engine.core_proc import POLL_S
 from shmvllm.engine.exceptions import EngineDeadError, EngineTimeoutError
-from shmvllm.engine.proc_manager import DEFAULT_READY_TIMEOUT_S, CoreEngineProcManager
+from shmvllm.engine.proc_manager import DEFAULT_READY_TIMEOUT_S, CoreEngineProcManager, failure_text
 from shmvllm.engine.termination import FrontendTermination
 
 logger = logging.getLogger(__name__)
@@ -258,11 +258,11 @@ class SyncMPClient(EngineCoreClient):
 
     def _died(self, why: str) -> EngineDeadError:
         """The engine is dead (or exiting after its last words): the channel is removed now, the
-        process reaped if it exits within DEAD_ENGINE_EXIT_S (else by `shutdown`, which also
-        terminates it if it must), and every call from now on raises EngineDeadError."""
+        process killed if it does not exit within DEAD_ENGINE_EXIT_S, its workers and their
+        segments removed, and every call from now on raises EngineDeadError."""
         self._dead = f"the engine process (pid {self._manager.pid}) is dead: {why}"
         self._endpoint.close()
-        self._manager.join(DEAD_ENGINE_EXIT_S)
+        self._manager.reap(DEAD_ENGINE_EXIT_S)
         return EngineDeadError(self._dead)
 
     def _send(self, msg: Any, timeout: Optional[float] = None) -> None:
@@ -299,7 +299,7 @@ class SyncMPClient(EngineCoreClient):
 
     def _checked(self, msg: Any) -> EngineCoreOutputs:
         if isinstance(msg, EngineFailed):
-            raise self._died(f"it failed:\n{msg.traceback}")
+            raise self._died(f"it failed: {failure_text(msg)}")
         if not isinstance(msg, EngineCoreOutputs):
             raise self._died(f"it sent an unexpected {type(msg).__name__}")
         return msg

@@ -57,6 +57,12 @@ POLL_S = 0.25  # how often a blocked side looks at its peer
 LAST_WORDS_S = 1.0  # how long the engine tries to deliver its EngineFailed before it exits
 
 
+def _error_line(exc: BaseException) -> str:
+    """"Type: message" of an exception, on one line."""
+    lines = "".join(traceback.format_exception_only(type(exc), exc)).splitlines()
+    return " ".join(line.strip() for line in lines if line.strip())
+
+
 def qualified_name(obj: Any) -> str:
     """"module:qualname" of a class or function the engine process can import (not one defined
     in __main__, which the engine process does not run)."""
@@ -221,8 +227,8 @@ class EngineCoreProc:
         try:
             built = time.monotonic()
             self.engine_core = EngineCore(config, executor_class)
-        except BaseException:
-            self._last_words(EngineFailed("startup", traceback.format_exc()))
+        except BaseException as exc:
+            self._last_words(EngineFailed("startup", traceback.format_exc(), _error_line(exc)))
             self.endpoint.close()
             raise
         self.outbox.send(self.engine_core.ready())
@@ -269,12 +275,12 @@ class EngineCoreProc:
             else:
                 logger.warning("%s: exiting", exc)
                 if engine is not None:
-                    engine._last_words(EngineFailed("serving", str(exc)))
+                    engine._last_words(EngineFailed("serving", str(exc), str(exc)))
                 code = -exc.signum
-        except BaseException:
+        except BaseException as exc:
             logger.exception("the engine failed")
             if engine is not None:
-                engine._last_words(EngineFailed("serving", traceback.format_exc()))
+                engine._last_words(EngineFailed("serving", traceback.format_exc(), _error_line(exc)))
             code = 1
         finally:
             if engine is not None:

@@ -24,7 +24,7 @@ detokenizer applies it itself: the window is decoded in runs split at those toke
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Optional
 
 _REPLACEMENT = "\ufffd"
 _BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
@@ -48,6 +48,21 @@ def special_token_ids(tokenizer: Any) -> frozenset[int]:
     """Ids that `decode(..., skip_special_tokens=True)` drops: special added tokens."""
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     return frozenset(tokenizer.all_special_ids) | frozenset(i for i, t in added.items() if getattr(t, "special", False))
+
+
+def find_stop_string(text: str, stops: list[str], new_from: int, include: bool) -> Optional[tuple[str, int]]:
+    """Of the stop strings that end past `new_from` (the text before it was searched already),
+    the one that starts first, and the length the text is cut to: after it (include=True,
+    include_stop_str_in_output) or before it. None when there is none."""
+    best: Optional[tuple[int, str]] = None
+    for stop in stops:
+        at = text.find(stop, max(0, new_from - len(stop) + 1))
+        if at != -1 and (best is None or at < best[0]):
+            best = (at, stop)
+    if best is None:
+        return None
+    at, stop = best
+    return stop, at + len(stop) if include else at
 
 
 class IncrementalDetokenizer:

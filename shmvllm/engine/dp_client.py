@@ -55,7 +55,7 @@ from shmvllm.engine.core_client import (
 from shmvllm.engine.core_proc import POLL_S
 from shmvllm.engine.dp_balancer import DPLoadBalancer
 from shmvllm.engine.exceptions import EngineDeadError, EngineTimeoutError
-from shmvllm.engine.proc_manager import DEFAULT_READY_TIMEOUT_S, CoreEngineProcManager
+from shmvllm.engine.proc_manager import DEFAULT_READY_TIMEOUT_S, CoreEngineProcManager, failure_text
 from shmvllm.engine.termination import FrontendTermination
 
 logger = logging.getLogger(__name__)
@@ -244,8 +244,8 @@ class DPSyncMPClient(EngineCoreClient):
         raises EngineDeadError."""
         manager = self._managers[engine]
         self._dead = (
-            f"data-parallel engine {engine} of {self.num_engines} (pid {manager.pid}) is dead: {why}; "
-            "the other engines were shut down"
+            f"data-parallel engine {engine} of {self.num_engines} (pid {manager.pid}) is dead (the other "
+            f"engines were shut down): {why}"
         )
         logger.error("%s", self._dead)
         self._resources.shutdown(DEAD_PEERS_EXIT_S)
@@ -264,7 +264,7 @@ class DPSyncMPClient(EngineCoreClient):
             except Exception:  # what is left of the ring cannot be read: the exit code tells
                 pass
             if isinstance(last, EngineFailed):
-                raise self._died(i, f"it failed:\n{last.traceback}")
+                raise self._died(i, f"it failed: {failure_text(last)}")
             raise self._died(i, f"it exited with code {manager.exitcode}")
 
     # ---- sending -------------------------------------------------------------------------
@@ -305,7 +305,7 @@ class DPSyncMPClient(EngineCoreClient):
 
     def _accept(self, engine: int, msg: Any) -> EngineCoreOutputs:
         if isinstance(msg, EngineFailed):
-            raise self._died(engine, f"it failed:\n{msg.traceback}")
+            raise self._died(engine, f"it failed: {failure_text(msg)}")
         if not isinstance(msg, EngineCoreOutputs):
             raise self._died(engine, f"it sent an unexpected {type(msg).__name__}")
         if msg.engine_index != engine:

@@ -172,7 +172,7 @@ class InputProcessor:
             if bad:
                 raise ValueError(f"{name} has token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}.")
         if self.renderer.tokenizer is None and (params.stop or params.bad_words):
-            raise ValueError("stop strings and bad_words need a tokenizer: this engine has skip_tokenizer_init=True.")
+            raise ValueError("Tokenizer not available when `skip_tokenizer_init=True`: stop strings and bad_words need one.")
         if params.bad_words:
             self.bad_words_token_ids(params.bad_words)
         bad = [t for t in params.stop_token_ids or () if t >= self.vocab_size]
@@ -196,15 +196,18 @@ class InputProcessor:
 
     def validate_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
-            raise ValueError("the prompt is empty: it has no tokens.")
+            raise ValueError("The decoder prompt cannot be empty: it has no tokens.")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
-                f"the prompt is {len(prompt_ids)} tokens long, which leaves no room to generate within "
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
+                f"contains {len(prompt_ids)} input tokens, which leaves no room to generate within "
                 f"max_model_len={self.max_model_len}; shorten the prompt or raise max_model_len."
             )
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt_token_ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}.")
+            raise ValueError(
+                f"Token id {bad[0]} is out of vocabulary: prompt_token_ids {bad[:5]} are outside [0, {self.vocab_size})."
+            )
 
     # ---- pooling (embedding) requests ------------------------------------------------------
 
@@ -243,14 +246,17 @@ class InputProcessor:
 
     def validate_pooling_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
-            raise ValueError("the prompt is empty: it has no tokens.")
+            raise ValueError("The decoder prompt cannot be empty: it has no tokens.")
         if len(prompt_ids) > self.max_model_len:
             raise ValueError(
-                f"prompt_token_ids has {len(prompt_ids)} tokens, more than max_model_len={self.max_model_len}."
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
+                f"contains {len(prompt_ids)} input tokens (prompt_token_ids, more than max_model_len={self.max_model_len})."
             )
         low, high = min(prompt_ids), max(prompt_ids)
         if low < 0 or high >= self.vocab_size:
-            raise ValueError(f"prompt_token_ids out of the vocabulary [0, {self.vocab_size}): {low if low < 0 else high}.")
+            raise ValueError(
+                f"Token id {low if low < 0 else high} is out of vocabulary: prompt_token_ids must lie in [0, {self.vocab_size})."
+            )
 
     def engine_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """A copy with the EOS token set, max_tokens capped by what is left of max_model_len,

@@ -105,7 +105,7 @@ class LLMEngine:
 
     def get_tokenizer(self) -> Any:
         if self.tokenizer is None:
-            raise ValueError("this engine has no tokenizer: it was built with skip_tokenizer_init=True.")
+            raise ValueError("Tokenizer not available when `skip_tokenizer_init=True`.")
         return self.tokenizer
 
     def add_request(

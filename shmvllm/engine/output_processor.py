@@ -28,6 +28,7 @@ from shmvllm.engine.detokenizer import (
     IncrementalDetokenizer,
     added_token_ids,
     byte_fallback_token_ids,
+    find_stop_string,
     special_token_ids,
 )
 from shmvllm.boundary.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, Logprobs
@@ -108,6 +109,7 @@ class RequestState:
     stop_reason: Any = None
     error: Optional[str] = None
     stats: RequestStateStats = field(default_factory=RequestStateStats)
+    stop_floor: int = 0  # where the text after the first min_tokens tokens starts: stop strings end past it
 
     @property
     def finished(self) -> bool:
@@ -326,24 +328,20 @@ class OutputProcessor:
         return False
 
     def _find_stop_string(self, state: RequestState, old_len: int) -> Optional[str]:
-        """Looks for a stop string in the text new this step (and the few chars before it, for a
-        stop string spanning the boundary); truncates the text at it."""
+        """Looks for a stop string ending in the text new this step and past the first min_tokens
+        tokens' text (vLLM's rule); truncates the text at it."""
         params = state.params
         detok = state.detokenizer
-        if not params.stop or len(detok.token_ids) < params.min_tokens:
+        if not params.stop:
             return None
-        text = detok.output_text
-        longest = max(len(s) for s in params.stop)
-        start = max(0, old_len - longest + 1)
-        best: Optional[tuple[int, str]] = None
-        for stop in params.stop:
-            at = text.find(stop, start)
-            if at != -1 and (best is None or at < best[0]):
-                best = (at, stop)
-        if best is None:
+        if len(detok.token_ids) <= params.min_tokens:
+            state.stop_floor = len(detok.output_text)
             return None
-        at, stop = best
-        detok.output_text = text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
+        found = find_stop_string(detok.output_text, params.stop, max(old_len, state.stop_floor), params.include_stop_str_in_output)
+        if found is None:
+            return None
+        stop, truncate_to = found
+        detok.output_text = detok.output_text[:truncate_to]
         return stop
 
     def _make_completion(self, state: RequestState) -> Optional[CompletionOutput]:

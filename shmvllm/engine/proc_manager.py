@@ -7,19 +7,26 @@ spawn, so the caller's main module is never imported again: a script without a m
 addresses, msgpack) go to its stdin. It answers READY (`EngineReady`)
 once its KV cache is sized, or `EngineFailed` with its start-up traceback, which becomes an
 `EngineStartupError` here. A child that dies without a word is noticed by polling it.
+
+The engine's tree (the engine and its tensor-parallel workers, noted at READY) creates segments
+and semaphores of its own (the broadcast ring, the all-reduce arena), named after their creator's
+pid: once the engine is declared dead (`reap`) or stopped (`shutdown`), what is left of the tree
+is killed and everything of those pids is unlinked here, whoever died first; the sweep at the next
+start stays the backstop for a frontend that died too.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-from ipc.segment import pid_alive
+from ipc.segment import pid_alive, process_start_time, sweep_stale_segments
 from shmvllm import envs
 from shmvllm.boundary.channel import Addresses, ChannelTimeout, FrontendInbox
 from shmvllm.boundary.messages import EngineFailed, EngineReady
@@ -30,7 +37,28 @@ from shmvllm.engine.exceptions import EngineStartupError
 logger = logging.getLogger(__name__)
 
 DEFAULT_READY_TIMEOUT_S = 600.0
+TREE_EXIT_S = 1.0  # how long the workers of a dead engine get to be gone after their SIGKILL
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def failure_text(failed: EngineFailed) -> str:
+    """An engine's failure for an error message: its type and message on the first line, the
+    engine's traceback after it."""
+    lines = [line for line in failed.traceback.splitlines() if line.strip()]
+    summary = failed.error or (lines[-1].strip() if lines else "no reason given")
+    return summary if failed.traceback.strip() in ("", summary) else f"{summary}\n{failed.traceback}"
+
+
+def describe_exit(code: Optional[int]) -> str:
+    """An exit code in words: "killed by SIGKILL" for -9, "exited with code 1", "still running"."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 def describe_process(pid: int) -> str:
@@ -65,6 +93,8 @@ class CoreEngineProcManager:
         """engine_index, cpus (its cores) and num_threads (its OMP_NUM_THREADS) are for one of
         several data-parallel engines (shmvllm.engine.dp_client); the defaults: the only one."""
         self.engine_index = engine_index
+        self._tensor_parallel = config.parallel_config.tensor_parallel_size > 1
+        self.workers: list[tuple[int, int]] = []  # (pid, start time) of the engine's worker processes
         args = EngineProcArgs.build(
             config,
             addresses,
@@ -115,6 +145,39 @@ class CoreEngineProcManager:
         except subprocess.TimeoutExpired:
             pass
 
+    def _note_workers(self) -> None:
+        """The engine's child processes (its tensor-parallel workers, started before READY)."""
+        if self._tensor_parallel:
+            self.workers = [(pid, process_start_time(pid)) for pid in _children(self.proc.pid)]
+
+    def reap(self, grace: float) -> None:
+        """The engine was declared dead: `grace` s for it to exit (it may be sending its last
+        words or closing its executor), then SIGKILL; then what is left of its tree goes."""
+        self.join(grace)
+        if self.is_alive():
+            logger.warning("engine process %d declared dead but still running: killing it", self.proc.pid)
+            self.proc.kill()
+            self.join(2.0)
+        self._remove_tree()
+
+    def _remove_tree(self) -> None:
+        """After the engine exited: kills its workers (PR_SET_PDEATHSIG usually has), waits for
+        them to be gone, and unlinks every segment and semaphore the engine and they created."""
+        if self.is_alive():
+            return
+        for pid, started in self.workers:
+            if pid_alive(pid, started):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + TREE_EXIT_S
+        while any(pid_alive(pid, started) for pid, started in self.workers) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        removed = sweep_stale_segments(creators={self.proc.pid, *(pid for pid, _ in self.workers)})
+        if removed:
+            logger.info("removed %d segments left by engine process %d's tree: %s", len(removed), self.proc.pid, removed)
+
     def wait_for_ready(self, inbox: FrontendInbox, timeout: float = DEFAULT_READY_TIMEOUT_S) -> EngineReady:
         """Blocks until READY; EngineStartupError with the child's traceback when it failed."""
         deadline = self.started + timeout
@@ -132,6 +195,7 @@ class CoreEngineProcManager:
                 raise EngineStartupError(f"the engine process (pid {self.pid}) sent no READY within {timeout:.0f} s.")
         if not isinstance(answer, EngineReady):
             raise self._failed(answer)
+        self._note_workers()
         logger.info(
             "engine process %d ready in %.1f s: %d KV blocks x %d tokens (%.2fx max concurrency at max_model_len=%d)",
             self.pid, time.monotonic() - self.started, answer.num_kv_blocks, answer.block_size,
@@ -155,13 +219,14 @@ class CoreEngineProcManager:
             return None
         if not isinstance(answer, EngineReady):
             raise self._failed(answer)
+        self._note_workers()
         logger.info("engine %d (pid %d) ready in %.1f s: %d KV blocks x %d tokens", self.engine_index, self.pid,
                     time.monotonic() - self.started, answer.num_kv_blocks, answer.block_size)
         return answer
 
     def _failed(self, answer: Any) -> EngineStartupError:
         if isinstance(answer, EngineFailed):
-            return EngineStartupError(f"the engine process (pid {self.pid}) failed to start:\n{answer.traceback}")
+            return EngineStartupError(f"the engine process (pid {self.pid}) failed to start: {failure_text(answer)}")
         return EngineStartupError(f"the engine process (pid {self.pid}) answered {type(answer).__name__} before READY.")
 
     def _startup_error(self, inbox: FrontendInbox, what: str) -> EngineStartupError:
@@ -173,12 +238,13 @@ class CoreEngineProcManager:
         if answer is not None:
             return self._failed(answer)
         return EngineStartupError(
-            f"the engine process (pid {self.pid}) died before READY ({what}; exit code {self.exitcode}); "
+            f"the engine process (pid {self.pid}) died before READY: {describe_exit(self.exitcode)} ({what}); "
             "its own output above says why."
         )
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Waits `timeout` s for the process to exit (after SHUTDOWN), then terminates, then kills."""
+        """Waits `timeout` s for the process to exit (after SHUTDOWN), then terminates, then
+        kills; then removes what is left of its tree."""
         proc = self.proc
         self.join(timeout)
         if self.is_alive():
@@ -188,3 +254,22 @@ class CoreEngineProcManager:
         if self.is_alive():
             proc.kill()
             self.join(2.0)
+        self._remove_tree()
+
+
+def _children(pid: int) -> list[int]:
+    """The live child processes of `pid` (Linux: /proc; none found elsewhere)."""
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for name in entries:
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(name))
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                pass
+    return found

@@ -95,7 +95,7 @@ class Renderer:
         if not isinstance(text, str):
             raise TypeError(f"prompt must be a str, got {type(text).__name__}.")
         if self.tokenizer is None:
-            raise ValueError("text prompts need a tokenizer: with skip_tokenizer_init=True give prompt_token_ids.")
+            raise ValueError("Tokenizer not available when `skip_tokenizer_init=True`: give prompt_token_ids instead of text prompts.")
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def render_chat_text(
@@ -116,7 +116,7 @@ class Renderer:
         passes the parts to the template as they are."""
         _check_conversation(conversation)
         if self.tokenizer is None:
-            raise ValueError("chat needs a tokenizer: this engine was built with skip_tokenizer_init=True.")
+            raise ValueError("Tokenizer not available when `skip_tokenizer_init=True`: chat needs one.")
         if chat_template is None and not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; pass chat_template=... or use generate().")
         if add_generation_prompt and continue_final_message:

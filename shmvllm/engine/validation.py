@@ -3,6 +3,9 @@
 - `check_engine_args`: every EngineArgs field against its type hint (so a new field is checked
   too), and the values the engine process would otherwise refuse only after it started
   (device, seed).
+- `check_against_model`: what the engine would refuse only once it loads the model: weights
+  the loader cannot read, engine arguments the model's config rules out (a KV cache budget
+  below one block).
 - `as_prompt_list` / `as_conversations`: the shapes `generate` and `chat` accept, with errors
   that name the argument and the value instead of whatever Python says about iterating a
   None or indexing a dict.
@@ -82,6 +85,42 @@ def _check_device(device: str) -> None:
     index = int(match.group(1) or 0)
     if index >= torch.cuda.device_count():
         raise ValueError(f"device={device!r}, but there are {torch.cuda.device_count()} CUDA devices.")
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def kv_cache_bytes_per_block(hf_config: Any, dtype: str, block_size: int, tensor_parallel_size: int = 1) -> int:
+    """Bytes of one KV-cache block across all layers (keys and values) on the rank that holds
+    the most KV heads: what `ModelRunner.kv_cache_bytes_per_block` finds once the model is built."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    rank_kv_heads = -(-kv_heads // tensor_parallel_size)  # the first ranks take the remainder
+    return 2 * block_size * rank_kv_heads * head_dim * hf_config.num_hidden_layers * _DTYPE_BYTES[dtype]
+
+
+def check_against_model(config: Any) -> None:
+    """ValueError naming the weights file the loader could not read, or the engine argument
+    the model rules out (`config`: an EngineConfig)."""
+    from shmvllm.model.registry import check_safetensors_header, gguf_source, weight_files
+
+    model, cache = config.model_config, config.cache_config
+    if gguf_source(model.model_dir) is None:
+        for path in weight_files(model.model_dir):
+            check_safetensors_header(path)
+    if model.is_embedding or cache.num_kv_blocks is not None or cache.kv_cache_memory is None:
+        return
+    if not model.device.startswith("cpu"):
+        return  # a CUDA engine sizes its cache from gpu_memory_utilization
+    per_block = kv_cache_bytes_per_block(
+        model.hf_config, model.dtype, cache.block_size, config.parallel_config.tensor_parallel_size
+    )
+    if cache.kv_cache_memory < per_block:
+        raise ValueError(
+            f"kv_cache_memory={cache.kv_cache_memory} bytes holds no KV-cache block: one block of "
+            f"{cache.block_size} tokens takes {per_block} bytes for this model in {model.dtype}."
+        )
 
 
 def as_prompt_list(prompts: Any) -> list[Any]:

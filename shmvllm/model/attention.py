@@ -54,6 +54,9 @@ class AttentionMetadata:
     slot_mapping: Optional[torch.Tensor]  # [num_tokens] int64; None: do not touch the cache (profiling)
     decodes: Optional["DecodeBatch"] = None  # the requests with one new token, if any
     prefills: list[PrefillSeq] = field(default_factory=list)
+    # [num_tokens] int64 max(prompt length, position + 1) per token, for rope types that depend
+    # on the sequence's length (rotary.py); None where the model does not need it
+    rope_lengths: Optional[torch.Tensor] = None
 
 
 @dataclass

@@ -2,20 +2,14 @@
 
 On the CPU with fp32 activations, a step whose tokens are all decodes of at most FEW_ROWS
 requests (the GEMV regime: single-request latency) runs every layer in C: Python embeds the
-tokens, then makes one call. The C driver calls the same kernels in the same order as the
-layer-by-layer modules (so the hidden states are identical bit for bit, see
-tests/test_quant_model.py); this module lays out, once, a table of every layer's weights (GGML
-block parts or plain fp32 rows), norms and KV-cache pointers, and re-lays it when the cache is
-re-bound. ``SHMVLLM_FUSED_DECODE=0`` turns it off (the modules then run as for any other step).
-
-Where a single-request decode of SmolLM2-135M (Q4_1 blocks, 2 threads, LLM(multiprocess=False),
-1500 tokens) spends its time with the native step, from py-spy (`py-spy record -r 500 -f raw`,
-C time counted in the Python frame that called it): 84% in the native step (`DecodeStep.run`),
-7% in the lm_head GEMV on the Q8_0 embedding (`block_linear`), 3% in the prefill's
-dequantize-and-GEMM, ~5% in the rest of the runner (sampler, inputs, embedding lookup). The
-layer-by-layer path's profile could not be completed on the shared machine (its run hit the
-time limit); an A/B of the two on that machine (load average ~10 on 2 cores, so the absolute
-figures say little): 5.3 tok/s native step against 4.0 layer by layer, 200 tokens each.
+tokens, then makes one call, in which one OpenMP team runs the whole step (one parallel region a
+token; see decode_step.c). The C driver calls the same kernels as the layer-by-layer modules, each
+output value computed the same way whatever the threads' split (so the hidden states are
+identical bit for bit, see tests/test_quant_model.py); this module lays out, once, a table of
+every layer's weights (GGML block parts or plain fp32 rows), norms and KV-cache pointers, and
+re-lays it (and the step's scratch buffer) when the cache is re-bound or the thread count
+changes. ``SHMVLLM_FUSED_DECODE=0`` turns it off (the modules then run as for any other step).
+Where its time goes: benchmarks/results/decode_profile.md.
 """
 
 from __future__ import annotations
@@ -53,10 +47,10 @@ class _Model(ctypes.Structure):
     _fields_ = [
         ("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
         ("intermediate", _i64), ("num_slots", _i64), ("block_size", _i64),
-        ("eps", _f32), ("scale", _f32),
+        ("eps", _f32), ("scale", _f32), ("max_len", _i64), ("threads", _i64),
         ("layers", ctypes.POINTER(_Layer)), ("final_norm", _ptr), ("cos_table", _ptr), ("sin_table", _ptr),
-        ("rms_norm", _ptr), ("rotary", _ptr), ("write_kv", _ptr), ("attention", _ptr), ("silu_mul", _ptr),
-        ("linear_f32", _ptr),
+        ("rms_norm", _ptr), ("rotary", _ptr), ("write_kv", _ptr), ("attention_task", _ptr),
+        ("attention_combine", _ptr), ("silu_mul", _ptr), ("linear_rows", _ptr),
     ]
 
 
@@ -81,7 +75,7 @@ class DecodeStep:
         self._scratch: Optional[torch.Tensor] = None
 
     def usable(self) -> bool:
-        if self.quant is None or self.cpu is None:
+        if self.quant is None or self.cpu is None or not self.model.rotary_emb.by_position_only:
             return False
         for layer in self.model.layers:
             attn = layer.self_attn
@@ -127,13 +121,15 @@ class DecodeStep:
         if len({layer.input_layernorm.eps for layer in model.layers} | {norm.eps}) != 1:
             raise ValueError("the fused decode step needs one rms_norm eps for all norms.")
         cpu = self.cpu
+        cos = model.rotary_emb.cos_cache
         return _Model(
             len(model.layers), norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
             model.layers[0].mlp.intermediate_size, k_cache.shape[1] * k_cache.shape[2], k_cache.shape[2],
-            norm.eps, attn.scale, layers, norm.weight.data_ptr(),
-            model.rotary_emb.cos_cache.data_ptr(), model.rotary_emb.sin_cache.data_ptr(),
+            norm.eps, attn.scale, min(cos.shape[0], k_cache.shape[1] * k_cache.shape[2]), torch.get_num_threads(),
+            layers, norm.weight.data_ptr(), cos.data_ptr(), model.rotary_emb.sin_cache.data_ptr(),
             _fn(cpu, "shm_rms_norm"), _fn(cpu, "shm_rotary"), _fn(cpu, "shm_write_kv_cache"),
-            _fn(cpu, "shm_paged_decode_attention"), _fn(cpu, "shm_silu_and_mul"), _fn(cpu, "shm_linear_few_rows"),
+            _fn(cpu, "shm_attention_task"), _fn(cpu, "shm_attention_combine"), _fn(cpu, "shm_silu_and_mul"),
+            _fn(cpu, "shm_linear_rows"),
         )
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> Optional[torch.Tensor]:
@@ -150,7 +146,7 @@ class DecodeStep:
         k_cache = self.model.layers[0].self_attn.attn.k_cache
         if k_cache is None:
             return None
-        if self._table is None or self._cache_ptr != k_cache.data_ptr():
+        if self._table is None or self._cache_ptr != k_cache.data_ptr() or self._table.threads != torch.get_num_threads():
             self._table = self._build()
             self._cache_ptr = k_cache.data_ptr()
             floats = self.quant.shm_decode_scratch_floats(ctypes.addressof(self._table), FEW_ROWS)

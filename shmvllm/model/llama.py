@@ -125,7 +125,7 @@ class LlamaModel(nn.Module):
             out = self.decode_step.run(hidden, positions, meta)
             if out is not None:
                 return out
-        rope = self.rotary_emb(positions, hidden.dtype)  # looked up once for all layers
+        rope = self.rotary_emb(positions, hidden.dtype, meta.rope_lengths)  # looked up once for all layers
         for layer in self.layers:
             hidden = layer(rope, hidden, meta)
         return self.norm(hidden)

@@ -33,7 +33,7 @@ from shmvllm.config import ModelConfig
 from shmvllm.model.kernels import quant_kernels
 from shmvllm.model.linear import Linear, VocabEmbedding
 from shmvllm.model.quant import FORMAT_IDS, QuantizedWeight, quantize, read_gguf
-from shmvllm.model.registry import gguf_source
+from shmvllm.model.registry import gguf_source, weight_files
 
 logger = logging.getLogger(__name__)
 
@@ -154,17 +154,6 @@ def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
     return model
 
 
-def _weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / n for n in names]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model directory {str(model_dir)!r} has no *.safetensors weights.")
-    return files
-
-
 def return_freed_memory() -> None:
     """glibc keeps the loader's freed temporaries (copies of shards) in its heap; hand them back
     so that the engine's resident memory is what the model holds (no-op elsewhere)."""
@@ -175,7 +164,7 @@ def return_freed_memory() -> None:
 
 
 def _safetensors_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in _weight_files(model_dir):
+    for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)

@@ -188,3 +188,41 @@ def _write_gguf_tokenizer(gguf_path: Path, target: Path) -> None:
     from transformers import AutoTokenizer
 
     AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(target)
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of an HF model directory (those its index names, else every one)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model directory {str(model_dir)!r} has no *.safetensors weights.")
+    return files
+
+
+_MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+
+
+def check_safetensors_header(path: Path) -> None:
+    """ValueError naming `path` if the loader could not read it: missing, or a header that is
+    not a safetensors header describing data within the file (only the header is read)."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+            if not 0 < length <= min(_MAX_SAFETENSORS_HEADER, size - 8):
+                raise ValueError("its header length does not fit the file")
+            header = json.loads(f.read(length))
+        if not isinstance(header, dict):
+            raise ValueError("its header is not a JSON object")
+        available = size - 8 - length
+        for name, info in header.items():
+            if name != "__metadata__" and not (isinstance(info, dict) and 0 <= info["data_offsets"][1] <= available):
+                raise ValueError(f"tensor {name!r} lies outside the file")
+    except OSError as exc:
+        raise ValueError(f"weights file {str(path)!r} cannot be read: {exc.strerror or exc}.") from None
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise ValueError(f"weights file {str(path)!r} is not a safetensors file the loader can read: {exc}.") from None

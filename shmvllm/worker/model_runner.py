@@ -22,6 +22,7 @@ from shmvllm.model.attention import AttentionMetadata, PrefillSeq, build_attenti
 from shmvllm.model.loader import get_model, torch_dtype
 from shmvllm.model.logits_processors import RequestLogitsProcessors
 from shmvllm.model.prompt_logprobs import prompt_logprobs
+from shmvllm.model.rotary import RotaryEmbedding
 from shmvllm.model.sampler import Sampler, SamplerOutput, SamplingMetadata, seeded_generator
 from shmvllm.sampling_params import SamplingParams
 from shmvllm.structured_output.bitmask import TokenBitmaskApplier
@@ -56,10 +57,14 @@ class ModelRunner:
         self.kv_cache: Optional[torch.Tensor] = None
         self._padding_zeroed = False
         self.num_blocks = 0
+        self.rope_lengths_needed = False
 
     # ---- set-up -------------------------------------------------------------------------
     def load_model(self) -> None:
         self.model = get_model(self.model_config)
+        self.rope_lengths_needed = any(
+            isinstance(m, RotaryEmbedding) and m.length_dependent for m in self.model.modules()
+        )
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes of one block across all layers (keys and values)."""
@@ -208,6 +213,9 @@ class ModelRunner:
         meta = build_attention_metadata(
             query_lens, num_computed, batch.block_table[:n], slot_mapping, self.block_size, self.device
         )
+        if self.rope_lengths_needed:  # the length transformers' generate rotates each token with
+            lengths = np.maximum(batch.num_prompt_tokens[req_idx], positions + 1).astype(np.int64)
+            meta.rope_lengths = torch.from_numpy(lengths).to(self.device)
         return (
             torch.from_numpy(input_ids.astype(np.int64)).to(self.device),
             torch.from_numpy(positions.astype(np.int64)).to(self.device),
@@ -362,6 +370,8 @@ class ModelRunner:
         for length in lengths:
             meta.prefills.append(PrefillSeq(start, start + length, None, None))
             start += length
+        if self.rope_lengths_needed:
+            meta.rope_lengths = torch.cat([torch.full((n,), n) for n in lengths]).to(self.device)
         hidden = self.model(input_ids, positions, meta)
         rows = min(sched.max_num_seqs, total)
         logits = self.model.compute_logits(hidden[:rows])

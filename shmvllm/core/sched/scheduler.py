@@ -58,7 +58,9 @@ class Scheduler:
     ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
-        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, cache_config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, self.block_size, cache_config.enable_prefix_caching, cache_config.rope_length_threshold
+        )
         capacity = num_blocks * self.block_size
         # A request that outgrew the whole cache could never be scheduled again: cap its length.
         self.max_model_len = min(scheduler_config.max_model_len, capacity)

@@ -35,6 +35,7 @@ from ipc._native import find_compiler, private_dir  # the ring's C helper is bui
 from shmvllm import envs
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
+ATTENTION_HEADER = Path(__file__).with_name("attention.h")  # included by cpu_kernels.c and decode_step.c
 # -ffast-math lets gcc vectorize expf through glibc's libmvec; the kernels never see inf or NaN.
 # It is given to the compile step only: linked with -ffast-math, gcc adds crtfastmath.o, which
 # would switch the whole process to flush-to-zero arithmetic at load time.
@@ -151,7 +152,7 @@ def cpu_kernels(dtype: torch.dtype = torch.float32) -> Optional[ctypes.CDLL]:
 @functools.lru_cache(maxsize=None)
 def _cpu_kernels(dtype: torch.dtype) -> Optional[ctypes.CDLL]:
     stem, defines = _KERNEL_DTYPES[dtype]
-    return _build(stem, SOURCE, _CFLAGS + defines, _SIGNATURES)
+    return _build(stem, SOURCE, _CFLAGS + defines, _SIGNATURES, (ATTENTION_HEADER,))
 
 
 LOGPROB_SOURCE = Path(__file__).with_name("logprobs.c")
@@ -200,6 +201,7 @@ STEP_SOURCE = Path(__file__).with_name("decode_step.c")
 _QUANT_SIGNATURES = {
     "shm_decode_step": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]),
     "shm_decode_scratch_floats": (_i64, [_ptr, _i64]),
+    "shm_read_probe": (ctypes.c_double, [_ptr, _i64, ctypes.c_int]),
     "shm_qgemm": (ctypes.c_int, [_ptr, _i64, _ptr, _i64, _ptr, _i64, ctypes.c_int, _ptr, _ptr, _i64, _i64, _i64, _i64]),
     "shm_qdequant_rows": (ctypes.c_int, [_ptr, _ptr, _i64, ctypes.c_int, _ptr, _i64, _i64, _i64]),
     "shm_qblock_bytes": (ctypes.c_int, [ctypes.c_int]),
@@ -222,7 +224,7 @@ _QUANT_BASE_FLAGS = ["-O3", "-mtune=native", "-fopenmp", "-fPIC", "-std=gnu11", 
 @functools.lru_cache(maxsize=None)
 def _quant_build(isa: str) -> Optional[ctypes.CDLL]:
     flags = next(f for name, _, f in QUANT_ISAS if name == isa)
-    return _build(f"quant_kernels-{isa}", STEP_SOURCE, _QUANT_BASE_FLAGS + flags, _QUANT_SIGNATURES, (QUANT_SOURCE,))
+    return _build(f"quant_kernels-{isa}", STEP_SOURCE, _QUANT_BASE_FLAGS + flags, _QUANT_SIGNATURES, (QUANT_SOURCE, ATTENTION_HEADER))
 
 
 def quant_isas_supported() -> list[str]:

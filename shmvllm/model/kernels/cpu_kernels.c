@@ -56,6 +56,8 @@ typedef float act_t;
 #define RB(v) (v)
 #endif
 
+#include "attention.h"
+
 /* Threads pay off above about this many floats of work. */
 #define PARALLEL_MIN_FLOATS (1 << 17)
 
@@ -87,61 +89,136 @@ static inline const act_t *block_rows(const act_t *head, const int32_t *blocks, 
     return head + (int64_t)blocks[b] * block_size * head_dim;
 }
 
-/* One request's `group` query heads that share one kv head: scores, softmax, weighted sum.
- * work: group * (seq_len + head_dim) floats. */
-static void attend_one(const act_t *q, act_t *out, const act_t *k_head, const act_t *v_head,
-                       const int32_t *blocks, int64_t seq_len, int64_t block_size, int64_t group,
-                       int64_t head_dim, float scale, float *work) {
-    float *scores = work;                /* [group, seq_len] */
-    float *acc = work + group * seq_len; /* [group, head_dim] */
-    const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
-    for (int64_t b = 0, start = 0; b < num_blocks; b++, start += block_size) {
+/* Decode attention is cut into tasks of (request, kv head, run of ATTN_CHUNK positions), so that
+ * a long context spreads over every thread, not one thread per kv head (SmolLM2 has 3 kv heads
+ * for 2 threads); a request whose context fits one run is one task that writes its output
+ * directly, with the arithmetic of a plain softmax-then-weighted-sum. Longer ones leave each
+ * run's (max, sum, unnormalized weighted sum) and a combine step scales and adds them. The same
+ * tasks serve the layer path (shm_paged_decode_attention) and the native decode step
+ * (decode_step.c), so both give the same values bit for bit, at any thread count. */
+
+/* Scores of positions [start, end) for `group` query heads into s[g * (end - start) + pos]. */
+static void attention_scores(const act_t *q, const act_t *k_head, const int32_t *blocks, int64_t start, int64_t end,
+                             int64_t block_size, int64_t group, int64_t head_dim, float scale, float *s) {
+    const int64_t len = end - start;
+    for (int64_t b = start / block_size; b * block_size < end; b++) {
         const act_t *keys = block_rows(k_head, blocks, b, block_size, head_dim);
-        if (b + 1 < num_blocks) prefetch_block(block_rows(k_head, blocks, b + 1, block_size, head_dim), block_size, head_dim);
-        for (int64_t j = 0; j < block_size && start + j < seq_len; j++) {
+        if ((b + 1) * block_size < end) prefetch_block(block_rows(k_head, blocks, b + 1, block_size, head_dim), block_size, head_dim);
+        const int64_t j0 = b * block_size < start ? start - b * block_size : 0;
+        for (int64_t j = j0; j < block_size && b * block_size + j < end; j++) {
             const act_t *key = keys + j * head_dim;
             for (int64_t g = 0; g < group; g++) {
                 const act_t *qg = q + g * head_dim;
                 float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                 for (int64_t d = 0; d < head_dim; d++) dot += LD(qg[d]) * LD(key[d]);
-                scores[g * seq_len + start + j] = dot * scale;
+                s[g * len + b * block_size + j - start] = dot * scale;
             }
         }
     }
-    for (int64_t g = 0; g < group; g++) {
-        float *s = scores + g * seq_len;
-        float max = s[0], sum = 0.0f;
-        for (int64_t pos = 1; pos < seq_len; pos++) max = s[pos] > max ? s[pos] : max;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t pos = 0; pos < seq_len; pos++) {
-            s[pos] = expf(s[pos] - max);
-            sum += s[pos];
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t pos = 0; pos < seq_len; pos++) s[pos] *= inv;
-    }
+}
+
+/* acc[g] = sum over positions [start, end) of p[g * (end - start) + pos] * value[pos]. */
+static void attention_values(const act_t *v_head, const int32_t *blocks, int64_t start, int64_t end, int64_t block_size,
+                             int64_t group, int64_t head_dim, const float *p, float *acc) {
+    const int64_t len = end - start;
     memset(acc, 0, (size_t)(group * head_dim) * sizeof(float));
-    prefetch_block(block_rows(v_head, blocks, 0, block_size, head_dim), block_size, head_dim);
-    for (int64_t b = 0, start = 0; b < num_blocks; b++, start += block_size) {
+    prefetch_block(block_rows(v_head, blocks, start / block_size, block_size, head_dim), block_size, head_dim);
+    for (int64_t b = start / block_size; b * block_size < end; b++) {
         const act_t *values = block_rows(v_head, blocks, b, block_size, head_dim);
-        if (b + 1 < num_blocks) prefetch_block(block_rows(v_head, blocks, b + 1, block_size, head_dim), block_size, head_dim);
-        for (int64_t j = 0; j < block_size && start + j < seq_len; j++) {
+        if ((b + 1) * block_size < end) prefetch_block(block_rows(v_head, blocks, b + 1, block_size, head_dim), block_size, head_dim);
+        const int64_t j0 = b * block_size < start ? start - b * block_size : 0;
+        for (int64_t j = j0; j < block_size && b * block_size + j < end; j++) {
             const act_t *value = values + j * head_dim;
             for (int64_t g = 0; g < group; g++) {
-                const float p = scores[g * seq_len + start + j];
+                const float pj = p[g * len + b * block_size + j - start];
                 float *a = acc + g * head_dim;
 #pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++) a[d] += p * LD(value[d]);
+                for (int64_t d = 0; d < head_dim; d++) a[d] += pj * LD(value[d]);
             }
         }
     }
-#ifdef SHM_BF16
-    for (int64_t i = 0; i < group * head_dim; i++) out[i] = ST(acc[i]);
-#else
-    for (int64_t g = 0; g < group; g++) memcpy(out + g * head_dim, acc + g * head_dim, (size_t)head_dim * sizeof(float));
-#endif
+}
+
+/* exp(s - max) in place over each group's `len` scores; maxes[g], sums[g] receive max and sum. */
+static void attention_exp(float *s, int64_t group, int64_t len, float *maxes, float *sums) {
+    for (int64_t g = 0; g < group; g++) {
+        float *sg = s + g * len;
+        float max = sg[0], sum = 0.0f;
+        for (int64_t pos = 1; pos < len; pos++) max = sg[pos] > max ? sg[pos] : max;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t pos = 0; pos < len; pos++) {
+            sg[pos] = expf(sg[pos] - max);
+            sum += sg[pos];
+        }
+        maxes[g] = max;
+        sums[g] = sum;
+    }
+}
+
+/* One task (see above); `work`: attention_work_floats floats of this thread's own;
+ * `partials`: shared by the step's tasks. A task past its request's last run does nothing. */
+void shm_attention_task(const shm_attention_args *a, int64_t task, float *work, float *partials) {
+    const int64_t chunk = task % a->max_chunks, h = (task / a->max_chunks) % a->kv_heads;
+    const int64_t i = task / (a->max_chunks * a->kv_heads);
+    const int64_t seq_len = a->seq_lens[i], chunks = attention_chunks(seq_len);
+    if (chunk >= chunks) return;
+    const int64_t group = a->num_heads / a->kv_heads, D = a->head_dim, row = a->decode_rows[i];
+    const int64_t start = chunk * ATTN_CHUNK, end = start + ATTN_CHUNK < seq_len ? start + ATTN_CHUNK : seq_len;
+    const int64_t len = end - start;
+    const act_t *q = a->q + row * a->q_row_stride + h * group * D;
+    const act_t *k_head = a->k_cache + h * a->num_slots * D, *v_head = a->v_cache + h * a->num_slots * D;
+    const int32_t *blocks = a->block_table + i * a->block_table_stride;
+    float *s = work, *acc = work + group * len, maxes[group], sums[group];
+    attention_scores(q, k_head, blocks, start, end, a->block_size, group, D, a->scale, s);
+    attention_exp(s, group, len, maxes, sums);
+    if (chunks == 1) {
+        /* the whole context: normalize the probabilities, then weigh the values with them */
+        for (int64_t g = 0; g < group; g++) {
+            const float inv = 1.0f / sums[g];
+#pragma omp simd
+            for (int64_t pos = 0; pos < len; pos++) s[g * len + pos] *= inv;
+        }
+        attention_values(v_head, blocks, start, end, a->block_size, group, D, s, acc);
+        act_t *out = a->out + row * a->out_row_stride + h * group * D;
+        for (int64_t e = 0; e < group * D; e++) out[e] = ST(acc[e]);
+        return;
+    }
+    float *part = partials + ((i * a->kv_heads + h) * a->max_chunks + chunk) * group * (D + 2);
+    attention_values(v_head, blocks, start, end, a->block_size, group, D, s, part + 2 * group);
+    for (int64_t g = 0; g < group; g++) {
+        part[g] = maxes[g];
+        part[group + g] = sums[g];
+    }
+}
+
+/* Joins the runs of (request, kv head) `pair` = i * kv_heads + h, where its context spans more
+ * than one: out = sum_c exp(max_c - max) acc_c / sum_c exp(max_c - max) sum_c. */
+void shm_attention_combine(const shm_attention_args *a, int64_t pair, const float *partials) {
+    const int64_t i = pair / a->kv_heads, h = pair % a->kv_heads, chunks = attention_chunks(a->seq_lens[i]);
+    if (chunks == 1) return;
+    const int64_t group = a->num_heads / a->kv_heads, D = a->head_dim;
+    const float *first = partials + pair * a->max_chunks * group * (D + 2);
+    act_t *out = a->out + a->decode_rows[i] * a->out_row_stride + h * group * D;
+    for (int64_t g = 0; g < group; g++) {
+        float max = first[g];
+        for (int64_t c = 1; c < chunks; c++) {
+            const float m = first[c * group * (D + 2) + g];
+            max = m > max ? m : max;
+        }
+        float total = 0.0f, acc[D];
+        memset(acc, 0, sizeof acc);
+        for (int64_t c = 0; c < chunks; c++) {
+            const float *part = first + c * group * (D + 2);
+            const float w = expf(part[g] - max);
+            total += w * part[group + g];
+            const float *pa = part + 2 * group + g * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) acc[d] += w * pa[d];
+        }
+        const float inv = 1.0f / total;
+        for (int64_t d = 0; d < D; d++) out[g * D + d] = ST(acc[d] * inv);
+    }
 }
 
 /* Decode attention for `num_decodes` requests, each one query token at row decode_rows[i] of
@@ -154,23 +231,29 @@ int shm_paged_decode_attention(act_t *out, int64_t out_row_stride, const act_t *
                                int64_t block_table_stride, const int32_t *seq_lens, int64_t block_size,
                                int64_t num_heads, int64_t kv_heads, int64_t head_dim, float scale) {
     const int64_t group = num_heads / kv_heads;
-    int64_t max_len = 0, total_len = 0;
+    int64_t max_len = 1, total_len = 0;
     for (int64_t i = 0; i < num_decodes; i++) {
         max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
         total_len += seq_lens[i];
     }
-    const int64_t work_floats = group * (max_len + head_dim);
+    const shm_attention_args a = {out, out_row_stride, q, q_row_stride, decode_rows, num_decodes, k_cache, v_cache,
+                                  num_slots, block_table, block_table_stride, seq_lens, block_size, num_heads,
+                                  kv_heads, head_dim, scale, attention_chunks(max_len)};
+    const int64_t work_floats = attention_work_floats(group, head_dim);
+    const int64_t partial_floats =
+        a.max_chunks > 1 ? attention_partial_floats(num_decodes, kv_heads, a.max_chunks, group, head_dim) : 0;
     const int threads = omp_get_max_threads();
-    float *work = malloc((size_t)(threads * work_floats) * sizeof(float));
+    float *work = malloc((size_t)(threads * work_floats + partial_floats) * sizeof(float));
     if (work == NULL) return -1;
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) if (2 * total_len * kv_heads * head_dim >= PARALLEL_MIN_FLOATS)
-    for (int64_t i = 0; i < num_decodes; i++) {
-        for (int64_t h = 0; h < kv_heads; h++) {
-            const int64_t row = decode_rows[i];
-            attend_one(q + row * q_row_stride + h * group * head_dim, out + row * out_row_stride + h * group * head_dim,
-                       k_cache + h * num_slots * head_dim, v_cache + h * num_slots * head_dim,
-                       block_table + i * block_table_stride, seq_lens[i], block_size, group, head_dim, scale,
-                       work + omp_get_thread_num() * work_floats);
+    float *partials = work + threads * work_floats;
+    const int64_t tasks = num_decodes * kv_heads * a.max_chunks;
+#pragma omp parallel if (2 * total_len * kv_heads * head_dim >= PARALLEL_MIN_FLOATS)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; t++) shm_attention_task(&a, t, work + omp_get_thread_num() * work_floats, partials);
+        if (a.max_chunks > 1) {
+#pragma omp for schedule(static)
+            for (int64_t pair = 0; pair < num_decodes * kv_heads; pair++) shm_attention_combine(&a, pair, partials);
         }
     }
     free(work);
@@ -270,14 +353,11 @@ static void linear_few_rows_dp(act_t *out, const act_t *x, const act_t *w, const
 }
 #endif
 
-void shm_linear_few_rows(act_t *out, const act_t *x, const act_t *w, const act_t *bias, const act_t *residual,
-                         int64_t rows, int64_t n, int64_t k) {
-#if defined(SHM_BF16) && defined(__AVX512BF16__)
-    linear_few_rows_dp(out, x, w, bias, residual, rows, n, k);
-    return;
-#endif
-#pragma omp parallel for schedule(static) if (n * k >= PARALLEL_MIN_FLOATS)
-    for (int64_t j = 0; j < n; j++) {
+/* Output columns [j0, j1) of shm_linear_few_rows, on the calling thread (the decode step's
+ * team splits the columns itself). */
+void shm_linear_rows(act_t *out, const act_t *x, const act_t *w, const act_t *bias, const act_t *residual,
+                     int64_t rows, int64_t n, int64_t k, int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; j++) {
         const act_t *wj = w + j * k;
         const float add = bias != NULL ? LD(bias[j]) : 0.0f;
         int64_t m = 0;
@@ -299,5 +379,18 @@ void shm_linear_few_rows(act_t *out, const act_t *x, const act_t *w, const act_t
             for (int64_t i = 0; i < k; i++) s += LD(xm[i]) * LD(wj[i]);
             out[m * n + j] = ST(s + add + (residual != NULL ? LD(residual[m * n + j]) : 0.0f));
         }
+    }
+}
+
+void shm_linear_few_rows(act_t *out, const act_t *x, const act_t *w, const act_t *bias, const act_t *residual,
+                         int64_t rows, int64_t n, int64_t k) {
+#if defined(SHM_BF16) && defined(__AVX512BF16__)
+    linear_few_rows_dp(out, x, w, bias, residual, rows, n, k);
+    return;
+#endif
+#pragma omp parallel if (n * k >= PARALLEL_MIN_FLOATS)
+    {
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        shm_linear_rows(out, x, w, bias, residual, rows, n, k, n * t / threads, n * (t + 1) / threads);
     }
 }

@@ -7,15 +7,17 @@
  * bits, the integer factors at most 13 together), so the only rounding is the one the
  * reference does too (Q4_1's "+ m", the K formats' "- dmin * m"), and contracting that into an
  * FMA rounds identically. The dot products accumulate in fp32 vectors; activations stay fp32.
+ * The GEMV of the default model's formats (Q4_1, Q8_0) folds the block constants out of the
+ * inner loop instead (d * sum(q * x) + m * sum(x)): the same weights, the sum reassociated.
  *
  * Built three times from this one file (kernels/__init__.py): with AVX-512 (VW = 16), with AVX2
  * + FMA (VW = 8) and for the baseline ISA (portable), through GCC's vector extensions, and
  * picked at run time by what the CPU reports (shm_quant_cpu_supports). Compiled without
  * -ffast-math: no reassociation may touch the dequantization arithmetic.
  *
- * The GEMV takes up to FEW_ROWS activation rows (decoding), where the kernel is bound by reading
- * the weights: each weight block is dequantized once into registers and multiplied into every
- * row. More rows (prefill, batched decode) run the blocked GEMM (gemm_blocked): it is bound by
+ * The GEMV takes up to FEW_ROWS activation rows (decoding), where the kernel should be bound by
+ * reading the weights: each weight block is widened once into registers and multiplied into
+ * every row. More rows (prefill, batched decode) run the blocked GEMM (gemm_blocked): it is bound by
  * the FMAs, and dequantizes each weight once per call into a cache-resident panel. Measured
  * single-threaded on Zen 4 (benchmarks/qgemm.py --threads 1 --cpu-time), the GEMMs of a
  * SmolLM2-135M step on its Q4_1 / Q8_0 blocks run at 1.02x the speed of oneDNN's packed fp32
@@ -370,13 +372,14 @@ static inline void store_tile(vf acc[NR][MV], const int mv, float *out, int64_t 
 
 /* ---- kernels, instantiated per format ---- */
 
-/* out[m, j] (+)= x[m] . w[j] for up to four rows, each weight block dequantized once. The
- * per-row body is inlined with M a constant (so the accumulators live in registers) inside the
- * OpenMP loop: an outlined parallel body would see M as a variable. */
-#define DEFINE_FEW_ROWS(NAME, DEQ, QK, BB)                                                                     \
+/* out[m, j] (+)= x[m] . w[j] for up to four rows, each weight block dequantized once (the
+ * generic row: any format with a DEQ). `xs` (per-block sums of x) is for the folded rows below;
+ * the generic row does not use it. */
+#define DEFINE_ROW(NAME, DEQ, QK, BB)                                                                          \
     static inline __attribute__((always_inline)) void NAME##_row(                                            \
         const int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *row, const float *bias, \
-        const float *residual, int64_t ldr, int64_t j, int64_t k) {                                             \
+        const float *residual, int64_t ldr, int64_t j, int64_t k, const float *xs) {                            \
+        (void)xs;                                                                                               \
         /* independent accumulator chains, so that one row is not one chain of dependent FMAs */ \
         const int NA = M <= 2 ? 4 : 2;                                                                          \
         vf acc[FEW_ROWS][4];                                                                                    \
@@ -407,19 +410,130 @@ static inline void store_tile(vf acc[NR][MV], const int mv, float *out, int64_t 
             for (int a = 1; a < NA; a++) sum += acc[m][a];                                                      \
             out[m * ldo + j] = hsum(sum) + add + (residual != NULL ? residual[m * ldr + j] : 0.0f);             \
         }                                                                                                       \
+    }
+
+/* The folded rows of the default model's formats. A block's dot product is d * sum(q * x) (+ m *
+ * sum(x) for Q4_1, with sum(x) per block computed once per call for all rows), so each weight
+ * costs one widen, one convert and one FMA, and the block constants one FMA per block: about half
+ * the vector work of dequantizing first (d * q + m, then * x). The sums are the dequantized
+ * weights' dot product reassociated (fp32 rounding differs at the last bits, as any change of
+ * summation order does). */
+#if VW == 16 && defined(__AVX512F__)
+/* the 16 bytes widened to 32-bit lanes once: & 15 gives the low nibbles, >> 4 the high ones */
+static inline void nibbles_to_float(const uint8_t *qs, vf q[32 / VW]) {
+    const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+    q[0] = (vf)_mm512_cvtepi32_ps(_mm512_and_si512(wide, _mm512_set1_epi32(0x0f)));
+    q[1] = (vf)_mm512_cvtepi32_ps(_mm512_srli_epi32(wide, 4));
+}
+static inline void int8s_to_float(const uint8_t *qs, vf q[32 / VW]) {
+    q[0] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs)));
+    q[1] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16))));
+}
+#elif VW == 8 && defined(__AVX2__)
+static inline void nibbles_to_float(const uint8_t *qs, vf q[32 / VW]) {
+    const __m256i mask = _mm256_set1_epi32(0x0f);
+    for (int c = 0; c < 2; c++) {
+        const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * c)));
+        q[c] = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(wide, mask));
+        q[2 + c] = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4));
+    }
+}
+static inline void int8s_to_float(const uint8_t *qs, vf q[32 / VW]) {
+    for (int c = 0; c < 4; c++)
+        q[c] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * c))));
+}
+#else
+static inline void nibbles_to_float(const uint8_t *qs, vf q[32 / VW]) {
+    for (int c = 0; c < 16 / VW; c++) {
+        vb b;
+        memcpy(&b, qs + c * VW, VW);
+        q[c] = bytes_to_float(b & 0x0f);
+        q[16 / VW + c] = bytes_to_float(b >> 4);
+    }
+}
+static inline void int8s_to_float(const uint8_t *qs, vf q[32 / VW]) {
+    for (int c = 0; c < 32 / VW; c++) {
+        vsb b;
+        memcpy(&b, qs + c * VW, VW);
+        q[c] = sbytes_to_float(b);
+    }
+}
+#endif
+
+/* xs[m * (k / 32) + b] = sum of x[m][32 b, 32 b + 32) */
+static inline void block_sums(float *xs, int M, const float *x, int64_t ldx, int64_t k) {
+    for (int m = 0; m < M; m++)
+        for (int64_t b = 0; b < k / 32; b++) {
+            vf s = loadf(x + m * ldx + 32 * b);
+            for (int t = 1; t < 32 / VW; t++) s += loadf(x + m * ldx + 32 * b + t * VW);
+            xs[m * (k / 32) + b] = hsum(s);
+        }
+}
+
+/* BB-byte blocks of 32: an fp16 d at 0 (and an fp16 m at 2 when HAS_M), then Q values from QOFF,
+ * widened by TO_FLOAT. Blocks go in pairs, each into its own accumulator (two chains a row). */
+#define FOLDED_BLOCK(NAME, BB, QOFF, TO_FLOAT, HAS_M, B, A)                                                    \
+    {                                                                                                           \
+        const uint8_t *blk = row + (B) * BB;                                                                    \
+        const vf d = splat(fp16_to_fp32(load_u16(blk)));                                                        \
+        vf q[32 / VW];                                                                                          \
+        TO_FLOAT(blk + QOFF, q);                                                                                \
+        for (int m = 0; m < M; m++) {                                                                           \
+            const float *xb = x + m * ldx + 32 * (B);                                                           \
+            vf s = q[0] * loadf(xb);                                                                            \
+            for (int t = 1; t < 32 / VW; t++) s += q[t] * loadf(xb + t * VW);                                    \
+            A[m] += d * s;                                                                                      \
+            if (HAS_M) macc[m] += fp16_to_fp32(load_u16(blk + 2)) * xs[m * blocks + (B)];                       \
+        }                                                                                                       \
+    }
+#define DEFINE_FOLDED_ROW(NAME, BB, QOFF, TO_FLOAT, HAS_M)                                                     \
+    static inline __attribute__((always_inline)) void NAME##_row(                                            \
+        const int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *row, const float *bias, \
+        const float *residual, int64_t ldr, int64_t j, int64_t k, const float *xs) {                            \
+        vf acc0[FEW_ROWS], acc1[FEW_ROWS];                                                                      \
+        float macc[FEW_ROWS];                                                                                   \
+        for (int m = 0; m < M; m++) acc0[m] = acc1[m] = (vf){0}, macc[m] = 0.0f;                               \
+        const int64_t blocks = k / 32;                                                                          \
+        int64_t b = 0;                                                                                          \
+        for (; b + 2 <= blocks; b += 2) {                                                                       \
+            FOLDED_BLOCK(NAME, BB, QOFF, TO_FLOAT, HAS_M, b, acc0)                                              \
+            FOLDED_BLOCK(NAME, BB, QOFF, TO_FLOAT, HAS_M, b + 1, acc1)                                          \
+        }                                                                                                       \
+        if (b < blocks) FOLDED_BLOCK(NAME, BB, QOFF, TO_FLOAT, HAS_M, b, acc0)                                 \
+        const float add = bias != NULL ? bias[j] : 0.0f;                                                        \
+        for (int m = 0; m < M; m++)                                                                             \
+            out[m * ldo + j] = (hsum(acc0[m] + acc1[m]) + macc[m]) + add +                                      \
+                               (residual != NULL ? residual[m * ldr + j] : 0.0f);                               \
+    }
+
+/* Per format: NAME##_range (rows [j0, j1) of the output on the calling thread: what the decode
+ * step's team runs), NAME##_few (the GEMV for up to FEW_ROWS rows, the rows split over the
+ * threads), NAME##_deq_row, NAME##_panel. The row body is inlined with M a constant (so the
+ * accumulators live in registers). XSUM: the row wants per-block sums of x. */
+#define DEFINE_FORMAT(NAME, DEQ, QK, BB, XSUM)                                                                 \
+    static void NAME##_range(int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *w,      \
+                             int64_t row_bytes, const float *bias, const float *residual, int64_t ldr, int64_t j0, \
+                             int64_t j1, int64_t k) {                                                           \
+        float xs[XSUM ? M * (k / 32) : 1];                                                                      \
+        if (XSUM) block_sums(xs, M, x, ldx, k);                                                                 \
+        for (int64_t j = j0; j < j1; j++) {                                                                     \
+            const uint8_t *row = w + j * row_bytes;                                                             \
+            switch (M) {                                                                                        \
+            case 1: NAME##_row(1, out, ldo, x, ldx, row, bias, residual, ldr, j, k, xs); break;                 \
+            case 2: NAME##_row(2, out, ldo, x, ldx, row, bias, residual, ldr, j, k, xs); break;                 \
+            case 3: NAME##_row(3, out, ldo, x, ldx, row, bias, residual, ldr, j, k, xs); break;                 \
+            default: NAME##_row(4, out, ldo, x, ldx, row, bias, residual, ldr, j, k, xs); break;                \
+            }                                                                                                   \
+        }                                                                                                       \
     }                                                                                                           \
     static void NAME##_few(int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *w,        \
                            int64_t row_bytes, const float *bias, const float *residual, int64_t ldr, int64_t n,  \
                            int64_t k) {                                                                         \
-        _Pragma("omp parallel for schedule(static) if (n * k * M >= PARALLEL_MIN_WORK)")                       \
-        for (int64_t j = 0; j < n; j++) {                                                                       \
-            const uint8_t *row = w + j * row_bytes;                                                             \
-            switch (M) {                                                                                        \
-            case 1: NAME##_row(1, out, ldo, x, ldx, row, bias, residual, ldr, j, k); break;                     \
-            case 2: NAME##_row(2, out, ldo, x, ldx, row, bias, residual, ldr, j, k); break;                     \
-            case 3: NAME##_row(3, out, ldo, x, ldx, row, bias, residual, ldr, j, k); break;                     \
-            default: NAME##_row(4, out, ldo, x, ldx, row, bias, residual, ldr, j, k); break;                    \
-            }                                                                                                   \
+        _Pragma("omp parallel if (n * k * M >= PARALLEL_MIN_WORK)")                                            \
+        {                                                                                                       \
+            const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();                            \
+            NAME##_range(M, out, ldo, x, ldx, w, row_bytes, bias, residual, ldr, n * t / threads,               \
+                         n * (t + 1) / threads, k);                                                             \
         }                                                                                                       \
     }                                                                                                           \
     static void NAME##_deq_row(const uint8_t *row, float *dst, int64_t k) {                                     \
@@ -442,27 +556,41 @@ static inline void store_tile(vf acc[NR][MV], const int mv, float *out, int64_t 
             memset(panel + (g * NR + cols) * PANEL_K, 0, (NR - cols) * PANEL_K * sizeof(float));                 \
     }
 
-DEFINE_FEW_ROWS(q4_0, deq_q4_0, 32, 18)
-DEFINE_FEW_ROWS(q4_1, deq_q4_1, 32, 20)
-DEFINE_FEW_ROWS(q8_0, deq_q8_0, 32, 34)
-DEFINE_FEW_ROWS(q4_k, deq_q4_k, 256, 144)
-DEFINE_FEW_ROWS(q5_k, deq_q5_k, 256, 176)
-DEFINE_FEW_ROWS(q6_k, deq_q6_k, 256, 210)
-DEFINE_FEW_ROWS(f16, deq_f16, 32, 64)
-DEFINE_FEW_ROWS(bf16, deq_bf16, 32, 64)
-DEFINE_FEW_ROWS(f32, deq_f32, 32, 128)
+
+DEFINE_ROW(q4_0, deq_q4_0, 32, 18)
+DEFINE_FOLDED_ROW(q4_1, 20, 4, nibbles_to_float, 1)
+DEFINE_FOLDED_ROW(q8_0, 34, 2, int8s_to_float, 0)
+DEFINE_ROW(q4_k, deq_q4_k, 256, 144)
+DEFINE_ROW(q5_k, deq_q5_k, 256, 176)
+DEFINE_ROW(q6_k, deq_q6_k, 256, 210)
+DEFINE_ROW(f16, deq_f16, 32, 64)
+DEFINE_ROW(bf16, deq_bf16, 32, 64)
+DEFINE_ROW(f32, deq_f32, 32, 128)
+
+DEFINE_FORMAT(q4_0, deq_q4_0, 32, 18, 0)
+DEFINE_FORMAT(q4_1, deq_q4_1, 32, 20, 1)
+DEFINE_FORMAT(q8_0, deq_q8_0, 32, 34, 0)
+DEFINE_FORMAT(q4_k, deq_q4_k, 256, 144, 0)
+DEFINE_FORMAT(q5_k, deq_q5_k, 256, 176, 0)
+DEFINE_FORMAT(q6_k, deq_q6_k, 256, 210, 0)
+DEFINE_FORMAT(f16, deq_f16, 32, 64, 0)
+DEFINE_FORMAT(bf16, deq_bf16, 32, 64, 0)
+DEFINE_FORMAT(f32, deq_f32, 32, 128, 0)
 
 typedef void (*few_fn)(int, float *, int64_t, const float *, int64_t, const uint8_t *, int64_t, const float *,
                        const float *, int64_t, int64_t, int64_t);
+typedef void (*range_fn)(int, float *, int64_t, const float *, int64_t, const uint8_t *, int64_t, const float *,
+                         const float *, int64_t, int64_t, int64_t, int64_t);
 typedef void (*deq_row_fn)(const uint8_t *, float *, int64_t);
 typedef void (*panel_fn)(const uint8_t *, int64_t, int64_t, int64_t, float *);
 typedef struct {
     few_fn few;
+    range_fn range;
     deq_row_fn deq_row;
     panel_fn panel;
 } format_fns;
 
-#define FNS(NAME) (format_fns){NAME##_few, NAME##_deq_row, NAME##_panel}
+#define FNS(NAME) (format_fns){NAME##_few, NAME##_range, NAME##_deq_row, NAME##_panel}
 static int lookup(int type, format_fns *fns) {
     switch (type) {
     case T_Q4_0: *fns = FNS(q4_0); return 0;

@@ -1,0 +1,230 @@
+"""Where a single-request decode step of the default model (SmolLM2-135M, Q4_1 layers, Q8_0 tied
+lm_head) spends its time, in one process, on the quantized kernels' build for this CPU (or
+``SHMVLLM_QUANT_ISA``).
+
+Measured, each as the median over interleaved repetitions:
+- the read-bandwidth probe (`shm_read_probe`, 256 MiB, 1 and 2 threads);
+- the phases of one decode token as the model runner calls them: the embedding lookup, the
+  native step (`DecodeStep.run`: all 30 layers and the final norm), the lm_head GEMV
+  (`compute_logits`), the greedy pick (argmax); at a short context and at 4,096 tokens;
+- each kernel alone, called from Python over all 30 layers' weights in turn (so that the weights
+  stream from memory as in a step): the four GEMVs, the lm_head, attention, the small ops; and a
+  GEMV too small to split, to price an OpenMP parallel region's entry and exit;
+- GB/s of weights read by each GEMV and by the whole token.
+
+    flock /tmp/shmvllm-cpu.lock python benchmarks/decode_profile.py [--json PATH]
+
+`--cpu-time` times with the calling thread's CPU time instead of the wall clock: with
+OMP_NUM_THREADS=1 (the step's team is then the calling thread alone) that is the work a token
+costs, whatever else the machine runs; the probe stays on the wall clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from shmvllm import envs
+from shmvllm.config import EngineArgs
+from shmvllm.model.attention import build_attention_metadata
+from shmvllm.model.kernels import cpu_kernels, quant_isas_supported, quant_kernels
+from shmvllm.model.loader import get_model
+from shmvllm.model.registry import resolve_model_dir
+
+BLOCK = 16
+CONTEXTS = (150, 4096)
+CLOCK = time.perf_counter
+WALL = time.perf_counter
+
+
+def read_probe(threads: int, mib: int = 256, reps: int = 5) -> float:
+    """GB/s of a streaming read of `mib` MiB by `threads` threads (best of `reps`)."""
+    lib = quant_kernels()
+    buf = torch.ones(mib << 20, dtype=torch.uint8)
+    best = 0.0
+    for _ in range(reps):
+        started = WALL()
+        lib.shm_read_probe(buf.data_ptr(), buf.numel(), threads)
+        best = max(best, buf.numel() / (WALL() - started) / 1e9)
+    return best
+
+
+def _median_time(fn: Callable[[], Any], calls: int) -> float:
+    times = []
+    for _ in range(calls):
+        started = CLOCK()
+        fn()
+        times.append(CLOCK() - started)
+    return statistics.median(times)
+
+
+def _bytes(linear: Any) -> int:
+    return sum(part.data.numel() for _, part in linear.blocks)
+
+
+class Setup:
+    """The model with a KV cache of `max_context` tokens; decode steps at any context up to it."""
+
+    def __init__(self, max_context: int) -> None:
+        config = EngineArgs(model=str(resolve_model_dir("smollm2-135m-instruct")), max_model_len=max_context + 16)
+        self.model = get_model(config.create_engine_config().model_config)
+        layers = self.model.attention_layers()
+        self.blocks = -(-(max_context + 1) // BLOCK)
+        shape = (layers[0].num_kv_heads, self.blocks, BLOCK, layers[0].head_dim)
+        gen = torch.Generator().manual_seed(0)
+        for layer in layers:
+            layer.k_cache = torch.randn(shape, generator=gen) * 0.5
+            layer.v_cache = torch.randn(shape, generator=gen) * 0.5
+        self.step = self.model.model.decode_step
+
+    def inputs(self, context: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        pos = context - 1
+        table = np.arange(self.blocks, dtype=np.int32)[None, :]
+        meta = build_attention_metadata(np.array([1]), np.array([pos]), table, np.array([pos]), BLOCK, torch.device("cpu"))
+        return torch.tensor([17]), torch.tensor([pos]), meta
+
+
+def phases(setup: Setup, context: int, tokens: int) -> dict[str, float]:
+    ids, positions, meta = setup.inputs(context)
+    model = setup.model
+    embed = model.model.embed_tokens
+    times: dict[str, list[float]] = {"embed": [], "step": [], "lm_head": [], "argmax": []}
+    with torch.inference_mode():
+        for _ in range(tokens):
+            t0 = CLOCK()
+            hidden = embed(ids)
+            t1 = CLOCK()
+            out = setup.step.run(hidden, positions, meta)
+            t2 = CLOCK()
+            logits = model.compute_logits(out)
+            t3 = CLOCK()
+            logits.argmax(dim=-1)
+            t4 = CLOCK()
+            for key, value in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                times[key].append(value)
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
+def kernels(setup: Setup, calls: int) -> dict[str, dict[str, float]]:
+    """Each GEMV over all layers' weights in turn (s per layer and GB/s), the lm_head, attention
+    at each context, the small ops, and the price of a parallel region."""
+    lib = quant_kernels()
+    cpu = cpu_kernels()
+    model = setup.model
+    layers = model.model.layers
+    hidden = layers[0].input_layernorm.weight.shape[0]
+    x = torch.randn(1, 1536)
+    out = torch.empty(1, 49152)
+    result: dict[str, dict[str, float]] = {}
+
+    def gemv(linear: Any) -> None:
+        k = linear.in_features
+        for offset, part in linear.blocks:
+            lib.shm_qgemm(out.data_ptr() + 4 * offset, linear.out_features, x.data_ptr(), k, part.data.data_ptr(),
+                          part.data.shape[1], part.qtype, None, None, 0, 1, part.n, k)
+
+    kinds = {
+        "qkv": [l.self_attn.qkv_proj for l in layers], "o": [l.self_attn.o_proj for l in layers],
+        "gate_up": [l.mlp.gate_up_proj for l in layers], "down": [l.mlp.down_proj for l in layers],
+        "lm_head": [model.lm_head],
+    }
+    for name, linears in kinds.items():
+        per_pass = _median_time(lambda: [gemv(lin) for lin in linears], calls)
+        nbytes = sum(_bytes(lin) for lin in linears)
+        result[name] = {"s_per_call": per_pass / len(linears), "calls_per_token": len(linears),
+                        "s_per_token": per_pass, "gb_per_s": nbytes / per_pass / 1e9, "bytes_per_token": nbytes}
+    # a 64 x 1024 Q8_0 GEMV (65,536 weights: just at the parallel threshold) against one just
+    # below it (one thread, no region): the difference is a region's entry + exit + split
+    small = torch.randint(0, 255, (64, 32 * 34), dtype=torch.uint8)
+    small[:, ::34] = 0
+    small[:, 1::34] = 0x20  # fp16 scale 2^-7 in each block
+    for name, rows in (("region_gemv_64x1024", 64), ("serial_gemv_63x1024", 63)):
+        result[name] = {"s_per_call": _median_time(
+            lambda: lib.shm_qgemm(out.data_ptr(), 64, x.data_ptr(), 1024, small.data_ptr(), 34, 8, None, None, 0, 1, rows, 1024),
+            calls * 20)}
+    attn = layers[0].self_attn
+    q = torch.randn(1, attn.q_size + 2 * attn.kv_size)
+    o = torch.empty(1, attn.q_size)
+    table = torch.arange(setup.blocks, dtype=torch.int32)
+    rows = torch.zeros(1, dtype=torch.int64)
+    for context in CONTEXTS:
+        lens = torch.tensor([context], dtype=torch.int32)
+
+        def attention() -> None:
+            for l in layers:
+                a = l.self_attn.attn
+                cpu.shm_paged_decode_attention(o.data_ptr(), attn.q_size, q.data_ptr(), q.shape[1], rows.data_ptr(), 1,
+                                               a.k_cache.data_ptr(), a.v_cache.data_ptr(), setup.blocks * BLOCK,
+                                               table.data_ptr(), setup.blocks, lens.data_ptr(), BLOCK, a.num_heads,
+                                               a.num_kv_heads, a.head_dim, a.scale)
+
+        per_pass = _median_time(attention, calls)
+        result[f"attention_{context}"] = {"s_per_call": per_pass / len(layers), "calls_per_token": len(layers), "s_per_token": per_pass}
+    h = torch.randn(1, hidden)
+    w = layers[0].input_layernorm.weight
+    gu = torch.randn(1, 3072)
+    act = torch.empty(1, 1536)
+    small_ops = {
+        "rms_norm": lambda: cpu.shm_rms_norm(o.data_ptr(), h.data_ptr(), w.data_ptr(), 1, hidden, 1e-5),
+        "silu_mul": lambda: cpu.shm_silu_and_mul(act.data_ptr(), gu.data_ptr(), 1, 1536),
+    }
+    for name, fn in small_ops.items():
+        result[name] = {"s_per_call": _median_time(fn, calls * 20)}
+    result["ctypes_call"] = {"s_per_call": _median_time(lambda: lib.shm_qvector_width(), calls * 20)}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=200, help="decode steps per context (default 200)")
+    parser.add_argument("--calls", type=int, default=30, help="repetitions of each kernel pass (default 30)")
+    parser.add_argument("--cpu-time", action="store_true", help="time with the calling thread's CPU time")
+    parser.add_argument("--json", help="write the figures to this JSON file")
+    args = parser.parse_args()
+    if args.cpu_time:
+        global CLOCK
+        CLOCK = time.thread_time
+    isa = envs.SHMVLLM_QUANT_ISA() or quant_isas_supported()[0]
+    threads = torch.get_num_threads()
+    setup = Setup(max(CONTEXTS))
+    report: dict[str, Any] = {"isa": isa, "threads": threads, "cpu": _cpu_model(), "clock": "cpu" if args.cpu_time else "wall"}
+    report["read_gb_per_s"] = {str(t): read_probe(t) for t in (1, 2)}
+    report["phases"] = {str(c): phases(setup, c, args.tokens) for c in CONTEXTS}
+    report["kernels"] = kernels(setup, args.calls)
+    weights = sum(v["bytes_per_token"] for v in report["kernels"].values() if "bytes_per_token" in v)
+    report["weight_bytes_per_token"] = weights
+    print(f"{report['cpu']}, quantized kernels: {isa}, {threads} threads, {report['clock']} time")
+    print("read probe GB/s: " + ", ".join(f"{t} thread(s) {v:.1f}" for t, v in report["read_gb_per_s"].items()))
+    for context, ph in report["phases"].items():
+        total = sum(ph.values())
+        print(f"context {context}: token {total * 1e3:.2f} ms ({weights / total / 1e9:.1f} GB/s of weights): "
+              + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in ph.items()))
+    for name, k in report["kernels"].items():
+        extra = f", {k['s_per_token'] * 1e3:.3f} ms/token, {k['gb_per_s']:.1f} GB/s" if "gb_per_s" in k else (
+            f", {k['s_per_token'] * 1e3:.3f} ms/token" if "s_per_token" in k else "")
+        print(f"  {name:<22} {k['s_per_call'] * 1e6:8.1f} us/call{extra}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+if __name__ == "__main__":
+    main()

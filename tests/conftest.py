@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import time
@@ -193,9 +194,11 @@ def smollm2_dir() -> Path:
     return resolve_model_dir("smollm2-135m-instruct")
 
 
+@functools.lru_cache(maxsize=1)
 def hf_causal_lm(model_dir: Path, dtype=None):
     """transformers' model of a directory, eval mode; for a GGUF file's cached directory (no
-    weights in it) transformers' own load of the file, which dequantizes its blocks."""
+    weights in it) transformers' own load of the file, which dequantizes its blocks (the last
+    one is kept: loading a GGUF file takes transformers seconds)."""
     import torch
     from transformers import AutoModelForCausalLM
 

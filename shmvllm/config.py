@@ -114,9 +114,10 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory the engine may use
     num_kv_blocks: Optional[int] = None  # overrides both budgets (tests use it)
     enable_prefix_caching: bool = True
-    # prompts longer than this hash their blocks under their length: the model's rope rotates
-    # them by it (dynamic / longrope past the trained length, see model/rotary.py)
+    # prompts longer than this file their blocks apart: the model's rope rotates them by their
+    # length (dynamic: under that length; longrope: all such prompts alike; model/rotary.py)
     rope_length_threshold: Optional[int] = None
+    rope_length_exact: bool = True
 
 
 @dataclass
@@ -209,11 +210,15 @@ class EngineArgs(VllmArgs):
         check_engine_args(self)
         self._verify()
         from shmvllm.model.hf_config import load_hf_config
+        from shmvllm.model.models import check_causal_lm_dir, decoder_architecture
         from shmvllm.model.registry import resolve_model_dir
 
-        model_dir = resolve_model_dir(self.model)
+        model_dir = resolve_model_dir(self.model)  # refuses a GGUF file's unsupported architecture
+        check_causal_lm_dir(model_dir)  # from config.json alone, before a config is built
         hf_config = load_hf_config(model_dir)
         task = self._task(model_dir, hf_config)
+        if task == "generate":
+            decoder_architecture(hf_config)  # an unsupported model is refused here, before the engine starts
         device = self.device if self.device != "auto" else _default_device()
         dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         dtype = dtype if dtype != "auto" else _default_dtype(device, hf_config, task)
@@ -255,6 +260,7 @@ class EngineArgs(VllmArgs):
                 num_kv_blocks=self.num_kv_blocks if self.num_kv_blocks is not None else self.num_gpu_blocks_override,
                 enable_prefix_caching=self.enable_prefix_caching is not False,
                 rope_length_threshold=_rope_length_threshold(hf_config, max_model_len),
+                rope_length_exact=(getattr(hf_config, "rope_parameters", None) or {}).get("rope_type") == "dynamic",
             ),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=max_batched,

@@ -37,9 +37,14 @@ def _xlmr_tokenizer(target, minilm_dir):
 
 
 def _config(model_type: str, vocab_size: int, **extra):
-    from transformers import BertConfig, XLMRobertaConfig
+    from transformers import BertConfig, ModernBertConfig, XLMRobertaConfig
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    if model_type == "modernbert":
+        # 3 layers: global, local, local; a window of 8 either side, so longer texts are banded.
+        common.update(num_hidden_layers=3, max_position_embeddings=512, pad_token_id=0, bos_token_id=101,
+                      eos_token_id=102, cls_token_id=101, sep_token_id=102, local_attention=16)
+        return ModernBertConfig(**common, **extra)
     if model_type == "xlm-roberta":
         return XLMRobertaConfig(max_position_embeddings=130, pad_token_id=1, bos_token_id=0, eos_token_id=2, **common, **extra)
     return BertConfig(max_position_embeddings=128, **common, **extra)
@@ -100,6 +105,12 @@ def xlmr_embedder(tmp_path_factory, minilm_dir):
 
 
 @pytest.fixture(scope="module")
+def modernbert_embedder(tmp_path_factory, minilm_dir):
+    source = _save_hf(tmp_path_factory, minilm_dir, "modernbert")
+    return _save_st(source, tmp_path_factory.mktemp("modernbert-st"), "mean")
+
+
+@pytest.fixture(scope="module")
 def bert_st_dense(tmp_path_factory, tiny_bert_dir):
     """BERT with CLS pooling, a Dense 64 -> 32 (tanh), Normalize, and prompts with a default."""
     return _save_st(
@@ -114,6 +125,18 @@ def test_xlm_roberta_embeddings_match_sentence_transformers(xlmr_embedder):
     expected = SentenceTransformer(str(xlmr_embedder), device="cpu").encode(TEXTS, batch_size=4)
     got = _embed(xlmr_embedder, TEXTS)
     assert got.shape == expected.shape
+    assert _cosines(got, expected).min() >= 0.99999
+
+
+def test_modernbert_embeddings_match_sentence_transformers(modernbert_embedder):
+    """Local layers band their attention: the long texts (~60 tokens) see only 8 positions either side."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(modernbert_embedder)
+    assert config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"] and config.sliding_window == 8
+    expected = SentenceTransformer(str(modernbert_embedder), device="cpu").encode(TEXTS, batch_size=4)
+    got = _embed(modernbert_embedder, TEXTS)
     assert _cosines(got, expected).min() >= 0.99999
 
 
@@ -189,11 +212,13 @@ def test_reranker_scores_match_cross_encoder(request, which):
             llm.embed("x")
 
 
-@pytest.mark.parametrize("model_type", ["bert", "xlm-roberta"])
-def test_classify_probabilities_match_transformers(tmp_path_factory, minilm_dir, model_type):
+@pytest.mark.parametrize("model_type, extra", [
+    ("bert", {}), ("xlm-roberta", {}), ("modernbert", {"classifier_pooling": "mean"}), ("modernbert", {"classifier_pooling": "cls"}),
+])
+def test_classify_probabilities_match_transformers(tmp_path_factory, minilm_dir, model_type, extra):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    model_dir = _save_hf(tmp_path_factory, minilm_dir, model_type, head="-classify", num_labels=3)
+    model_dir = _save_hf(tmp_path_factory, minilm_dir, model_type, head="-classify", num_labels=3, **extra)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
     texts = TEXTS[1:]

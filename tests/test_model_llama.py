@@ -25,8 +25,8 @@ SMOLLM2_ATOL = 4e-4
 class PagedModel:
     """A loaded native model with a KV cache, fed one flat step at a time."""
 
-    def __init__(self, model_dir: Path, num_blocks: int = 128) -> None:
-        config = EngineArgs(model=str(model_dir), max_model_len=256).create_engine_config()
+    def __init__(self, model_dir: Path, num_blocks: int = 128, max_model_len: int = 256) -> None:
+        config = EngineArgs(model=str(model_dir), max_model_len=max_model_len).create_engine_config()
         self.model = get_model(config.model_config)
         layers = self.model.attention_layers()
         shape = (layers[0].num_kv_heads, num_blocks, BLOCK_SIZE, layers[0].head_dim)

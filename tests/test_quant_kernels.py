@@ -174,3 +174,12 @@ def test_isa_override_is_checked(monkeypatch):
     finally:
         quant_kernels.cache_clear()
     assert ISAS[-1] == "portable" and set(ISAS) <= {name for name, _, _ in QUANT_ISAS}
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_read_probe_reads_every_byte(isa, threads):
+    """The bandwidth probe sums the whole buffer whatever the thread count (each thread's share
+    is a whole number of its vector steps; 65,536 float ones sum exactly)."""
+    lib = quant_kernels()
+    ones = torch.ones(1 << 16, dtype=torch.float32)
+    assert lib.shm_read_probe(ones.data_ptr(), ones.numel() * 4, threads) == float(ones.numel())

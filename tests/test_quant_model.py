@@ -87,6 +87,29 @@ def test_native_decode_step_equals_the_layer_path(request, which, rows):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_native_decode_step_at_any_thread_count_and_long_context(tiny_llama_dir, threads):
+    """The step's thread team splits GEMV rows and attention tasks among however many threads
+    run it, and a context past one attention run (512 positions) adds the join of the runs'
+    softmax pieces: still the layer path's hidden states bit for bit."""
+    paged = PagedModel(tiny_llama_dir, num_blocks=200, max_model_len=1024)
+    prompts = [_tokens(700, 1), _tokens(30, 2)]
+    tables = [paged.blocks_for(len(p) + 3) for p in prompts]
+    paged.step([(p, 0, len(p), t) for p, t in zip(prompts, tables)])
+    seqs = [(p + [7], len(p), 1, t) for p, t in zip(prompts, tables)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fused = paged.step(seqs)
+        assert paged.model.model.decode_step._table.threads == threads
+        paged.model.model.decode_step = None
+        layered = paged.step(seqs)
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(fused, layered):
+        assert torch.equal(a, b)
+
+
 def test_native_decode_step_skips_mixed_steps(tiny_llama_dir):
     """A step with a prefill in it, or more than 4 decodes, runs the layer path."""
     from shmvllm.model.attention import build_attention_metadata

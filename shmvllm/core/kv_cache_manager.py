@@ -43,12 +43,13 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool = True, rope_length_threshold: Optional[int] = None
+        self, num_blocks: int, block_size: int, enable_caching: bool = True,
+        rope_length_threshold: Optional[int] = None, rope_length_exact: bool = True,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}.")
         self.block_size = block_size
-        self.rope_length_threshold = rope_length_threshold
+        self.rope_length_threshold, self.rope_length_exact = rope_length_threshold, rope_length_exact
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -147,12 +148,14 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs]))
 
     def _root_hash(self, request: Request) -> Optional[bytes]:
-        """A prompt past the rope's length threshold chains its hashes from its own root: its keys
-        were rotated by its length, so only a prompt of that length may reuse them."""
+        """A prompt past the rope's length threshold chains its hashes from a root of its own:
+        its keys were rotated by its length (dynamic: only a prompt of that length may reuse
+        them) or by the long factors (longrope: every prompt past the threshold)."""
         threshold, length = self.rope_length_threshold, request.num_prompt_tokens
         if threshold is None or length <= threshold:
             return None
-        return hashlib.sha256(_ROOT_HASH + b"rope-length" + length.to_bytes(8, "little")).digest()
+        salt = length.to_bytes(8, "little") if self.rope_length_exact else b"long"
+        return hashlib.sha256(_ROOT_HASH + b"rope-length" + salt).digest()
 
     def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int) -> None:
         num_full = min(num_tokens // self.block_size, len(req_blocks))

@@ -150,14 +150,20 @@ class AttentionPlan:
             else:
                 self.runs.append((start, 1, length))
 
-    def attend(self, qkv: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
-        """qkv: [num_tokens, 3 * hidden] (Q pre-scaled) -> [num_tokens, hidden]."""
+    def attend(self, qkv: torch.Tensor, num_heads: int, head_dim: int, window: Optional[int] = None) -> torch.Tensor:
+        """qkv: [num_tokens, 3 * hidden] (Q pre-scaled) -> [num_tokens, hidden].
+        window: each token attends only to those at most this many positions away (ModernBERT's
+        local layers); a run no longer than window + 1 needs no mask."""
         hidden = num_heads * head_dim
         outs = []
         for first, count, length in self.runs:
             run = qkv[first : first + count * length].view(count, length, 3, num_heads, head_dim)
             q, k, v = run.permute(2, 0, 3, 1, 4)
-            out = F.scaled_dot_product_attention(q, k, v, scale=1.0)
+            mask = None
+            if window is not None and length > window + 1:
+                offsets = torch.arange(length, device=qkv.device)
+                mask = (offsets[:, None] - offsets[None, :]).abs() <= window
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
             outs.append(out.transpose(1, 2).reshape(count * length, hidden))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 

@@ -23,7 +23,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Union
+from typing import Iterable, Iterator, Union
 
 import torch
 from safetensors import safe_open
@@ -32,6 +32,7 @@ from torch import nn
 from shmvllm.config import ModelConfig
 from shmvllm.model.kernels import quant_kernels
 from shmvllm.model.linear import Linear, VocabEmbedding
+from shmvllm.model.models import ARCHITECTURES, decoder_architecture, family
 from shmvllm.model.quant import FORMAT_IDS, QuantizedWeight, quantize, read_gguf
 from shmvllm.model.registry import gguf_source, weight_files
 
@@ -40,17 +41,8 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _llama(config: Any, max_position: int) -> nn.Module:
-    from shmvllm.model.llama import LlamaForCausalLM
-
-    return LlamaForCausalLM(config, max_position)
-
-
-MODEL_REGISTRY: dict[str, Callable[[Any, int], nn.Module]] = {
-    "LlamaForCausalLM": _llama,
-    "MistralForCausalLM": _llama,
-    "Qwen2ForCausalLM": _llama,
-}
+# HF architecture name -> decoder family (model/models/); a plain dict, read without building models
+MODEL_REGISTRY: dict[str, str] = ARCHITECTURES
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -63,15 +55,12 @@ def get_model(model_config: ModelConfig) -> nn.Module:
     """Returns the model of `model_config`, weights loaded, in eval mode on its device."""
     started = time.perf_counter()
     hf_config = model_config.hf_config
-    architectures = getattr(hf_config, "architectures", None) or []
-    builder = next((MODEL_REGISTRY[a] for a in architectures if a in MODEL_REGISTRY), None)
-    if builder is None:
-        raise ValueError(f"model architectures {architectures} are not supported; supported: {sorted(MODEL_REGISTRY)}.")
+    builder = family(decoder_architecture(hf_config))
     device = torch.device(model_config.device)
     dtype = torch_dtype(model_config.dtype)
     max_position = max(model_config.max_model_len, 1)
     with built_on_meta():
-        model = builder(hf_config, max_position)
+        model = builder.build(hf_config, max_position)
     model = _materialize(model, device, dtype)
     model_dir = Path(model_config.model_dir)
     source = gguf_source(model_dir)
@@ -85,7 +74,7 @@ def get_model(model_config: ModelConfig) -> nn.Module:
         logger.warning("GGUF blocks do not run on %s / %s here: loading dequantized weights", device, model_config.dtype)
         on_blocks = False
     if source is not None:
-        tensors = read_gguf(source, hf_config)
+        tensors = read_gguf(source, hf_config, builder)
         load_weights(model, tensors if on_blocks else _dequantized(tensors))
     else:
         load_weights(model, _safetensors_tensors(model_dir))

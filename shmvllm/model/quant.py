@@ -8,8 +8,9 @@ GGUF loader uses) is the reference those kernels are tested against and the fall
 kernels do not run (no compiler, CUDA).
 
 `read_gguf(path, hf_config)` yields the file's tensors under the checkpoint names transformers
-gives them, with the q/k row permutation transformers applies to llama files (whole rows of
-blocks move), so that the values equal those of transformers' dequantized model.
+gives them (each family declares its names, model/models/), with the rules transformers' GGUF
+loader applies (the q/k row permutation of llama files, whole rows of blocks moving; Gemma's
+norms stored as 1 + w), so that the values equal those of transformers' dequantized model.
 """
 
 from __future__ import annotations
@@ -117,20 +118,7 @@ def quantize(weight: torch.Tensor, qtype: int) -> QuantizedWeight:
     return QuantizedWeight(data.clone(), qtype, values.shape[1])
 
 
-# GGUF tensor name (after "blk.N.") -> checkpoint name (after "model.layers.N."), llama family.
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_ARCHITECTURES = ("llama", "qwen2")
 
 Tensor = Union[torch.Tensor, QuantizedWeight]
 
@@ -142,9 +130,9 @@ def gguf_architecture(path: Path) -> str:
 def check_gguf_supported(reader: GGUFFile) -> None:
     """A ValueError naming the architecture or the first tensor's GGML format that the loader
     does not run (read from the header alone)."""
-    arch = reader.architecture
-    if arch not in _ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {list(_ARCHITECTURES)}.")
+    from shmvllm.model.models import check_gguf_architecture
+
+    check_gguf_architecture(reader.architecture)
     for tensor in reader.tensors:
         if tensor.tensor_type not in FORMATS:
             raise ValueError(
@@ -153,16 +141,17 @@ def check_gguf_supported(reader: GGUFFile) -> None:
             )
 
 
-def checkpoint_name(gguf_name: str) -> str:
-    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight (ValueError if unknown)."""
+def checkpoint_name(gguf_name: str, layer_names: dict[str, str]) -> str:
+    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight, with the family's
+    `layer_names` (GGUF name after "blk.N." -> checkpoint name after "model.layers.N.")."""
     stem, _, suffix = gguf_name.rpartition(".")
     if stem.startswith("blk."):
         _, layer, local = stem.split(".", 2)
-        if local in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[local]}.{suffix}"
+        if local in layer_names:
+            return f"model.layers.{layer}.{layer_names[local]}.{suffix}"
     elif stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{suffix}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a llama-family model.")
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no place in this model family (known: {sorted(layer_names)}).")
 
 
 def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -172,10 +161,12 @@ def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
 
 
-def read_gguf(path: Path, hf_config: Any) -> Iterator[tuple[str, Tensor]]:
+def read_gguf(path: Path, hf_config: Any, family: Any) -> Iterator[tuple[str, Tensor]]:
     """(checkpoint name, tensor) for every tensor of the file: 1-D tensors and F32 weights as
     fp32 tensors, 2-D quantized / half weights as QuantizedWeight over the file's mapped pages
-    (gguf_file.py; the q/k rows that llama files permute are the only copies)."""
+    (gguf_file.py; the q/k rows that llama files permute are copies). `family` (decoder.Family)
+    names the tensors and says which of transformers' GGUF rules apply: the llama q/k row
+    permutation, Gemma's norms stored as 1 + w."""
     reader = GGUFFile(path)
     check_gguf_supported(reader)
     # one storage over the whole mapping: neighbouring tensors stack into one view (concat)
@@ -183,19 +174,23 @@ def read_gguf(path: Path, hf_config: Any) -> Iterator[tuple[str, Tensor]]:
     arch = reader.architecture
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    permute = arch in family.gguf_permute_qk
     for tensor in reader.tensors:
-        name = checkpoint_name(tensor.name)
+        name = checkpoint_name(tensor.name, family.gguf_names)
         qtype = tensor.tensor_type
         data = np.asarray(tensor.data)
         permuted = False
-        if arch == "llama" and ".attn_q." in tensor.name:
+        if permute and ".attn_q." in tensor.name:
             data, permuted = _unpermute_rows(data, heads), True
-        elif arch == "llama" and ".attn_k." in tensor.name:
+        elif permute and ".attn_k." in tensor.name:
             data, permuted = _unpermute_rows(data, kv_heads), True
         k = int(tensor.shape[0])  # GGUF lists dimensions innermost first
         if qtype == FORMAT_IDS["F32"] or data.ndim == 1:
             values = data if qtype == FORMAT_IDS["F32"] else _dequantize_np(data, qtype)
-            yield name, torch.from_numpy(np.array(values, dtype=np.float32)).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+            values = np.array(values, dtype=np.float32)
+            if family.gguf_norms_minus_one and tensor.name.endswith("norm.weight"):
+                values = values - np.float32(1.0)  # transformers' Gemma rule; the model adds it back
+            yield name, torch.from_numpy(values).reshape(tuple(int(d) for d in reversed(tensor.shape)))
         else:
             if permuted:
                 rows = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(data.shape[0], -1))

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from shmvllm import envs
 from shmvllm.model.hf_config import config_values, remember_hf_config
+from shmvllm.model.models import check_gguf_file
 
 logger = logging.getLogger(__name__)
 
@@ -82,12 +83,14 @@ def resolve_model_dir(model: str) -> Path:
     path = _shipped_model_path(model.lower()) if model.lower() in SHIPPED_MODELS else Path(model)
     path = path.expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        check_gguf_file(path)  # an unsupported architecture is refused before any conversion
         return _converted_gguf_dir(path)
     if path.is_dir():
         if (path / "config.json").exists():
             return path
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
+            check_gguf_file(ggufs[0])
             return _converted_gguf_dir(ggufs[0])
         raise ValueError(f"model directory {str(path)!r} has no config.json and not exactly one .gguf file.")
     raise ValueError(
@@ -172,11 +175,10 @@ def _refuse_unsupported_gguf(gguf_path: Path) -> None:
 
 def _write_gguf_config(gguf_path: Path, target: Path) -> dict:
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    if not getattr(config, "architectures", None) and config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    if not getattr(config, "architectures", None):
+        config.architectures = [check_gguf_file(gguf_path)]  # the HF architecture the file loads as
     config.dtype = "float32"  # what transformers dequantizes a GGUF file to
     values = config_values(config)
     values.pop("quantization_config", None)

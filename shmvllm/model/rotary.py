@@ -18,9 +18,13 @@ whatever the chunk: s = max(L, p + 1), L the request's prompt length (`rope_leng
   the short ones.
 Only an engine whose max_model_len passes that threshold needs the lengths (`length_dependent`);
 below it every token uses the one table. The prefix cache then files the blocks of a prompt
-longer than the threshold under its length (core/kv_cache_manager.py): only a prompt of the
-same length reuses them. transformers' own state across calls (a dynamic base grown by an
-earlier, longer sequence is kept for the next) is not reproduced: each request is as if alone.
+longer than the threshold apart (core/kv_cache_manager.py): under its length (dynamic) or with
+every other such prompt (longrope). Not reproduced: transformers' state across calls (a dynamic
+base grown by an earlier, longer sequence is kept for the next), and Phi-3's generate, which
+drops its cache when a sequence first passes original_max_position_embeddings and recomputes it
+all with the long factors: a Phi-3 prompt within the threshold whose decode passes it keeps its
+short-factor keys here (as transformers' other models do), and its tokens after that point may
+differ from transformers' Phi-3.
 """
 
 from __future__ import annotations

@@ -59,7 +59,8 @@ class Scheduler:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, self.block_size, cache_config.enable_prefix_caching, cache_config.rope_length_threshold
+            num_blocks, self.block_size, cache_config.enable_prefix_caching, cache_config.rope_length_threshold,
+            cache_config.rope_length_exact,
         )
         capacity = num_blocks * self.block_size
         # A request that outgrew the whole cache could never be scheduled again: cap its length.

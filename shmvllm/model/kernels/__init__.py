@@ -50,6 +50,10 @@ _SIGNATURES = {
         ctypes.c_int,
         [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _f32],
     ),
+    "shm_paged_decode_attention_ex": (
+        ctypes.c_int,
+        [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _f32, _i64, _f32],
+    ),
     "shm_rms_norm": (None, [_ptr, _ptr, _ptr, _i64, _i64, _f32]),
     "shm_silu_and_mul": (None, [_ptr, _ptr, _i64, _i64]),
     "shm_rotary": (None, [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr]),

@@ -198,20 +198,22 @@ int shm_decode_step(const shm_model *m, float *hidden, float *out, int64_t rows,
 
 /* The streaming-read probe: `threads` threads each sum their contiguous share of buf[0, bytes)
  * with the build's widest loads (four independent accumulators, so the adds never limit the
- * loads); returns the sum, so the reads cannot be optimized away. What the decode step's weight
- * stream is compared against (benchmarks/latency.py, benchmarks/decode_profile.py). */
+ * loads); returns the sum, so the reads cannot be optimized away. `bytes`: a multiple of four
+ * vectors (256 covers every build). What the decode step's weight stream is compared against
+ * (benchmarks/latency.py, benchmarks/decode_profile.py). */
 double shm_read_probe(const uint8_t *buf, int64_t bytes, int threads) {
+    const int64_t step = 4 * sizeof(vf), steps = bytes / step;
     double total = 0.0;
-    const int64_t chunk = (bytes / threads) & ~(int64_t)(4 * sizeof(vf) - 1);
 #pragma omp parallel num_threads(threads) reduction(+ : total)
     {
-        const uint8_t *p = buf + omp_get_thread_num() * chunk;
+        const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
+        const uint8_t *end = buf + steps * (t + 1) / team * step;
         vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        for (int64_t off = 0; off < chunk; off += 4 * sizeof(vf)) {
-            a0 += loadf((const float *)(p + off));
-            a1 += loadf((const float *)(p + off + sizeof(vf)));
-            a2 += loadf((const float *)(p + off + 2 * sizeof(vf)));
-            a3 += loadf((const float *)(p + off + 3 * sizeof(vf)));
+        for (const uint8_t *p = buf + steps * t / team * step; p < end; p += step) {
+            a0 += loadf((const float *)p);
+            a1 += loadf((const float *)(p + sizeof(vf)));
+            a2 += loadf((const float *)(p + 2 * sizeof(vf)));
+            a3 += loadf((const float *)(p + 3 * sizeof(vf)));
         }
         total += hsum((a0 + a1) + (a2 + a3));
     }

@@ -256,7 +256,7 @@ def shard_llama_(model: nn.Module, group: TPGroup) -> nn.Module:
         attn.o_proj = RowParallelLinear(attn.o_proj, *q_rows, group)
         attn.num_heads, attn.num_kv_heads = (kv1 - kv0) * group_size, kv1 - kv0
         attn.q_size, attn.kv_size = attn.num_heads * hd, attn.num_kv_heads * hd
-        attn.attn = PagedAttention(attn.num_heads, attn.num_kv_heads, hd, attn.attn.scale)
+        attn.attn = PagedAttention(attn.num_heads, attn.num_kv_heads, hd, attn.attn.scale, attn.attn.sliding_window, attn.attn.softcap)
 
         size = mlp.intermediate_size
         unit = block_unit(mlp.down_proj)

@@ -74,8 +74,7 @@ def get_model(model_config: ModelConfig) -> nn.Module:
         logger.warning("GGUF blocks do not run on %s / %s here: loading dequantized weights", device, model_config.dtype)
         on_blocks = False
     if source is not None:
-        tensors = read_gguf(source, hf_config, builder)
-        load_weights(model, tensors if on_blocks else _dequantized(tensors))
+        load_weights(model, read_gguf(source, hf_config, builder, dequantize=not on_blocks))
     else:
         load_weights(model, _safetensors_tensors(model_dir))
         if model_config.quantization == "q8_0":
@@ -157,12 +156,6 @@ def _safetensors_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
-
-
-def _dequantized(tensors: "Checkpoint") -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's GGML blocks as fp32 (gguf.quants.dequantize: transformers' values)."""
-    for name, tensor in tensors:
-        yield name, tensor.dequantize() if isinstance(tensor, QuantizedWeight) else tensor
 
 
 def _blocks_run_here(device: torch.device, dtype: torch.dtype) -> bool:

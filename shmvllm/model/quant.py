@@ -161,14 +161,20 @@ def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
 
 
-def read_gguf(path: Path, hf_config: Any, family: Any) -> Iterator[tuple[str, Tensor]]:
+def read_gguf(path: Path, hf_config: Any, family: Any, dequantize: bool = False) -> Iterator[tuple[str, Tensor]]:
     """(checkpoint name, tensor) for every tensor of the file: 1-D tensors and F32 weights as
     fp32 tensors, 2-D quantized / half weights as QuantizedWeight over the file's mapped pages
     (gguf_file.py; the q/k rows that llama files permute are copies). `family` (decoder.Family)
     names the tensors and says which of transformers' GGUF rules apply: the llama q/k row
-    permutation, Gemma's norms stored as 1 + w."""
+    permutation, Gemma's norms stored as 1 + w. dequantize: every tensor as fp32, made in
+    memory with gguf.quants.dequantize (transformers' values), any GGML format gguf-py reads."""
     reader = GGUFFile(path)
-    check_gguf_supported(reader)
+    if dequantize:
+        from shmvllm.model.models import check_gguf_architecture
+
+        check_gguf_architecture(reader.architecture)
+    else:
+        check_gguf_supported(reader)
     # one storage over the whole mapping: neighbouring tensors stack into one view (concat)
     mapped = torch.frombuffer(reader.buffer, dtype=torch.uint8)
     arch = reader.architecture
@@ -191,6 +197,9 @@ def read_gguf(path: Path, hf_config: Any, family: Any) -> Iterator[tuple[str, Te
             if family.gguf_norms_minus_one and tensor.name.endswith("norm.weight"):
                 values = values - np.float32(1.0)  # transformers' Gemma rule; the model adds it back
             yield name, torch.from_numpy(values).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        elif dequantize:
+            rows = np.ascontiguousarray(data).view(np.uint8).reshape(data.shape[0], -1)
+            yield name, torch.from_numpy(np.ascontiguousarray(_dequantize_np(rows, qtype), dtype=np.float32)).reshape(-1, k)
         else:
             if permuted:
                 rows = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(data.shape[0], -1))

@@ -141,7 +141,6 @@ def _converted_gguf_dir(gguf_path: Path) -> Path:
     if (target / GGUF_SOURCE).exists():
         return target
     writable_cache_dir()
-    _refuse_unsupported_gguf(gguf_path)
     if importlib.util.find_spec("gguf") is None:
         raise ValueError(f"reading the GGUF file {str(gguf_path)!r} the first time needs the package 'gguf': pip install gguf")
     started = time.perf_counter()
@@ -162,15 +161,6 @@ def _converted_gguf_dir(gguf_path: Path) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
     logger.info("Cached the config and tokenizer of %s in %.1f s", gguf_path.name, time.perf_counter() - started)
     return target
-
-
-def _refuse_unsupported_gguf(gguf_path: Path) -> None:
-    """An architecture or a GGML format the loader does not run: a ValueError before anything
-    is converted or written."""
-    from shmvllm.model.gguf_file import GGUFFile
-    from shmvllm.model.quant import check_gguf_supported
-
-    check_gguf_supported(GGUFFile(gguf_path))
 
 
 def _write_gguf_config(gguf_path: Path, target: Path) -> dict:

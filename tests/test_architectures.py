@@ -111,6 +111,19 @@ def test_gguf_of_the_same_weights(family_dir, tmp_path):
         engine.shutdown()
 
 
+def test_gguf_in_blocks_against_transformers_on_the_file(family_dir, tmp_path):
+    """Q8_0 matrices run as GGML blocks (the norms, q/k norms and tied embedding included), against
+    transformers' dequantized model of the same file."""
+    path = write_gguf(family_dir, tmp_path / "tiny-q8_0.gguf", qtype="Q8_0")
+    engine = make_engine(path, num_kv_blocks=64, quantization="gguf")
+    try:
+        model = engine.executor.worker.model_runner.model
+        assert model.model.layers[0].self_attn.qkv_proj.blocks is not None and model.lm_head.blocks is not None
+        assert_engine_matches(path, engine, prompts_of([1, 17, 33, 5], seed=6), reference_dir=tmp_path, gguf_file=path.name)
+    finally:
+        engine.shutdown()
+
+
 # ---- the registry ----------------------------------------------------------------------------
 
 def test_check_architecture_accepts_and_refuses():

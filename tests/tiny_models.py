@@ -43,10 +43,14 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # its two rope bases), so that the GGUF file's reference is the same model
     "gemma2": ("Gemma2Config", dict(tie_word_embeddings=True, sliding_window=8)),
     "gemma3": ("Gemma3TextConfig", dict(tie_word_embeddings=True, sliding_window=8, num_hidden_layers=6)),
+    "phi3": ("Phi3Config", dict(tie_word_embeddings=False)),
+    "granite": ("GraniteConfig", dict(tie_word_embeddings=True)),
+    "olmo2": ("Olmo2Config", dict(tie_word_embeddings=False)),
+    "smollm3": ("SmolLM3Config", dict(tie_word_embeddings=True)),
 }
 
 # GGUF architecture of each family and its layer tensor names (llama.cpp's), as the converter writes them
-GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3"}
+GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3"}
 _LLAMA_NAMES = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
@@ -57,7 +61,13 @@ _GEMMA_NAMES = {
     **_LLAMA_NAMES, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
 }
-GGUF_NAMES = {"llama": _LLAMA_NAMES, "qwen3": _LLAMA_NAMES, "gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES}
+_PHI3_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+GGUF_NAMES = {
+    "llama": _LLAMA_NAMES, "qwen3": _LLAMA_NAMES, "gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES, "phi3": _PHI3_NAMES,
+}
 
 
 def tiny_config(family: str, **overrides: Any) -> Any:
@@ -144,9 +154,12 @@ def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
     return weights.reshape(heads, 2, rows // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
 
 
-def write_gguf(model_dir: Path, path: Path) -> Path:
-    """The HF directory's weights as an F32 GGUF file with llama.cpp's names and conventions
-    (q/k rows interleaved for llama, Gemma's norms stored as 1 + w) and the config's metadata."""
+def write_gguf(model_dir: Path, path: Path, qtype: str = "F32") -> Path:
+    """The HF directory's weights as a GGUF file with llama.cpp's names and conventions (q/k rows
+    interleaved for llama, Gemma's norms stored as 1 + w) and the config's metadata; matrices
+    in `qtype` (F32, or a GGML block format gguf.quants can quantize, e.g. Q8_0), norms in F32."""
+    import gguf
+
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -185,7 +198,12 @@ def write_gguf(model_dir: Path, path: Path) -> Path:
                     values = _permute(values, config.num_key_value_heads)
             if family.startswith("gemma") and gguf_name.endswith("norm.weight"):
                 values = values + np.float32(1.0)
-            writer.add_tensor(gguf_name, np.ascontiguousarray(values, dtype=np.float32))
+            values = np.ascontiguousarray(values, dtype=np.float32)
+            if values.ndim == 2 and qtype != "F32":
+                kind = gguf.GGMLQuantizationType[qtype]
+                writer.add_tensor(gguf_name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+            else:
+                writer.add_tensor(gguf_name, values)
 
     _write_gguf_file(path, arch, metadata, add_tensors)
     return path

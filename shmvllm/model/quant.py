@@ -15,6 +15,8 @@ norms stored as 1 + w), so that the values equal those of transformers' dequanti
 
 from __future__ import annotations
 
+import mmap
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Union
@@ -35,12 +37,122 @@ FORMATS: dict[int, tuple[str, int, int]] = {
     12: ("Q4_K", 256, 144),
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    10: ("Q2_K", 256, 84),
+    11: ("Q3_K", 256, 110),
+    20: ("IQ4_NL", 32, 18),
+    23: ("IQ4_XS", 256, 136),
+    39: ("MXFP4", 32, 17),
 }
 FORMAT_IDS = {name: ident for ident, (name, _, _) in FORMATS.items()}
 
 
 def format_name(qtype: int) -> str:
-    return FORMATS[qtype][0] if qtype in FORMATS else f"ggml type {qtype}"
+    return FORMATS[qtype][0] if qtype in FORMATS else _GGML_NAMES.get(qtype, f"ggml type {qtype}")
+
+
+# The names of GGML types shmvllm does not run, for messages (ggml.h; without importing gguf).
+_GGML_NAMES = {9: "Q8_1", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 21: "IQ3_S", 22: "IQ2_S", 24: "I8",
+               25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 34: "TQ1_0", 35: "TQ2_0", 40: "NVFP4",
+               41: "Q1_0"}
+
+# GGUF metadata value types (gguf.GGUFValueType) -> size in bytes of a fixed-size value
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One tensor of a GGUF file's header: `shape` innermost dimension first (as GGUF lists it),
+    `offset` the absolute byte offset of its data in the file."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: int
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        _, values, nbytes = FORMATS[self.qtype]
+        count = 1
+        for d in self.shape:
+            count *= d
+        return count // values * nbytes
+
+
+def gguf_tensor_infos(path: Union[str, Path]) -> list[GGUFTensorInfo]:
+    """The tensor infos of a GGUF v2/v3 file, read from its header alone (the key/value metadata
+    skipped, no gguf import: milliseconds where gguf.GGUFReader parses every field, minutes for a
+    262k-token vocabulary on a loaded machine). A file that is not GGUF is a ValueError naming it."""
+    path = Path(path)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        try:
+            return _read_tensor_infos(m)
+        except (struct.error, IndexError) as exc:
+            raise ValueError(f"{str(path)!r} is not a readable GGUF file (header ends early: {exc}).") from None
+        except ValueError as exc:
+            raise ValueError(f"{str(path)!r}: {exc}") from None
+
+
+def check_gguf_formats(path: Union[str, Path]) -> dict[str, str]:
+    """{tensor name: GGML format name} of a GGUF file, from its header (gguf_tensor_infos). A
+    tensor in a format the kernels do not run is a ValueError naming the tensor and the format."""
+    infos = gguf_tensor_infos(path)
+    for info in infos:
+        if info.qtype not in FORMATS:
+            raise ValueError(
+                f"GGUF tensor {info.name!r} is in GGML format {format_name(info.qtype)}, which shmvllm does not run; "
+                f"supported: {sorted(FORMAT_IDS)}."
+            )
+    return {info.name: FORMATS[info.qtype][0] for info in infos}
+
+
+def _read_tensor_infos(m: "mmap.mmap") -> list[GGUFTensorInfo]:
+    if m[:4] != b"GGUF":
+        raise ValueError("not a GGUF file (no GGUF magic)")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", m, 4)
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} is not supported (2 or 3)")
+    pos = 24
+
+    def string(pos: int) -> tuple[str, int]:
+        (length,) = struct.unpack_from("<Q", m, pos)
+        return m[pos + 8 : pos + 8 + length].decode("utf-8", errors="replace"), pos + 8 + length
+
+    def skip_value(kind: int, pos: int) -> int:
+        if kind in _GGUF_SCALAR_BYTES:
+            return pos + _GGUF_SCALAR_BYTES[kind]
+        if kind == _GGUF_STRING:
+            return pos + 8 + struct.unpack_from("<Q", m, pos)[0]
+        if kind == _GGUF_ARRAY:
+            item, count = struct.unpack_from("<IQ", m, pos)
+            pos += 12
+            if item in _GGUF_SCALAR_BYTES:
+                return pos + count * _GGUF_SCALAR_BYTES[item]
+            for _ in range(count):
+                pos = skip_value(item, pos)
+            return pos
+        raise ValueError(f"unknown GGUF metadata value type {kind}")
+
+    alignment = 32  # GGUF's default, unless general.alignment says otherwise
+    for _ in range(n_kv):
+        key, pos = string(pos)
+        (kind,) = struct.unpack_from("<I", m, pos)
+        if key == "general.alignment" and kind == 4:
+            (alignment,) = struct.unpack_from("<I", m, pos + 4)
+        pos = skip_value(kind, pos + 4)
+    raw = []
+    for _ in range(n_tensors):
+        name, pos = string(pos)
+        (dims,) = struct.unpack_from("<I", m, pos)
+        shape = struct.unpack_from(f"<{dims}Q", m, pos + 4)
+        pos += 4 + 8 * dims
+        qtype, offset = struct.unpack_from("<IQ", m, pos)
+        raw.append((name, shape, qtype, offset))
+        pos += 12
+    data_start = (pos + alignment - 1) // alignment * alignment
+    return [GGUFTensorInfo(name, tuple(shape), qtype, data_start + offset) for name, shape, qtype, offset in raw]
 
 
 @dataclass
@@ -127,20 +239,6 @@ def gguf_architecture(path: Path) -> str:
     return GGUFFile(path).architecture
 
 
-def check_gguf_supported(reader: GGUFFile) -> None:
-    """A ValueError naming the architecture or the first tensor's GGML format that the loader
-    does not run (read from the header alone)."""
-    from shmvllm.model.models import check_gguf_architecture
-
-    check_gguf_architecture(reader.architecture)
-    for tensor in reader.tensors:
-        if tensor.tensor_type not in FORMATS:
-            raise ValueError(
-                f"GGUF tensor {tensor.name!r} is in GGML format {format_name(tensor.tensor_type)}, which is not "
-                f"supported; supported: {sorted(FORMAT_IDS)}."
-            )
-
-
 def checkpoint_name(gguf_name: str, layer_names: dict[str, str]) -> str:
     """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight, with the family's
     `layer_names` (GGUF name after "blk.N." -> checkpoint name after "model.layers.N.")."""
@@ -169,12 +267,11 @@ def read_gguf(path: Path, hf_config: Any, family: Any, dequantize: bool = False)
     permutation, Gemma's norms stored as 1 + w. dequantize: every tensor as fp32, made in
     memory with gguf.quants.dequantize (transformers' values), any GGML format gguf-py reads."""
     reader = GGUFFile(path)
-    if dequantize:
-        from shmvllm.model.models import check_gguf_architecture
+    from shmvllm.model.models import check_gguf_architecture
 
-        check_gguf_architecture(reader.architecture)
-    else:
-        check_gguf_supported(reader)
+    check_gguf_architecture(reader.architecture)
+    if not dequantize:
+        check_gguf_formats(path)  # the kernels run every tensor's format
     # one storage over the whole mapping: neighbouring tensors stack into one view (concat)
     mapped = torch.frombuffer(reader.buffer, dtype=torch.uint8)
     arch = reader.architecture

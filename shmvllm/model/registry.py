@@ -141,6 +141,9 @@ def _converted_gguf_dir(gguf_path: Path) -> Path:
     if (target / GGUF_SOURCE).exists():
         return target
     writable_cache_dir()
+    from shmvllm.model.quant import check_gguf_formats  # imports torch: only before the first load
+
+    check_gguf_formats(gguf_path)  # a format the kernels lack is refused before anything is written
     if importlib.util.find_spec("gguf") is None:
         raise ValueError(f"reading the GGUF file {str(gguf_path)!r} the first time needs the package 'gguf': pip install gguf")
     started = time.perf_counter()

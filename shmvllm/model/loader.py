@@ -10,13 +10,14 @@ GGUF (registry.gguf_source): on the CPU with fp32 activations and the quantized 
 each 2-D weight stays in its GGML blocks (quant.py) and its Linear / embedding runs on them;
 the fp32 weights that were materialized for those modules are dropped before any page of them
 is touched, so the resident weights are about the file's size. Norms (F32 in GGUF) load as
-fp32. `quantization="none"` (or no kernels, or another device/dtype) loads transformers'
-dequantized safetensors instead, as before. `quantization="q8_0"` quantizes a safetensors
+fp32. `quantization="none"` (or no kernels, or another device/dtype) dequantizes the blocks
+in memory, as transformers' GGUF loader does (gguf.quants.dequantize). `quantization="q8_0"` quantizes a safetensors
 model's linear weights into Q8_0 blocks after loading them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -58,21 +59,22 @@ def get_model(model_config: ModelConfig) -> nn.Module:
     device = torch.device(model_config.device)
     dtype = torch_dtype(model_config.dtype)
     max_position = max(model_config.max_model_len, 1)
-    with torch.device("meta"):
+    with built_on_meta():
         model = builder.build(hf_config, max_position)
     model = _materialize(model, device, dtype)
     model_dir = Path(model_config.model_dir)
-    source = gguf_source(model_dir) if model_config.quantization != "none" else None
-    if source is not None and not _blocks_run_here(device, dtype):
+    source = gguf_source(model_dir)
+    on_blocks = source is not None and model_config.quantization != "none"
+    if on_blocks and not _blocks_run_here(device, dtype):
         if model_config.quantization == "gguf":
             raise ValueError(
                 f"quantization='gguf' runs the blocks on the CPU with dtype float32 and the C kernels; "
                 f"got device {device}, dtype {model_config.dtype}, kernels {'built' if quant_kernels() else 'unavailable'}."
             )
         logger.warning("GGUF blocks do not run on %s / %s here: loading dequantized weights", device, model_config.dtype)
-        source = None
+        on_blocks = False
     if source is not None:
-        load_weights(model, read_gguf(source, hf_config, builder))
+        load_weights(model, read_gguf(source, hf_config, builder, dequantize=not on_blocks))
     else:
         load_weights(model, _safetensors_tensors(model_dir))
         if model_config.quantization == "q8_0":
@@ -94,6 +96,31 @@ def get_model(model_config: ModelConfig) -> nn.Module:
         len(blocks), time.perf_counter() - started,
     )
     return model
+
+
+# torch.nn.init's in-place initializers, which modules call while they are built.
+_INITIALIZERS = ("normal_", "uniform_", "zeros_", "ones_", "constant_", "kaiming_uniform_", "kaiming_normal_",
+                 "xavier_uniform_", "xavier_normal_", "trunc_normal_")
+
+
+@contextlib.contextmanager
+def built_on_meta() -> Iterator[None]:
+    """Modules built in this block get meta parameters and no initialization: every weight is
+    loaded afterwards, and a meta normal_ (nn.Embedding's) would import torch._dynamo, which
+    costs seconds."""
+    saved = {name: getattr(nn.init, name) for name in _INITIALIZERS}
+    try:
+        for name in _INITIALIZERS:
+            setattr(nn.init, name, _no_init)
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
+
+
+def _no_init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return tensor
 
 
 def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:

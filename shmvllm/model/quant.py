@@ -24,6 +24,8 @@ from typing import Any, Iterator, Union
 import numpy as np
 import torch
 
+from shmvllm.model.gguf_file import GGUFFile
+
 # GGML type id -> (name, values per block, bytes per block): the formats the kernels run.
 FORMATS: dict[int, tuple[str, int, int]] = {
     0: ("F32", 1, 4),
@@ -202,7 +204,20 @@ def concat(weights: list[QuantizedWeight]) -> QuantizedWeight:
     for w in weights[1:]:
         if w.qtype != first.qtype or w.k != first.k:
             raise ValueError(f"cannot stack {w.name} [{w.n}, {w.k}] onto {first.name} [{first.n}, {first.k}].")
+    if _adjacent([w.data for w in weights]):  # one after the other in one storage (a mapped file): a view
+        rows = sum(w.n for w in weights)
+        return QuantizedWeight(first.data.as_strided((rows, first.data.shape[1]), first.data.stride()), first.qtype, first.k)
     return QuantizedWeight(torch.cat([w.data for w in weights]), first.qtype, first.k)
+
+
+def _adjacent(parts: list[torch.Tensor]) -> bool:
+    storage = parts[0].untyped_storage().data_ptr()
+    for before, after in zip(parts, parts[1:]):
+        if not (before.is_contiguous() and after.is_contiguous()) or after.untyped_storage().data_ptr() != storage:
+            return False
+        if after.data_ptr() != before.data_ptr() + before.numel() * before.element_size():
+            return False
+    return True
 
 
 def quantize(weight: torch.Tensor, qtype: int) -> QuantizedWeight:
@@ -221,14 +236,7 @@ Tensor = Union[torch.Tensor, QuantizedWeight]
 
 
 def gguf_architecture(path: Path) -> str:
-    from gguf import GGUFReader
-
-    return _architecture(GGUFReader(str(path)))
-
-
-def _architecture(reader: Any) -> str:
-    field = reader.fields["general.architecture"]
-    return bytes(field.parts[field.data[0]]).decode()
+    return GGUFFile(path).architecture
 
 
 def checkpoint_name(gguf_name: str, layer_names: dict[str, str]) -> str:
@@ -251,30 +259,34 @@ def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
 
 
-def read_gguf(path: Path, hf_config: Any, family: Any) -> Iterator[tuple[str, Tensor]]:
+def read_gguf(path: Path, hf_config: Any, family: Any, dequantize: bool = False) -> Iterator[tuple[str, Tensor]]:
     """(checkpoint name, tensor) for every tensor of the file: 1-D tensors and F32 weights as
-    fp32 tensors, 2-D quantized / half weights as QuantizedWeight (memory-mapped bytes copied
-    once into their own tensor). `family` (decoder.Family) names the tensors and says which of
-    transformers' GGUF rules apply: the llama q/k row permutation, Gemma's norms stored as 1 + w."""
-    from gguf import GGUFReader
-
+    fp32 tensors, 2-D quantized / half weights as QuantizedWeight over the file's mapped pages
+    (gguf_file.py; the q/k rows that llama files permute are copies). `family` (decoder.Family)
+    names the tensors and says which of transformers' GGUF rules apply: the llama q/k row
+    permutation, Gemma's norms stored as 1 + w. dequantize: every tensor as fp32, made in
+    memory with gguf.quants.dequantize (transformers' values), any GGML format gguf-py reads."""
+    reader = GGUFFile(path)
     from shmvllm.model.models import check_gguf_architecture
 
-    check_gguf_formats(path)
-    reader = GGUFReader(str(path))
-    arch = _architecture(reader)
-    check_gguf_architecture(arch)
+    check_gguf_architecture(reader.architecture)
+    if not dequantize:
+        check_gguf_formats(path)  # the kernels run every tensor's format
+    # one storage over the whole mapping: neighbouring tensors stack into one view (concat)
+    mapped = torch.frombuffer(reader.buffer, dtype=torch.uint8)
+    arch = reader.architecture
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     permute = arch in family.gguf_permute_qk
     for tensor in reader.tensors:
         name = checkpoint_name(tensor.name, family.gguf_names)
-        qtype = int(tensor.tensor_type)
+        qtype = tensor.tensor_type
         data = np.asarray(tensor.data)
+        permuted = False
         if permute and ".attn_q." in tensor.name:
-            data = _unpermute_rows(data, heads)
+            data, permuted = _unpermute_rows(data, heads), True
         elif permute and ".attn_k." in tensor.name:
-            data = _unpermute_rows(data, kv_heads)
+            data, permuted = _unpermute_rows(data, kv_heads), True
         k = int(tensor.shape[0])  # GGUF lists dimensions innermost first
         if qtype == FORMAT_IDS["F32"] or data.ndim == 1:
             values = data if qtype == FORMAT_IDS["F32"] else _dequantize_np(data, qtype)
@@ -282,9 +294,15 @@ def read_gguf(path: Path, hf_config: Any, family: Any) -> Iterator[tuple[str, Te
             if family.gguf_norms_minus_one and tensor.name.endswith("norm.weight"):
                 values = values - np.float32(1.0)  # transformers' Gemma rule; the model adds it back
             yield name, torch.from_numpy(values).reshape(tuple(int(d) for d in reversed(tensor.shape)))
-        else:
+        elif dequantize:
             rows = np.ascontiguousarray(data).view(np.uint8).reshape(data.shape[0], -1)
-            yield name, QuantizedWeight(torch.from_numpy(rows.copy()), qtype, k)
+            yield name, torch.from_numpy(np.ascontiguousarray(_dequantize_np(rows, qtype), dtype=np.float32)).reshape(-1, k)
+        else:
+            if permuted:
+                rows = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(data.shape[0], -1))
+            else:
+                rows = mapped[tensor.offset : tensor.offset + data.nbytes].view(data.shape[0], -1)
+            yield name, QuantizedWeight(rows, qtype, k)
 
 
 def _dequantize_np(data: np.ndarray, qtype: int) -> np.ndarray:

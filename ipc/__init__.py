@@ -7,6 +7,7 @@ msgspec channel over it. Knows nothing of LLMs; imports no torch.
 """
 
 from ipc.ring import (
+    LoanError,
     PeerClosedError,
     PeerDeadError,
     PeerGoneError,
@@ -21,6 +22,7 @@ from ipc.wait import RingTimeoutError
 
 __all__ = [
     "Channel",
+    "LoanError",
     "PeerClosedError",
     "PeerDeadError",
     "PeerGoneError",

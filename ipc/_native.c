@@ -160,8 +160,7 @@ int ipc_futex_wake(uint32_t *word, int n) {
 
 /* Set when this process woke the other side out of its futex sleep, or was woken out of its
  * own. Either way the other side is likely queued on this process's CPU: the kernel tends to
- * wake a process on the CPU of the one that woke it (a VM's scheduler packs them there, to spare
- * waking an idle virtual CPU). So the next wait gives the CPU away first (sched_yield) instead of
+ * wake a process on the CPU of the one that woke it. So the next wait gives the CPU away first (sched_yield) instead of
  * spinning on it while the other side waits to run: a round trip with a sleeping peer becomes a
  * hand-over of one CPU, as with a pipe. It costs one sched_yield, and only after a futex wake or
  * wait, which cost a system call already: never on the busy path. One flag per process, not per
@@ -413,8 +412,8 @@ int ipc_sleep_producer(uint8_t *b, int64_t n, int64_t closed_off, int64_t timeou
  * re-check after every pause instruction; read the clock and yield the CPU every 64 checks, so
  * that a peer sharing our core (a loaded machine) gets to run within a couple of µs; and at every
  * check while the peer's last publish came from the CPU we run on (note_cpu): then it can only
- * make progress when we give it that CPU (this VM's scheduler often keeps two processes that
- * ping-pong on one virtual CPU), and spinning only delays it. */
+ * make progress when we give it that CPU (a scheduler may keep two processes that ping-pong on
+ * one CPU), and spinning only delays it. */
 static int spin_until(uint8_t *b, int space, int64_t n, int64_t ns) {
     if (ready(b, space, n)) return 1;
     if (__atomic_load_n(&yield_next_wait, __ATOMIC_RELAXED)) {

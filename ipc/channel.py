@@ -1,9 +1,12 @@
 """A typed message channel: msgspec msgpack over a RingBuffer.
 
 Sending encodes into one reused bytearray (no allocation per message once it has grown) and
-copies that into the ring. Receiving decodes straight from the ring's memory (a memoryview of
-the record) when the message is contiguous, and from the reassembled buffer when it came in
-fragments; msgspec copies out what it keeps, so the record is freed right after decoding.
+copies that into a record reserved in the ring (`push` of a bytearray is reserve, copy, commit):
+msgspec's `encode_into` writes only into a bytearray, which it grows as it goes, never into a
+view of shared memory, so one copy remains. Receiving decodes straight from the ring's memory
+(a view of the record, as `pop_view` gives) when the message is contiguous, and from the
+reassembled buffer when it came in fragments; msgspec copies out what it keeps, so the record is
+freed right after decoding.
 """
 
 from __future__ import annotations

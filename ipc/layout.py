@@ -22,7 +22,8 @@ dirtying for itself:
 
 A record is an 8-byte header (u32 payload length, u16 kind, u16 magic) and its payload, padded
 to 8 bytes. A record never crosses the end of the buffer: a PAD record fills the rest instead.
-A message longer than max_payload (a record of at most capacity/4) is sent as FIRST (u64 total
+A message longer than max_payload (a record of at most max_record: capacity/4 unless the creator
+chose up to capacity/2) is sent as FIRST (u64 total
 length, then data), MIDDLE..., LAST; ABORT drops a fragmented message the producer gave up on.
 """
 

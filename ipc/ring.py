@@ -61,6 +61,10 @@ _U64 = struct.Struct("=Q")
 _MASK = L.PEEK_FIELD_MASK
 _MSG = L.KIND_MSG
 _TAIL_WORD, _HEAD_WORD = L.OFF_TAIL // 8, L.OFF_HEAD // 8
+_PENDING_WORD = L.OFF_P_PENDING // 8
+# In place of a partial message while the consumer holds a view from pop_view: every whole-message
+# fast path tests `_partial is None`, so they all go to the slow path, which refuses (LoanError).
+_LOANED = bytearray()
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform == "linux" else None)  # Linux >= 5.14
 # Long enough to cover a peer that answers within a couple of hundred µs (a wake-up on this
 # kind of machine costs 10-30 µs, a cold msgspec decode about as much); cheap because the spin
@@ -91,6 +95,12 @@ class PeerDeadError(PeerGoneError):
 
 class PeerClosedError(PeerGoneError):
     """The peer closed its end of the ring (after everything it pushed was popped)."""
+
+
+class LoanError(RingError, RuntimeError):
+    """A loan used out of turn: a second `reserve` before `commit`, a `pop_view` before the
+    previous view's `release`, another push or pop while one is out, a commit or release of
+    nothing."""
 
 
 class RingClosedError(RingError, ValueError):
@@ -186,13 +196,17 @@ class RingBuffer:
         self._spin_us, self._poll_interval, self._nap_window_s = spin_us, poll_interval, nap_window_s
         self._pid = os.getpid()
         self._closed = False
-        self._partial: Optional[bytearray] = None
+        self._partial: Optional[bytearray] = None  # a fragmented message being reassembled, or _LOANED
         self._partial_total = 0
         self._send_abort = False
         self._fast_push = True  # not closed, no aborted fragmented message to announce
         self._gate = bytearray(2)  # [0] / [1]: nonzero while push / pop must not take the C fast path
         self._finalizer: Optional[weakref.finalize] = None
         self._bells: "Optional[tuple[Doorbell, Doorbell]]" = None
+        self._loan: Optional[memoryview] = None  # the producer's reserved record, until commit
+        self._loan_size = 0
+        self._view: Optional[memoryview] = None  # the consumer's record from pop_view, until release
+        self._view_in_ring = False  # whether that view's record is still to be freed (not a reassembled copy)
 
     def _bind(self, wake: int, bells: "Optional[tuple[Doorbell, Doorbell]]") -> None:
         """Hooks the wake-up mechanism (`wake`: layout.WAKE_FUTEX, or WAKE_SEMAPHORE with the
@@ -247,7 +261,7 @@ class RingBuffer:
             )
         capacity = ops.load(L.OFF_CAPACITY)
         self.capacity = capacity
-        self.max_payload = L.max_record_for(capacity) - 8
+        self.max_payload = ops.load(L.OFF_MAX_RECORD) - 8
 
     # ---------------------------------------------------------------- construction
 
@@ -261,15 +275,22 @@ class RingBuffer:
         pure_python: bool = False,
         nap_window_s: float = 0.0,
         prefault: bool = False,
+        max_record: Optional[int] = None,
     ) -> "RingBuffer":
         """A new ring of `capacity` bytes (multiple of 8, 256 B .. 512 MiB) that this process owns.
 
-        Messages up to `capacity/4 - 8` bytes travel contiguously; longer ones in fragments.
+        Messages up to `max_payload` = `max_record - 8` bytes travel in one record; longer ones in
+        fragments. `max_record` (a multiple of 8, 16 .. capacity/2; default capacity/4): a ring
+        sized for one kind of message can hold two of them in half the memory.
         """
         if not isinstance(capacity, int) or capacity % 8 or not L.MIN_CAPACITY <= capacity <= L.MAX_CAPACITY:
             raise ValueError(
                 f"capacity must be a multiple of 8 in [{L.MIN_CAPACITY}, {L.MAX_CAPACITY}], got {capacity!r}"
             )
+        if max_record is None:
+            max_record = L.max_record_for(capacity)
+        elif type(max_record) is not int or max_record % 8 or not 16 <= max_record <= capacity // 2:
+            raise ValueError(f"max_record must be a multiple of 8 in [16, capacity/2 = {capacity // 2}], got {max_record!r}")
         check_wait_params(spin_us, nap_window_s, poll_interval)
         check_free_space(L.HEADER_SIZE + capacity + 2 * SEMAPHORE_BYTES, f"a ring of capacity {capacity}")
         segment = Segment.create(L.HEADER_SIZE + capacity)
@@ -280,7 +301,7 @@ class RingBuffer:
             )
             ring._finalizer = finalizer
             wake = L.WAKE_FUTEX if futex_supported(ring.native) else L.WAKE_SEMAPHORE
-            ring._init_header(capacity, wake)
+            ring._init_header(capacity, wake, max_record)
             bells = None
             if wake == L.WAKE_SEMAPHORE:
                 bells = Doorbell.create(segment.name + "-d"), Doorbell.create(segment.name + "-s")
@@ -292,12 +313,12 @@ class RingBuffer:
             raise
         return ring
 
-    def _init_header(self, capacity: int, wake: int) -> None:
+    def _init_header(self, capacity: int, wake: int, max_record: int) -> None:
         store, pid = self._ops.store, os.getpid()
         store(L.OFF_VERSION, L.VERSION)
         store(L.OFF_WAKE, wake)
         store(L.OFF_CAPACITY, capacity)
-        store(L.OFF_MAX_RECORD, L.max_record_for(capacity))
+        store(L.OFF_MAX_RECORD, max_record)
         store(L.OFF_CREATOR_PID, pid)
         store(L.OFF_CREATOR_START, process_start_time(pid))
         store(L.OFF_MAGIC, L.MAGIC)
@@ -361,6 +382,9 @@ class RingBuffer:
             raise RingCorruptedError(f"{self.name} has layout version {version}, expected {L.VERSION}")
         if capacity + L.HEADER_SIZE > self._segment.size or capacity < L.MIN_CAPACITY or capacity % 8:
             raise RingCorruptedError(f"{self.name} claims capacity {capacity} in a {self._segment.size}-byte segment")
+        max_record = load(L.OFF_MAX_RECORD)
+        if max_record % 8 or not 16 <= max_record <= capacity // 2:
+            raise RingCorruptedError(f"{self.name} claims records of up to {max_record} bytes in a ring of {capacity}")
         wake = load(L.OFF_WAKE)
         if wake not in (L.WAKE_FUTEX, L.WAKE_SEMAPHORE):
             raise RingCorruptedError(f"{self.name} has an unknown wake-up mechanism {wake}")
@@ -492,19 +516,113 @@ class RingBuffer:
 
     def _push_slow(self, data: "bytes | bytearray | memoryview", timeout: Optional[float], spun: bool = False) -> None:
         """push the slow way; `spun`: the caller spun for space already (the first wait sleeps)."""
+        deadline = self._before_push(timeout)
+        with memoryview(data) as raw, raw.cast("B") as view:
+            if len(view) <= self.max_payload:
+                self._put_record(view, L.KIND_MSG, deadline, spun=spun)
+            else:
+                self._put_fragments(view, deadline)
+
+    def _before_push(self, timeout: Optional[float]) -> Optional[float]:
+        """The checks and the announcement every slow push starts with; returns its deadline."""
         if self._closed:
             raise RingClosedError(f"ring {self.name} is closed")
+        if self._loan is not None:
+            raise LoanError(f"ring {self.name}: a reserved record is not committed yet (commit() or cancel() it first)")
         deadline = _deadline(timeout)
         if self._send_abort:
             self._put_record(b"", L.KIND_ABORT, deadline)
             self._send_abort = False
             self._fast_push = True
             self._accelerate("push", True)
-        with memoryview(data) as raw, raw.cast("B") as view:
-            if len(view) <= self.max_payload:
-                self._put_record(view, L.KIND_MSG, deadline, spun=spun)
+        return deadline
+
+    # ---------------------------------------------------------------- loans (zero-copy)
+
+    def reserve(self, n: int, timeout: Optional[float] = None) -> memoryview:
+        """A loan of the next record: a writable view of `n` bytes in the ring's memory, for the
+        producer to write the message in place; `commit()` publishes it (`cancel()` drops it).
+        `n` is at most `max_payload` (a loan is one record, never fragments). Blocks while the
+        ring has no room, raises like `push`. Until the commit, the view is the only way to
+        write to this ring: another reserve, push or push_many raises LoanError; after it the
+        view is released (using it raises ValueError)."""
+        if type(n) is not int or not 0 <= n <= self.max_payload:
+            raise ValueError(f"n must be an int in [0, {self.max_payload}] (max_payload: a loan is one record), got {n!r}")
+        off = self._op_reserve(n) if self._fast_push else L.FULL
+        if off < 0:
+            deadline = self._before_push(timeout)
+            while (off := self._ops.reserve(n)) < 0:
+                if off != L.FULL:
+                    raise self._corrupted(off)
+                self._space_waiter.wait(deadline, n)
+        self._loan, self._loan_size = self._mv[off : off + n], n
+        self._fast_push = False
+        self._gate[0] = 1
+        return self._loan
+
+    def commit(self, n: Optional[int] = None) -> None:
+        """Publishes the reserved record, with its first `n` bytes (default: all it reserved) as
+        the message: a producer that reserved an upper bound commits what it wrote."""
+        loan, size = self._loan, self._loan_size
+        if loan is None:
+            raise LoanError(f"ring {self.name}: commit() without a reserved record")
+        if n is None:
+            n = size
+        elif type(n) is not int or not 0 <= n <= size:
+            raise ValueError(f"n must be an int in [0, {size}] (the bytes reserved), got {n!r}")
+        self._end_loan(loan)
+        if self._closed:
+            raise RingClosedError(f"ring {self.name} is closed: the reserved record was dropped")
+        if n != size:  # the record shrinks: the tail to publish moves back by the bytes it gave up
+            self._words[_PENDING_WORD] -= L.record_size(size) - L.record_size(n)
+        if self._op_commit(n, _MSG):
+            self._ring_data()
+
+    def cancel(self) -> None:
+        """Drops the reserved record unpublished (the consumer never sees it)."""
+        if self._loan is None:
+            raise LoanError(f"ring {self.name}: cancel() without a reserved record")
+        self._end_loan(self._loan)
+
+    def _end_loan(self, loan: memoryview) -> None:
+        loan.release()
+        self._loan = None
+        self._fast_push = not (self._closed or self._send_abort)
+        self._accelerate("push", self._fast_push)
+
+    def pop_view(self, timeout: Optional[float] = None) -> memoryview:
+        """The next message, as a view of its record in the ring's memory (of the reassembled
+        bytes when it came in fragments), valid until `release()`, which frees the record.
+        Blocks while the ring is empty, raises like `pop`. Until the release, no other message
+        can be taken from this ring: pop_view, pop, consume and the others raise LoanError;
+        after it the view is released (using it raises ValueError; slices of it and arrays made
+        from it are the caller's to drop before)."""
+        r = self._op_peek()
+        if r >= 0 and r >> 60 == _MSG and self._partial is None:
+            off = r & _MASK
+            view, in_ring = self._mv[off : off + ((r >> 30) & _MASK)], True
+        else:
+            got = self._next_message(r, _deadline(timeout))
+            if type(got) is int:
+                off = got & _MASK
+                view, in_ring = self._mv[off : off + ((got >> 30) & _MASK)], True
             else:
-                self._put_fragments(view, deadline)
+                view, in_ring = memoryview(got), False
+        self._view, self._view_in_ring = view, in_ring
+        self._partial = _LOANED
+        self._gate[1] = 1
+        return view
+
+    def release(self) -> None:
+        """Ends the view `pop_view` returned and frees its record."""
+        view = self._view
+        if view is None:
+            raise LoanError(f"ring {self.name}: release() without a view from pop_view()")
+        view.release()
+        self._view, self._partial = None, None
+        self._accelerate("pop", True)
+        if self._view_in_ring and self._op_release():
+            self._ring_space()
 
     def _put_fragments(self, view: memoryview, deadline: Optional[float]) -> None:
         total, step = len(view), self.max_payload
@@ -645,8 +763,20 @@ class RingBuffer:
 
     def _consume_slow(self, fn: Callable[[memoryview], T], r: int, deadline: Optional[float], spun: bool = False) -> T:
         """The rest of pop/consume after a first look (`r`); `spun`: that look spun already."""
+        got = self._next_message(r, deadline, spun)
+        if type(got) is int:
+            return self._deliver(fn, got)
+        with memoryview(got) as view:
+            return fn(view)
+
+    def _next_message(self, r: int, deadline: Optional[float], spun: bool = False) -> "int | bytearray":
+        """Waits from a first look (`r`; `spun`: that look spun already) for the next message:
+        peek's result for a whole record (still in the ring), or the reassembled bytes of a
+        fragmented one (its records freed)."""
         if self._closed:
             raise RingClosedError(f"ring {self.name} is closed")
+        if self._view is not None:
+            raise LoanError(f"ring {self.name}: the view from pop_view() is not released yet (release() it first)")
         while True:
             if r == L.EMPTY:
                 self._data_waiter.wait(deadline, spin=not spun)
@@ -656,14 +786,13 @@ class RingBuffer:
             elif r >> 60 == _MSG:
                 if self._partial is not None:
                     raise self._corrupted(r, "a whole message inside a fragmented one")
-                return self._deliver(fn, r)
+                return r
             else:
                 message = self._take_fragment(r)
                 if self._op_release():
                     self._ring_space()
                 if message is not None:
-                    with memoryview(message) as view:
-                        return fn(view)
+                    return message
             r = self._op_peek()
 
     def _pop_rest(self, r: int, slept: bool) -> bytes:

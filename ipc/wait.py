@@ -221,23 +221,43 @@ def check_wait_params(spin_us: float, nap_window_s: float, poll_interval: float)
 
 
 class Doorbell:
-    """A named POSIX semaphore (0600) that one side sleeps on and the other side rings."""
+    """A named counting POSIX semaphore (0600): one process sleeps on it, one or more ring it.
 
-    def __init__(self, sem: posix_ipc.Semaphore) -> None:
+    The ring's semaphore wake-up (two per ring, where there are no futexes) and a data-parallel
+    frontend's wait on N engines (shmvllm.boundary.doorbell) are both this.
+    """
+
+    def __init__(self, sem: posix_ipc.Semaphore, creator: bool) -> None:
         self._sem = sem
-        self.name = sem.name
+        self.name: str = sem.name
+        self._creator = creator
+        self._closed = False
         self._sleeper = _LibcSemaphore.open(sem.name)  # None: sleep with posix_ipc
 
     @classmethod
-    def create(cls, name: str) -> "Doorbell":
-        return cls(posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0))
+    def create(cls, name: Optional[str] = None) -> "Doorbell":
+        """A new semaphore at 0, named `name` or, by default, like ipc's segments (creator pid and
+        64 random bits, so that `sweep_stale_segments` removes it after a killed creator)."""
+        from ipc.segment import new_name
+
+        name = new_name() + "-bell" if name is None else name
+        return cls(posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0), True)
 
     @classmethod
     def attach(cls, name: str) -> "Doorbell":
-        return cls(posix_ipc.Semaphore(name))
+        return cls(posix_ipc.Semaphore(name), False)
 
     def ring(self) -> None:
         self._sem.release()
+
+    def clear(self) -> None:
+        """Takes every ring so far (a waiter, before it looks at what the rings announce)."""
+        acquire = self._sem.acquire
+        try:
+            while True:
+                acquire(0)
+        except posix_ipc.BusyError:
+            pass
 
     def wait(self, timeout: float) -> bool:
         """Sleeps until rung or `timeout` seconds pass (GIL released); True if rung.
@@ -255,6 +275,20 @@ class Doorbell:
         except (posix_ipc.BusyError, posix_ipc.SignalError):
             return False
         return True
+
+    def close(self) -> None:
+        """Closes it here; the creator also removes it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._sem.close()
+        finally:
+            if self._creator:
+                try:
+                    posix_ipc.unlink_semaphore(self.name)
+                except posix_ipc.ExistentialError:
+                    pass
 
 
 def semaphore_sleep(arm: Callable[..., int], disarm: Callable[[], None], bell: Doorbell) -> Callable[..., int]:

@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
+import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +37,7 @@ the CPU with fp32 activations; elsewhere dequantized) and a safetensors model as
 class ModelConfig:
     model: str  # what the user named
     model_dir: Path  # the local HF directory it resolved to
-    hf_config: Any  # transformers.PretrainedConfig
+    hf_config: Any  # shmvllm.model.hf_config.HFConfig (transformers' config values)
     task: Task
     dtype: str  # "float32" | "float16" | "bfloat16"
     device: str  # "cpu" | "cuda" | "cuda:N"
@@ -86,20 +88,23 @@ class ModelConfig:
     def get_diff_sampling_param(self) -> dict[str, Any]:
         """The sampling defaults the model's generation config sets (vLLM's names): what
         `LLM.get_default_sampling_params` starts from. Only values that differ from transformers'
-        GenerationConfig defaults count, as in vLLM; "vllm" ignores the file."""
+        GenerationConfig defaults (None) count, as in vLLM; "vllm" ignores the file."""
         config: dict[str, Any] = {}
         if self.generation_config != "vllm":
-            from transformers import GenerationConfig
-
             folder = self.model_dir if self.generation_config == "auto" else Path(self.generation_config)
             if (folder / "generation_config.json").exists():
-                config = GenerationConfig.from_pretrained(folder).to_diff_dict()
+                config = json.loads((folder / "generation_config.json").read_text())
         config = {**config, **self.override_generation_config}
-        names = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
-        diff = {name: config[name] for name in names if config.get(name) is not None}
+        diff = {name: config[name] for name in _GENERATION_SAMPLING if config.get(name) is not None}
         if "max_new_tokens" in diff:
             diff["max_tokens"] = diff.pop("max_new_tokens")
         return diff
+
+
+# The generation_config.json values that become sampling defaults. The file is read as JSON
+# (GenerationConfig would import transformers, and torch with it); transformers' own defaults for
+# these are all None, so every value the file sets differs from them.
+_GENERATION_SAMPLING = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
 
 
 @dataclass
@@ -204,13 +209,16 @@ class EngineArgs(VllmArgs):
 
         check_engine_args(self)
         self._verify()
-        from transformers import AutoConfig
-
+        from shmvllm.model.hf_config import load_hf_config
+        from shmvllm.model.models import check_causal_lm_dir, decoder_architecture
         from shmvllm.model.registry import resolve_model_dir
 
-        model_dir = resolve_model_dir(self.model)
-        hf_config = AutoConfig.from_pretrained(model_dir)
+        model_dir = resolve_model_dir(self.model)  # refuses a GGUF file's unsupported architecture
+        check_causal_lm_dir(model_dir)  # from config.json alone, before a config is built
+        hf_config = load_hf_config(model_dir)
         task = self._task(model_dir, hf_config)
+        if task == "generate":
+            decoder_architecture(hf_config)  # an unsupported model is refused here, before the engine starts
         device = self.device if self.device != "auto" else _default_device()
         dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         dtype = dtype if dtype != "auto" else _default_dtype(device, hf_config, task)
@@ -442,6 +450,10 @@ def detect_task(model_dir: Path, hf_config: Any) -> Task:
 
 
 def _default_device() -> str:
+    """"cuda" where torch sees a GPU. Without an NVIDIA driver there is none, and torch (seconds
+    to import) is not asked."""
+    if "torch" not in sys.modules and not os.path.exists("/proc/driver/nvidia/version"):
+        return "cpu"
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"

@@ -6,7 +6,7 @@ engine process inherits the frontend's environment. README.md has the same table
 
 | variable | default | what it does |
 |---|---|---|
-| SHMVLLM_CACHE | ~/.cache/shmvllm | where converted models (GGUF -> HF directories) are cached |
+| SHMVLLM_CACHE | ~/.cache/shmvllm | where GGUF files' configs and tokenizers, and configs' full values, are cached |
 | SHMVLLM_RING_CAPACITY | 4194304 | bytes of each frontend<->engine ring (a multiple of 8) |
 | SHMVLLM_MAX_N_SEQUENCES | 16384 | the largest SamplingParams.n (vLLM's VLLM_MAX_N_SEQUENCES) |
 | SHMVLLM_NATIVE_KERNELS | 1 | 0: never build or load the C kernels (torch paths only) |

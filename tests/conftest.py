@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import time
@@ -191,6 +192,23 @@ def smollm2_dir() -> Path:
     from shmvllm.model.registry import resolve_model_dir
 
     return resolve_model_dir("smollm2-135m-instruct")
+
+
+@functools.lru_cache(maxsize=1)
+def hf_causal_lm(model_dir: Path, dtype=None):
+    """transformers' model of a directory, eval mode; for a GGUF file's cached directory (no
+    weights in it) transformers' own load of the file, which dequantizes its blocks (the last
+    one is kept: loading a GGUF file takes transformers seconds)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shmvllm.model.registry import gguf_source
+
+    dtype = dtype or torch.float32
+    source = gguf_source(Path(model_dir))
+    if source is not None:
+        return AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
 
 @pytest.fixture(scope="session")

@@ -40,8 +40,6 @@ LOGPROBS = 5
 
 
 def _hf_greedy_bf16(model_dir, prompt: list[int], max_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
-    from transformers import AutoModelForCausalLM
-
     hf = _hf_model(str(model_dir))
     with torch.no_grad():
         out = hf.generate(
@@ -56,11 +54,11 @@ _HF_CACHE: dict[str, Any] = {}
 
 
 def _hf_model(model_dir: str):
-    from transformers import AutoModelForCausalLM
+    from conftest import hf_causal_lm
 
     if model_dir not in _HF_CACHE:
         _HF_CACHE.clear()
-        _HF_CACHE[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+        _HF_CACHE[model_dir] = hf_causal_lm(model_dir, torch.bfloat16)
     return _HF_CACHE[model_dir]
 
 

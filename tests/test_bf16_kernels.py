@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from shmvllm.model import llama, rotary
+from shmvllm.model import decoder, rotary
 from shmvllm.model.attention import PagedAttention, build_attention_metadata
 from shmvllm.model.kernels import cpu_kernels, kernels_for
 from shmvllm.model.linear import Linear
@@ -85,7 +85,7 @@ def test_decode_attention_and_cache_write(kernels, heads, kv_heads, head_dim, bl
 
 @pytest.mark.parametrize("rows, hidden", [(1, 576), (64, 576), (300, 1024), (3, 7)])
 def test_rms_norm(kernels, rows, hidden) -> None:
-    norm = llama.RMSNorm(hidden, 1e-5).to(BF16)
+    norm = decoder.RMSNorm(hidden, 1e-5).to(BF16)
     x, weight = _bf16_values(rows, hidden, seed=rows, scale=3.0), _bf16_values(hidden, seed=hidden)
     with torch.no_grad():
         norm.weight.copy_(weight)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from shmvllm.model import attention, llama, rotary
+from shmvllm.model import attention, decoder, rotary
 from shmvllm.model.attention import PagedAttention, build_attention_metadata
 from shmvllm.model.kernels import cpu_kernels
 
@@ -78,6 +78,48 @@ def test_kernel_equals_torch(kernels, monkeypatch, heads, kv_heads, head_dim, bl
     torch.testing.assert_close(native[0], reference[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window, softcap", [(5, None), (None, 2.0), (9, 1.5), (1, None)])
+def test_sliding_window_and_softcap_against_a_naive_reference(kernels, monkeypatch, window, softcap) -> None:
+    """Decode rows (the C kernel and the torch path) and prefill rows (fresh and after a cached
+    prefix) of a sliding-window / soft-capped layer against attention written out per query:
+    keys at positions (p - window, p], scores cap * tanh(score * scale / cap)."""
+    block_size, num_blocks, heads, kv_heads, head_dim = 4, 96, 6, 2, 16
+    layer = _layer(heads, kv_heads, head_dim, num_blocks, block_size)
+    layer.sliding_window, layer.softcap = window, softcap
+    query_lens, num_computed = [1, 11, 1, 6, 1], [0, 0, 13, 9, 3]
+    rng = np.random.default_rng(7)
+    width = 8
+    table = rng.permutation(num_blocks)[: len(query_lens) * width].astype(np.int32).reshape(len(query_lens), width)
+    positions = [np.arange(done, done + new) for new, done in zip(query_lens, num_computed)]
+    slots = np.concatenate([table[i, pos // block_size].astype(np.int64) * block_size + pos % block_size
+                            for i, pos in enumerate(positions)])
+    meta = build_attention_metadata(np.array(query_lens), np.array(num_computed), table, slots, block_size, torch.device("cpu"))
+    qkv = torch.randn(sum(query_lens), heads + 2 * kv_heads, head_dim, generator=torch.Generator().manual_seed(8))
+    native = _run(layer, meta, qkv, True, monkeypatch)
+    reference = _run(layer, meta, qkv, False, monkeypatch)
+    torch.testing.assert_close(native[0], reference[0], rtol=1e-5, atol=1e-5)
+    keys = reference[1].reshape(kv_heads, -1, head_dim)
+    values = reference[2].reshape(kv_heads, -1, head_dim)
+    q = qkv[:, :heads]
+    expected, row = [], 0
+    for i, pos in enumerate(positions):
+        context = np.arange(pos[-1] + 1)
+        context_slots = torch.from_numpy(table[i, context // block_size].astype(np.int64) * block_size + context % block_size)
+        for p in pos:
+            visible = [c for c in range(p + 1) if window is None or c > p - window]
+            out = torch.empty(heads, head_dim)
+            for h in range(heads):
+                k = keys[h // (heads // kv_heads), context_slots[visible]]
+                v = values[h // (heads // kv_heads), context_slots[visible]]
+                scores = (k @ q[row, h]) * head_dim**-0.5
+                if softcap is not None:
+                    scores = torch.tanh(scores / softcap) * softcap
+                out[h] = torch.softmax(scores, dim=0) @ v
+            expected.append(out.reshape(-1))
+            row += 1
+    torch.testing.assert_close(reference[0], torch.stack(expected), rtol=1e-5, atol=1e-5)
+
+
 def test_kernel_on_a_large_decode_batch(kernels, monkeypatch) -> None:
     """64 decodes with contexts of 35-170 tokens: the shape of the throughput benchmark."""
     block_size, num_blocks = 16, 1024
@@ -132,13 +174,13 @@ def _without_kernels(monkeypatch, module, call):
 
 @pytest.mark.parametrize("rows, hidden", [(1, 576), (64, 576), (300, 1024), (3, 7)])
 def test_rms_norm_kernel(kernels, monkeypatch, rows, hidden) -> None:
-    norm = llama.RMSNorm(hidden, 1e-5)
+    norm = decoder.RMSNorm(hidden, 1e-5)
     generator = torch.Generator().manual_seed(rows)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(hidden, generator=generator))
         x = torch.randn(rows, hidden, generator=generator) * 3
         native = norm(x)
-        reference = _without_kernels(monkeypatch, llama, lambda: norm(x))
+        reference = _without_kernels(monkeypatch, decoder, lambda: norm(x))
         transformers_formula = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
     torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(native, transformers_formula, rtol=1e-5, atol=1e-6)

@@ -144,7 +144,7 @@ def test_dense_layers_prompts_and_dimensions_as_sentence_transformers(bert_st_de
     from sentence_transformers import SentenceTransformer
 
     reference = SentenceTransformer(str(bert_st_dense), device="cpu")
-    with LLM(model=str(bert_st_dense), multiprocess=False) as llm:
+    with LLM(model=str(bert_st_dense)) as llm:  # the engine process: token_embed's 2-D output over the rings
         outputs = llm.embed(TEXTS, use_tqdm=False)
         default = np.stack([o.outputs.numpy() for o in outputs])
         assert outputs[1].prompt_token_ids == llm.get_tokenizer()("query: cat")["input_ids"]
@@ -197,7 +197,7 @@ def test_reranker_scores_match_cross_encoder(request, which):
     reference = CrossEncoder(str(model_dir), device="cpu")
     pairs = [(q, d) for q in QUERIES for d in DOCS]
     expected = reference.predict(pairs, batch_size=5)
-    with LLM(model=str(model_dir), multiprocess=False) as llm:
+    with LLM(model=str(model_dir)) as llm:  # the engine process: pair token types over the rings
         assert llm.supported_tasks == ("classify", "score")
         scores = llm.score([q for q, _ in pairs], [d for _, d in pairs], use_tqdm=False)
         got = np.array([s.outputs.score for s in scores])
@@ -233,3 +233,58 @@ def test_classify_probabilities_match_transformers(tmp_path_factory, minilm_dir,
         np.testing.assert_allclose(encoded[1].outputs.data.numpy(), expected[1], atol=1e-5)
         with pytest.raises(ValueError, match="Score"):
             llm.score("a", "b")
+
+
+def _tiny_qwen3(tmp_path_factory, smollm2_dir):
+    from transformers import Qwen3Config
+
+    from conftest import _save_tiny_causal_lm
+
+    config = Qwen3Config(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True,
+    )
+    return _save_tiny_causal_lm(config, smollm2_dir, tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+@pytest.mark.parametrize("family, pooling", [("qwen2", "lasttoken"), ("qwen2", "mean"), ("qwen3", "lasttoken")])
+def test_decoder_embedder_matches_sentence_transformers(tmp_path_factory, tiny_qwen2_dir, smollm2_dir, family, pooling):
+    """A generation architecture as an embedder (Qwen3-Embedding's recipe: last-token pooling,
+    normalized, an instruction prompt), causal attention within each packed sequence."""
+    import shutil
+
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoTokenizer
+
+    checkpoint = tiny_qwen2_dir if family == "qwen2" else _tiny_qwen3(tmp_path_factory, smollm2_dir)
+    source = tmp_path_factory.mktemp(f"{family}-{pooling}")
+    for item in checkpoint.iterdir():
+        if item.is_file() and item.name != "chat_template.jinja":  # else sentence-transformers 6 wraps texts in it
+            shutil.copy(item, source / item.name)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer.pad_token = tokenizer.eos_token  # sentence-transformers pads its batches
+    tokenizer.save_pretrained(source)
+    target = _save_st(source, tmp_path_factory.mktemp(f"{family}-st-{pooling}"), pooling,
+                      prompts={"query": "Instruct: find the text\nQuery: "})
+    for name in ("config.json", "model.safetensors"):  # the *ForCausalLM checkpoint, as Qwen3-Embedding ships
+        shutil.copy(source / name, target / name)
+    reference = SentenceTransformer(str(target), device="cpu")
+    texts = [t for t in TEXTS if t]  # an empty text has no last token
+    expected = reference.encode(texts, batch_size=4, prompt_name="query")
+    with LLM(model=str(target), task="embed", multiprocess=False) as llm:
+        got = np.stack([o.outputs.numpy() for o in llm.embed(texts, use_tqdm=False, prompt_name="query")])
+    assert _cosines(got, expected).min() >= 0.99999
+
+
+def test_bidirectional_decoder_is_refused(tmp_path):
+    """EmbeddingGemma's bidirectional attention is not run causally: the model is refused by name."""
+    from transformers import Gemma3TextConfig
+
+    from shmvllm.config import ModelConfig
+    from shmvllm.worker.pooling_runner import PoolingModelRunner
+
+    hf_config = Gemma3TextConfig(architectures=["Gemma3ForCausalLM"], use_bidirectional_attention=True)
+    config = ModelConfig(model="g", model_dir=tmp_path, hf_config=hf_config, task="embed", dtype="float32",
+                         device="cpu", max_model_len=128)
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        PoolingModelRunner(config)

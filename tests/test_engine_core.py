@@ -28,9 +28,9 @@ def make_engine(model_dir: Path, **engine_args) -> EngineCore:
 
 @functools.lru_cache(maxsize=None)
 def hf_model(model_dir: Path):
-    from transformers import AutoModelForCausalLM
+    from conftest import hf_causal_lm
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return hf_causal_lm(model_dir, torch.float32)
 
 
 def eos_of(model_dir: Path) -> int:

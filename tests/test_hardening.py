@@ -109,7 +109,8 @@ def test_a_request_the_engine_cannot_decode_finishes_with_error(llm):
         request_id="undecodable", prompt_token_ids=EngineCoreRequest.pack_token_ids([1, 2, 3]), sampling_params=params,
     ))
     output = collect_output(client, "undecodable")
-    assert output.finish_reason == FinishReason.ERROR and "could not decode" in output.error and "n must" in output.error
+    assert output.finish_reason == FinishReason.ERROR and "could not decode" in output.error
+    assert "Expected `int` >= 1" in output.error and "(sampling_params.n)" in output.error  # the wire's bound, named
     assert_serving(llm)
 
 

@@ -1,5 +1,7 @@
 """Fuzz: random and mutated frames give a message, "nothing yet" or RingCorruptedError —
-never a crash, a hang, or any other exception."""
+never a crash, a hang, or any other exception; whether the records were pushed or loaned
+(reserve/commit, some committed shorter) and whether they are read by copy or in place
+(pop_view/release)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from ipc import RingBuffer, RingCorruptedError, native_available
+from ipc import RingBuffer, RingCorruptedError, RingTimeoutError, native_available
 from ipc import layout as L
 
 CAPACITY = 1024
@@ -52,10 +54,10 @@ def _mutate(tx: RingBuffer, rng: random.Random) -> None:
         blob += bytes(-len(blob) % 8)
         tx._mv[L.DATA : L.DATA + len(blob)] = blob
         _set(tx, L.OFF_TAIL, base + rng.choice([len(blob), rng.randrange(0, len(blob) + 1, 8)]))
-    elif mode == 2:  # a valid stream (fragments included), then a few flipped bytes
+    elif mode == 2:  # a valid stream (fragments included, loaned records too), then a few flipped bytes
         for _ in range(rng.randrange(1, 4)):
             try:
-                tx.push(rng.randbytes(rng.choice([0, 5, 60, 240, 500, 700])), timeout=0)
+                _send(tx, rng, rng.choice([0, 5, 60, 240, 500, 700]))
             except TimeoutError:
                 break
         for _ in range(rng.randrange(1, 4)):
@@ -64,20 +66,42 @@ def _mutate(tx: RingBuffer, rng: random.Random) -> None:
     elif mode == 3:  # garbage counters
         _set(tx, L.OFF_TAIL, rng.choice([base - 8, base + 3, base + CAPACITY + 8, rng.randrange(1 << 64)]))
     else:  # a valid stream whose published tail lies
-        tx.push(rng.randbytes(rng.randrange(200)), timeout=0)
+        _send(tx, rng, rng.randrange(200))
         _set(tx, L.OFF_TAIL, base + rng.randrange(0, 2 * CAPACITY, 8))
 
 
-def _drain(rx: RingBuffer) -> str:
+def _send(tx: RingBuffer, rng: random.Random, n: int) -> None:
+    """A message of `n` random bytes, pushed, or written into a loan (when it fits in one
+    record), which is sometimes reserved larger and committed at `n` bytes."""
+    data = rng.randbytes(n)
+    if n > tx.max_payload or rng.random() < 0.5:
+        tx.push(data, timeout=0)
+        return
+    view = tx.reserve(rng.randrange(n, tx.max_payload + 1) if rng.random() < 0.5 else n, timeout=0)
+    view[:n] = data
+    tx.commit(n)
+
+
+def _take_view(rx: RingBuffer) -> "bytes | None":
+    try:
+        view = rx.pop_view(timeout=0)
+    except RingTimeoutError:
+        return None
+    data = bytes(view)
+    rx.release()
+    return data
+
+
+def _drain(rx: RingBuffer, in_place: bool) -> str:
     for _ in range(CAPACITY // 8 + 2):  # every message consumes >= 8 bytes of a finite ring
         try:
-            msg = rx.try_pop()
+            msg = _take_view(rx) if in_place else rx.try_pop()
         except RingCorruptedError:
             return "corrupted"
         if msg is None:
             return "nothing"
         assert isinstance(msg, bytes)
-    raise AssertionError("try_pop kept returning messages from a finite ring")
+    raise AssertionError("the consumer kept taking messages from a finite ring")
 
 
 @pytest.mark.parametrize("pure_python, cases", [(False, 10_000), (True, 2_000)], ids=["native", "python"])
@@ -91,9 +115,9 @@ def test_fuzz_random_frames(pure_python, cases):
         for _ in range(cases):
             _mutate(tx, rng)
             rx = RingBuffer.attach(tx.name, pure_python=pure_python)
-            outcomes[_drain(rx)] += 1
+            outcomes[_drain(rx, in_place=rng.random() < 0.5)] += 1
             try:  # the producer side meets the same state
-                tx.push(b"p" * rng.randrange(300), timeout=0)
+                _send(tx, rng, rng.randrange(300))
             except (TimeoutError, RingCorruptedError):
                 pass
     finally:

@@ -402,3 +402,26 @@ def test_kept_references_to_push_and_pop_respect_close_and_fragments(pair):
     rx.close()
     with pytest.raises(ValueError, match="closed"):
         pop()
+
+
+def test_a_ring_sized_for_its_message_holds_records_of_half_its_capacity(pure_python):
+    tx = RingBuffer.create(4096, max_record=2048, pure_python=pure_python)
+    rx = RingBuffer.attach(tx.name, pure_python=pure_python)
+    try:
+        assert tx.max_payload == rx.max_payload == 2040
+        import random
+
+        rng = random.Random(5)
+        for size in [2040, 2040, 2040, 0, 2041, 5000, 17] + [rng.randrange(3000) for _ in range(100)]:
+            data = rng.randbytes(size)
+            threading.Thread(target=tx.push, args=(data, 10), daemon=True).start()
+            assert rx.pop(timeout=10) == data
+        tx.reserve(2040)
+        tx.commit()
+        assert len(rx.pop(timeout=1)) == 2040
+    finally:
+        rx.close()
+        tx.close()
+    for bad in (2056, 8, 1000 + 4, 2048.0):
+        with pytest.raises(ValueError, match="max_record must be a multiple of 8"):
+            RingBuffer.create(4096, max_record=bad, pure_python=pure_python)

@@ -62,9 +62,9 @@ class PagedModel:
 
 
 def _hf_logits(model_dir: Path, tokens: list[int]) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
+    from conftest import hf_causal_lm
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = hf_causal_lm(model_dir, torch.float32)
     with torch.no_grad():
         return hf(torch.tensor([tokens])).logits[0]
 
@@ -76,9 +76,9 @@ def _tokens(n: int, seed: int, vocab: int = 49152) -> list[int]:
 def _check_prefill_prefix_decode(model_dir: Path, vocab: int = 49152) -> None:
     """Three sequences in one step; then a chunk after a cached prefix; then decodes mixed with
     a prefill, all equal to transformers' logits for the same positions."""
-    from transformers import AutoModelForCausalLM
+    from conftest import hf_causal_lm
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = hf_causal_lm(model_dir, torch.float32)
     paged = PagedModel(model_dir)
     seqs = [_tokens(n, seed, vocab) for seed, n in enumerate((13, 5, 22))]
     with torch.no_grad():

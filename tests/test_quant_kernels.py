@@ -22,8 +22,13 @@ ISAS = quant_isas_supported()
 pytestmark = pytest.mark.skipif(not ISAS, reason="the quantized kernels could not be built")
 
 # Where each format keeps its fp16 scales (byte offsets in a block): random bytes there would be
-# NaN or huge; the rest of a block is any bits.
-_FP16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+# NaN or huge; the rest of a block is any bits. MXFP4's scale is a power-of-two exponent byte.
+_FP16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+                "Q5_0": [0], "Q5_1": [0, 2], "Q2_K": [80, 82], "Q3_K": [108], "IQ4_NL": [0], "IQ4_XS": [0],
+                "MXFP4": []}
+# fp16 scales at the ends of the range (largest, smallest normal, subnormals, signed zero) that
+# every eighth block takes
+_EXTREME_FP16 = np.array([65504.0, -65504.0, 6.104e-05, 5.96e-08, -5.96e-08, 3.0e-07, 0.0, -0.0], dtype=np.float16)
 
 
 def random_weight(name: str, n: int, k: int, rng: np.random.Generator) -> QuantizedWeight:
@@ -38,11 +43,19 @@ def random_weight(name: str, n: int, k: int, rng: np.random.Generator) -> Quanti
         data = bits.astype(np.uint16).view(np.uint8)
     else:
         blocks = rng.integers(0, 256, size=(n * (k // values), nbytes), dtype=np.uint8)
+        extreme = rng.random(len(blocks)) < 0.125
         for offset in _FP16_FIELDS[name]:
             scale = (rng.standard_normal(len(blocks)) * 0.05).astype(np.float16)
+            scale[extreme] = rng.choice(_EXTREME_FP16, int(extreme.sum()))
             blocks[:, offset : offset + 2] = scale.view(np.uint8).reshape(-1, 2)
+        if name == "MXFP4":  # exponents 2^-128 .. 2^72: sums of products stay finite
+            blocks[:, 0] = np.where(extreme, rng.integers(0, 200, len(blocks)), rng.integers(118, 132, len(blocks)))
         data = blocks.reshape(n, -1)
     return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(data).reshape(n, -1)), qtype, k)
+
+
+def block_width(name: str) -> int:
+    return FORMATS[FORMAT_IDS[name]][1]
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, bias, residual) -> torch.Tensor:
@@ -72,8 +85,10 @@ def isa(request, monkeypatch):
 @pytest.mark.parametrize("name", sorted(FORMAT_IDS))
 def test_dequantized_rows_equal_gguf_reference(isa, name):
     rng = np.random.default_rng(1)
-    k = 512 if name.endswith("_K") else 96
+    k = 512 if block_width(name) == 256 else 96
     weight = random_weight(name, 13, k, rng)
+    if name == "MXFP4":  # every exponent byte, up to values that overflow to inf
+        weight.data.view(-1, 17)[:, 0] = torch.arange(weight.data.numel() // 17) * 7 % 256
     want = weight.dequantize()
     table = VocabEmbedding(13, k)
     table.set_blocks(weight)
@@ -83,11 +98,23 @@ def test_dequantized_rows_equal_gguf_reference(isa, name):
     assert torch.equal(got.view(-1, k), want[ids.view(-1)])  # bit for bit
 
 
+def test_mxfp4_every_exponent_byte(isa):
+    """All 256 e8m0 scales (2^-128 .. 2^127, the largest overflowing to inf as in gguf-py)."""
+    rng = np.random.default_rng(2)
+    weight = random_weight("MXFP4", 256, 32, rng)
+    weight.data[:, 0] = torch.arange(256, dtype=torch.uint8)
+    table = VocabEmbedding(256, 32)
+    table.set_blocks(weight)
+    with np.errstate(over="ignore"):
+        want = weight.dequantize()
+    assert torch.equal(table(torch.arange(256)), want)
+
+
 @pytest.mark.parametrize("name", sorted(FORMAT_IDS))
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 33, 64, 200])
 def test_gemm_matches_dequantize_then_matmul(isa, name, rows):
     rng = np.random.default_rng(rows)
-    n, k = 37, (512 if name.endswith("_K") else 160)
+    n, k = 37, (512 if block_width(name) == 256 else 160)
     weight = random_weight(name, n, k, rng)
     w = weight.dequantize()
     x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
@@ -155,7 +182,7 @@ def test_bad_inputs_are_refused(isa):
     with pytest.raises(ValueError, match="Q4_1 rows of 96 values take 60 bytes"):
         QuantizedWeight(torch.zeros(2, 61, dtype=torch.uint8), FORMAT_IDS["Q4_1"], 96)
     with pytest.raises(ValueError, match="not supported"):
-        QuantizedWeight(torch.zeros(2, 60, dtype=torch.uint8), 6, 96)  # Q5_0
+        QuantizedWeight(torch.zeros(2, 66, dtype=torch.uint8), 16, 256)  # IQ2_XXS
     table = VocabEmbedding(4, 64)
     table.set_blocks(random_weight("Q8_0", 4, 64, rng))
     with pytest.raises(IndexError, match=r"\[0, 4\)"):

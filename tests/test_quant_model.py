@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
 
 from shmvllm.config import EngineArgs
 from shmvllm.model.kernels import quant_isas_supported
@@ -32,10 +31,11 @@ def _blocks_as_fp32(module) -> torch.Tensor:
 
 def test_gguf_blocks_hold_transformers_dequantized_weights(smollm2_dir):
     """Names, fused shards and the q/k row permutation: every weight the kernels see equals,
-    bit for bit, what transformers' GGUF loader made of the same file (the cached safetensors)."""
+    bit for bit, what transformers' GGUF loader makes of the same file."""
+    from conftest import hf_causal_lm
+
     model = get_model(EngineArgs(model=str(smollm2_dir), max_model_len=64).create_engine_config().model_config)
-    with safe_open(str(smollm2_dir / "model.safetensors"), framework="pt") as f:
-        reference = {name: f.get_tensor(name) for name in f.keys()}
+    reference = hf_causal_lm(smollm2_dir).state_dict()
     layer = model.model.layers[3]
     attn, mlp = layer.self_attn, layer.mlp
     prefix = "model.layers.3."
@@ -192,6 +192,22 @@ def test_quantization_knob_is_checked(tiny_llama_dir, smollm2_dir):
     config = EngineArgs(model=str(smollm2_dir), quantization="none", max_model_len=64).create_engine_config()
     model = get_model(config.model_config)
     assert all(m.blocks is None for m in model.modules() if isinstance(m, Linear))
+
+
+def test_quantization_none_dequantizes_in_memory_to_transformers_values(smollm2_dir):
+    """quantization='none' on a GGUF file: fp32 weights equal to transformers' dequantization of
+    the file, made in memory (the cached directory holds no weights, and gains none)."""
+    from conftest import hf_causal_lm
+
+    model = get_model(EngineArgs(model=str(smollm2_dir), quantization="none", max_model_len=64).create_engine_config().model_config)
+    reference = hf_causal_lm(smollm2_dir).state_dict()
+    layer, prefix = model.model.layers[5], "model.layers.5."
+    qkv = torch.cat([reference[prefix + f"self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(layer.self_attn.qkv_proj.weight, qkv)
+    assert torch.equal(layer.mlp.down_proj.weight, reference[prefix + "mlp.down_proj.weight"])
+    assert torch.equal(model.model.embed_tokens.weight, reference["model.embed_tokens.weight"])
+    assert not list(smollm2_dir.glob("*.safetensors")) and not list(smollm2_dir.glob("*.bin"))
+    assert sum(f.stat().st_size for f in smollm2_dir.iterdir()) < 8 * 2**20
 
 
 def test_q8_0_at_load_matches_transformers_on_the_same_values(tiny_llama_dir, tmp_path):

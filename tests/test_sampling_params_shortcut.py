@@ -1,6 +1,7 @@
 """SamplingParams' validation shortcut agrees with the detailed checks: the same params (valid or
 not, built, decoded from msgpack or assigned) give the same fields, of the same types, or the
-same exception with the same message; and the engine still refuses invalid params on the wire."""
+same exception with the same message; and the engine's decoding (WireSamplingParams) refuses
+what is out of each field's bounds on the wire."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ from typing import Any
 import msgspec
 import pytest
 
-from shmvllm.boundary.messages import EngineCoreRequest, UndecodableRequest, decode_to_engine, make_encoder
+from shmvllm.boundary.messages import (
+    EngineCoreRequest,
+    UndecodableRequest,
+    WireSamplingParams,
+    decode_to_engine,
+    make_encoder,
+)
 from shmvllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams, _set_field
 
 
@@ -188,15 +195,16 @@ def test_max_n_sequences_is_read_on_every_validation(monkeypatch):
 
 
 @pytest.mark.parametrize(("name", "value", "message"), [
-    ("n", 0, "n must be at least 1, got 0."),
-    ("temperature", NAN, "temperature must be a finite number, got nan."),
-    ("top_p", 0.0, "top_p must be in (0, 1], got 0.0."),
-    ("min_tokens", 99, "min_tokens must be less than or equal to max_tokens=16, got 99."),
-    ("stop_token_ids", [-1], "stop_token_ids must be non-negative 64-bit ints, got [-1]."),
-    ("stop", [""], "stop cannot contain an empty string, got ['']."),
+    ("n", 0, "Expected `int` >= 1 - at `$[3][0]` (sampling_params.n)"),
+    ("temperature", NAN, "Expected `float` >= 0.0 - at `$[3][4]` (sampling_params.temperature)"),
+    ("top_p", 0.0, "Expected `float` > 0.0 - at `$[3][5]` (sampling_params.top_p)"),
+    ("stop_token_ids", [-1], "Expected `int` >= 0 - at `$[3][10][0]` (sampling_params.stop_token_ids[0])"),
+    ("stop", [""], "Expected `str` of length >= 1 - at `$[3][9][0]` (sampling_params.stop[0])"),
     ("seed", -(2**63), None),  # valid: decodes
+    # A rule between fields is the frontend's: the wire checks each field's own bounds only.
+    ("min_tokens", 99, None),
 ])
-def test_the_engine_refuses_invalid_params_on_the_wire(name, value, message):
+def test_the_engine_refuses_out_of_bounds_params_on_the_wire(name, value, message):
     request = EngineCoreRequest(request_id="wire", prompt_token_ids=EngineCoreRequest.pack_token_ids([1, 2, 3]),
                                 sampling_params=raw(SamplingParams, {name: value}))
     got = decode_to_engine(make_encoder().encode(request))
@@ -204,7 +212,45 @@ def test_the_engine_refuses_invalid_params_on_the_wire(name, value, message):
         assert getattr(got.sampling_params, name) == value
         return
     assert isinstance(got, UndecodableRequest) and got.request_id == "wire"
-    assert got.error.startswith("the engine could not decode the request: " + message), got.error
+    assert got.error == "the engine could not decode the request: " + message, got.error
+
+
+# What SamplingParams refuses although the wire accepts it: rules between fields or against the
+# configuration, and the two a bound cannot say (0 among the truncations, blank bad words).
+FRONTEND_RULES = ("n must be at most", "min_tokens must be less than or equal to max_tokens",
+                  "stop strings are only supported when detokenize", "n must be 1 when using greedy",
+                  "truncate_prompt_tokens must be an int >= 1 or -1", "bad_words cannot contain an empty string")
+
+
+def test_the_wire_bounds_agree_with_the_params_own_checks():
+    """Every single-field value of the table, and the typical params, on the wire: the engine's
+    decoding (WireSamplingParams, bounds checked by msgspec) accepts the bytes that
+    SamplingParams' own decoding (its Python validation) accepts, but for forms it rewrites
+    (which a built SamplingParams never sends), and refuses what it refuses, but for
+    FRONTEND_RULES; and what a SamplingParams built from them sends arrives with the same fields."""
+    encode = make_encoder().encode
+    wire = msgspec.msgpack.Decoder(WireSamplingParams).decode
+    checked = msgspec.msgpack.Decoder(SamplingParams).decode
+    left_to_the_frontend, refused = set(), 0
+    for fields in TYPICAL + [{name: value} for name, pool in POOLS.items() for value in pool]:
+        try:
+            buf = encode(raw(SamplingParams, fields))
+        except (OverflowError, TypeError):  # beyond msgpack: never on the wire
+            continue
+        own = outcome(lambda: checked(buf))
+        got = outcome(lambda: wire(buf))
+        if own[0] == "built":
+            if got[0] != "built":  # only a form SamplingParams rewrites (a str stop)
+                assert own[1] != outcome(lambda: raw(SamplingParams, fields))[1], (fields, got)
+        elif got[0] == "built":
+            assert own[2].startswith(FRONTEND_RULES), (fields, own)
+            left_to_the_frontend.add(own[2].split(",")[0])
+        else:
+            refused += 1
+        if outcome(lambda: SamplingParams(**fields))[0] == "built":
+            params = SamplingParams(**fields)
+            assert msgspec.structs.astuple(wire(encode(params))) == msgspec.structs.astuple(params), fields
+    assert refused > 100 and len(left_to_the_frontend) >= 4, (refused, left_to_the_frontend)
 
 
 @pytest.mark.parametrize("knobs", [{}, {"top_p": 1, "top_k": -1, "min_p": 0}, {"min_p": -0.0},

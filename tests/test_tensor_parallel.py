@@ -2,8 +2,9 @@
 all-reduces through the shared-memory arena, or gloo) against TP=1 on tiny random Llama and
 Qwen2 models with 2 KV heads (and one with 3, split unevenly); a worker killed mid-generate; an
 idle TP=2 engine's CPU; the split itself; knobs refused by name. On GGML blocks: TP=2 against
-TP=1 on the shipped SmolLM2 GGUF, on tiny GGUF files in Q4_0 / Q8_0 and in Q4_K / Q6_K (whose
-o_proj split falls inside a block), and on quantization='q8_0'; what each rank holds; a
+TP=1 on the shipped SmolLM2 GGUF, on tiny GGUF files in Q4_0 / Q8_0, in Q4_K / Q6_K and in the
+later formats (Q5_0 ... MXFP4, a Q3_K o_proj; the 256-value ones' o_proj split falls inside a
+block), and on quantization='q8_0'; what each rank holds; a
 row-parallel layer's shards summed against the full product."""
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from shmvllm.model.kernels import quant_isas_supported
 from shmvllm.model.linear import Linear, VocabEmbedding
 from shmvllm.model.loader import get_model
 from shmvllm.model.parallel.group import TPGroup
-from shmvllm.model.parallel.layers import RowParallelLinear, shard_llama_
+from shmvllm.model.parallel.layers import RowParallelLinear, shard_decoder_
 from shmvllm.model.parallel.split import split_range, split_sizes
 from shmvllm.model.quant import FORMAT_IDS, FORMATS, QuantizedWeight
 
@@ -202,12 +203,13 @@ def test_knobs_refused_by_name(tiny_llama_dir, tiny_bert_dir):
 
 # The fp16 scale fields of the K formats (byte offsets in a block) and a scale that gives the
 # dequantized weights a spread like the tiny models' (std ~0.05-0.1).
-_K_SCALES = {"Q4_K": ([0, 2], 3e-4), "Q5_K": ([0, 2], 1.5e-4), "Q6_K": ([208], 1e-4)}
+_K_SCALES = {"Q4_K": ([0, 2], 3e-4), "Q5_K": ([0, 2], 1.5e-4), "Q6_K": ([208], 1e-4),
+             "Q2_K": ([80, 82], 3e-3), "Q3_K": ([108], 1.5e-3), "IQ4_NL": ([0], 8e-4), "IQ4_XS": ([0], 3e-5)}
 
 
 def _blocks(name: str, weight: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """[n, k] -> [n, row_bytes] uint8 GGML blocks of `name`: the reference quantizer where
-    gguf-py has one, else random K-quant blocks (gguf-py cannot quantize the K formats)."""
+    gguf-py has one, else random blocks (gguf-py cannot quantize the K and IQ4 formats)."""
     from gguf.quants import quantize
 
     qtype = FORMAT_IDS[name]
@@ -269,6 +271,9 @@ TINY_GGUF_FORMATS = {
              "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q8_0"},
     "q4_k": {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
              "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"},
+    # the later formats, 32- and 256-value blocks; Q3_K o_proj straddles as Q4_K's does
+    "low_bit": {"attn_q": "Q5_0", "attn_k": "Q5_1", "attn_v": "IQ4_NL", "attn_output": "Q3_K",
+                "ffn_gate": "Q2_K", "ffn_up": "MXFP4", "ffn_down": "IQ4_XS"},
 }
 
 
@@ -327,13 +332,15 @@ def test_each_rank_holds_only_its_blocks(tiny_gguf, caplog):
     kind, model_dir = tiny_gguf
     config = EngineArgs(model=str(model_dir), max_model_len=64).create_engine_config().model_config
     full_bytes = sum(t.numel() for t in {id(t): t for t in _block_tensors(get_model(config))}.values())
-    straddles = TINY_GGUF_FORMATS[kind]["attn_output"] == "Q4_K"
+    o_format = TINY_GGUF_FORMATS[kind]["attn_output"]
+    _, o_values, o_block_bytes = FORMATS[FORMAT_IDS[o_format]]
+    straddles = o_values == 256
     held = 0
     for rank in range(2):
         model = get_model(config)
         with caplog.at_level(logging.WARNING, logger="shmvllm.model.parallel.layers"):
             caplog.clear()
-            shard_llama_(model, TPGroup(rank, 2))
+            shard_decoder_(model, TPGroup(rank, 2))
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             for linear in (attn.qkv_proj, attn.o_proj.local, mlp.gate_up_proj, mlp.down_proj.local):
@@ -352,12 +359,12 @@ def test_each_rank_holds_only_its_blocks(tiny_gguf, caplog):
         held += sum(t.numel() for t in tensors)
         warned = [r.getMessage() for r in caplog.records if "split inside a GGML block" in r.getMessage()]
         if straddles and rank == 0:
-            assert len(warned) == 1 and "model.layers.0.self_attn.o_proj (Q4_K, 256-value blocks" in warned[0]
+            assert len(warned) == 1 and f"model.layers.0.self_attn.o_proj ({o_format}, 256-value blocks" in warned[0]
             assert "down_proj" not in warned[0]
         else:
             assert not warned
-    # a straddled o_proj (256 rows of one 144-byte Q4_K block) is held whole by both ranks, once more per layer
-    assert held == full_bytes + (2 * 256 * 144 if straddles else 0)
+    # a straddled o_proj (256 rows of one 256-value block) is held whole by both ranks, once more per layer
+    assert held == full_bytes + (2 * 256 * o_block_bytes if straddles else 0)
 
 
 class _SumLater:

@@ -410,6 +410,23 @@ def test_encode_pooling_task_classify_and_score(embedder):
     assert via_params.outputs == truncated.outputs
 
 
+def test_use_activation_is_vllms_normalize_for_embeddings_and_refusals_use_vllms_words(embedder):
+    text = "A man is eating food."
+    def vector(**params):
+        return np.asarray(embedder.embed(text, PoolingParams(**params), use_tqdm=False)[0].outputs.embedding)
+    raw, normed = vector(use_activation=False), vector(use_activation=True)
+    np.testing.assert_array_equal(raw, vector(normalize=False))
+    np.testing.assert_array_equal(normed, vector())
+    np.testing.assert_allclose(normed, raw / np.linalg.norm(raw), rtol=1e-5)
+    assert abs(np.linalg.norm(raw) - 1) > 1e-2
+    with pytest.raises(ValueError, match="use_activation=True contradicts normalize=False"):
+        vector(use_activation=True, normalize=False)
+    for task, words in (("classify", "Classification API is not supported by this model"),
+                        ("plugin", "No IOProcessor plugin installed")):
+        with pytest.raises(ValueError, match=words):
+            embedder.encode(text, pooling_task=task, use_tqdm=False)
+
+
 def test_readme_lists_every_ignored_argument():
     readme = (REPO / "README.md").read_text()
     table = readme[readme.index("vLLM engine arguments accepted at any value"):]

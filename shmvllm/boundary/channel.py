@@ -55,21 +55,13 @@ RING_CAPACITY = 4 << 20  # bytes per ring; SHMVLLM_RING_CAPACITY overrides it
 ChannelTimeout = RingTimeoutError
 OUTBOX_RING_MULTIPLE = 4  # the engine stops stepping while its outbox holds more than this many rings' bytes
 FLUSH_POLL_S = 0.001  # how long an engine with a non-empty outbox waits for input before it flushes again
-# The frontend waits for each step's outputs by napping through this window before it sleeps
-# on the ring's semaphore (see ipc.wait). While it naps, the engine's send is a copy and a
-# counter store; once it sleeps, the send also wakes it: a futex wake of another process,
-# 23-31 µs on a 2-core VM, on the engine's critical path at every step. The naps are paid in
-# the frontend's CPU instead (~100 µs a wait for a 10 ms step, against ~75 µs to be woken), so
-# they are only worth it where the frontend has a core of its own: when the engine's torch
-# threads take every core, each nap's wake-up preempts one of them and holds up the other at the
-# next barrier (SmolLM2-135M single-sequence decode on 2 cores: 3.5% slower with naps). Hence
-# `frontend_nap_window()`. 20 ms covers the tiny model's steps in benchmarks/e2e_overhead.py
-# (1 and ~10 ms); a step that outlasts it (a 64-sequence step of a 135M model, ~170 ms, where the
-# wake-up is < 0.1%) makes the waiter, seeing its recent waits do, sleep at once.
+# The frontend naps through each step's wait before it sleeps, so that the engine's send does
+# not have to wake it (a futex wake on the engine's critical path), only where the engine's
+# threads leave it a core (`frontend_nap_window()`); a window that covers the short steps the
+# wake-up would weigh on (benchmarks/results/ipc_latency.md, "The frontend's wait").
 FRONTEND_NAP_WINDOW_S = 0.02
-# No spin before napping or sleeping: the engine answers after a step, or after waking up when
-# idle (tens of µs at least), so a spin would mostly burn CPU that on two cores the engine may
-# need (the ipc default, 200 µs, is 14% of a core at 1.4 ms steps).
+# No spin: the engine answers after a step, or after its own wake-up, so a spin would mostly
+# burn CPU the engine may need.
 FRONTEND_SPIN_US = 0.0
 
 Decode = Callable[[Any], Any]
@@ -133,7 +125,7 @@ class ShmEndpoint(Endpoint):
         self._push, self._consume = send_ring.push, recv_ring.consume
         self.max_message = send_ring.max_payload
         # The engine polls this after every step: the ring's own method, without a Python frame
-        # of ours around it (each costs a few µs when a step has just evicted the caches).
+        # of ours around it (each is slow when a step has just evicted the caches).
         self.try_recv = recv_ring.try_consume  # type: ignore[method-assign]
 
     def send(self, data: bytes, timeout: Optional[float] = None) -> None:

@@ -2,7 +2,7 @@
 
 Each of the N engines has its own channel (two SPSC rings: the rings stay single-producer,
 single-consumer). The frontend does not spin over N rings: it sleeps on one named POSIX
-semaphore (`Doorbell`) that every engine posts after each message it puts on its output ring
+semaphore (`ipc.wait.Doorbell`) that every engine posts after each message it puts on its output ring
 (`RungEndpoint`), then drains the rings that hold something.
 
 No wake-up is lost. The frontend's wait is: `clear()` (take every post made so far, with
@@ -21,8 +21,8 @@ wake-up), never a lost one. Posting is a user-space atomic increment unless the 
 (glibc wakes the futex only when there are waiters), so the engines pay for it only when the
 frontend is asleep and has to be woken anyway.
 
-The semaphore's name follows ipc's segment names (creator pid, 64 random bits), so that
-`ipc.sweep_stale_segments` removes it when the frontend died without closing it.
+The semaphore is ipc's `Doorbell`, named as ipc's segments are (creator pid, 64 random bits),
+so that `ipc.sweep_stale_segments` removes it when the frontend died without closing it.
 """
 
 from __future__ import annotations
@@ -30,65 +30,11 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import msgspec
-import posix_ipc
 
+from ipc.wait import Doorbell
 from shmvllm.boundary.channel import Addresses, Decode, Endpoint
 from shmvllm.boundary.channel import open_engine as _open_engine
 from shmvllm.boundary.channel import open_frontend as _open_frontend
-
-
-class Doorbell:
-    """A counting named semaphore (0600): N processes ring it, one process waits on it."""
-
-    def __init__(self, sem: posix_ipc.Semaphore, creator: bool) -> None:
-        self._sem = sem
-        self.name: str = sem.name
-        self._creator = creator
-        self._closed = False
-
-    @classmethod
-    def create(cls) -> "Doorbell":
-        from ipc.segment import new_name
-
-        return cls(posix_ipc.Semaphore(new_name() + "-bell", posix_ipc.O_CREX, mode=0o600, initial_value=0), True)
-
-    @classmethod
-    def attach(cls, name: str) -> "Doorbell":
-        return cls(posix_ipc.Semaphore(name), False)
-
-    def ring(self) -> None:
-        self._sem.release()
-
-    def clear(self) -> None:
-        """Takes every ring so far (the waiter, before it looks at the rings)."""
-        acquire = self._sem.acquire
-        try:
-            while True:
-                acquire(0)
-        except posix_ipc.BusyError:
-            pass
-
-    def wait(self, timeout: float) -> bool:
-        """Sleeps (GIL released) until rung or `timeout` s pass; True if rung."""
-        try:
-            self._sem.acquire(max(timeout, 0.0))
-        except (posix_ipc.BusyError, posix_ipc.SignalError):
-            return False
-        return True
-
-    def close(self) -> None:
-        """Closes it here; the creator also removes it. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._sem.close()
-        finally:
-            if self._creator:
-                try:
-                    posix_ipc.unlink_semaphore(self.name)
-                except posix_ipc.ExistentialError:
-                    pass
 
 
 class RungEndpoint(Endpoint):

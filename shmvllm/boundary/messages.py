@@ -15,15 +15,19 @@ parses bytes. The scheduler and the model runner hand over these types and array
 from __future__ import annotations
 
 import enum
+import re
 import struct
+import sys
 import time
-from typing import Any, Literal, Optional, Union
+import typing
+from typing import Annotated, Any, Literal, Optional, Union
 
 import msgspec
 import numpy as np
+from msgspec import Meta
 
 from shmvllm.pooling_params import PoolingParams
-from shmvllm.sampling_params import SamplingParams
+from shmvllm.sampling_params import INT64_MAX, INT64_MIN, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 class FinishReason(enum.IntEnum):
@@ -42,13 +46,60 @@ _STRUCT = dict(array_like=True, omit_defaults=True, gc=False)
 
 # ---- frontend -> engine ------------------------------------------------------------------
 
+# Each field's own bounds, as SamplingParams' checks have them, for msgspec to check in C.
+_Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
+_Count = Annotated[int, Meta(ge=0, le=INT64_MAX)]
+_Finite = Annotated[float, Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
+_Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+_Logprobs = Annotated[int, Meta(ge=-1, le=INT64_MAX)]
+_Text = Annotated[str, Meta(min_length=1)]
+
+
+class WireSamplingParams(SamplingParams, kw_only=True):  # type: ignore[call-arg]
+    """SamplingParams as the engine decodes them. The frontend validated and normalized them
+    when they were built (and at every assignment), so decoding runs none of that Python again:
+    each field's own bounds are declared here instead, and msgspec checks them in C as it reads
+    the bytes, so no value outside them (n = 0, a NaN temperature, a negative token id) reaches
+    the engine. Rules between fields (min_tokens <= max_tokens, stop strings need detokenize,
+    greedy means n = 1, n at most $SHMVLLM_MAX_N_SEQUENCES) stay the frontend's.
+    tests/test_boundary.py checks these bounds against SamplingParams' own checks."""
+
+    n: Annotated[int, Meta(ge=1, le=INT64_MAX)] = 1
+    presence_penalty: _Penalty = 0.0
+    frequency_penalty: _Penalty = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=sys.float_info.max)] = 1.0
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1, le=INT64_MAX)] = 0
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    seed: Optional[_Int64] = None
+    stop: Optional[list[_Text]] = None
+    stop_token_ids: Optional[list[_Count]] = None
+    max_tokens: Optional[Annotated[int, Meta(ge=1, le=INT64_MAX)]] = 16
+    min_tokens: _Count = 0
+    logprobs: Optional[_Logprobs] = None
+    prompt_logprobs: Optional[_Logprobs] = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    truncate_prompt_tokens: Optional[Annotated[int, Meta(ge=-1, le=INT64_MAX)]] = None
+    logit_bias: Optional[dict[_Int64, _Finite]] = None
+    allowed_token_ids: Optional[Annotated[list[_Int64], Meta(min_length=1)]] = None
+    bad_words: Optional[list[_Text]] = None
+    extra_args: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    guided_decoding: Optional[StructuredOutputsParams] = None
+    eos_token_id: Optional[_Int64] = None
+    bad_words_token_ids: Optional[list[list[_Int64]]] = None
+
+    def __post_init__(self) -> None:
+        """Nothing: see the class docstring (msgspec needs a callable here to skip the parent's)."""
+
 
 class EngineCoreRequest(msgspec.Struct, tag=0, **_STRUCT):  # type: ignore[call-arg]
     """ADD: one request. `prompt_token_ids` is an int32 array."""
 
     request_id: str
     prompt_token_ids: np.ndarray
-    sampling_params: Optional[SamplingParams] = None
+    sampling_params: Optional[WireSamplingParams] = None  # built from a SamplingParams; decoded as this
     pooling_params: Optional[PoolingParams] = None
     arrival_time: float = 0.0
     priority: int = 0
@@ -223,14 +274,26 @@ def _decode_ext_view(code: int, data: memoryview) -> Any:
     return _array_from_ext(code, data, bytes)
 
 
+_DTYPES: dict[bytes, np.dtype] = {}  # the head's dtype field -> numpy's dtype, parsed once
+_DIMS = [struct.Struct(f"<{ndim}I") for ndim in range(33)]  # numpy's most dimensions: 32
+
+
 def _array_from_ext(code: int, data: memoryview, copy: type) -> Any:
     """The array over one copy of its bytes, made by `copy` (bytearray: writable, bytes: read-only):
-    `data` may be the ring's memory, which the next message overwrites."""
+    `data` may be the ring's memory, which the next message overwrites. A head that does not
+    describe the bytes that follow is a ValidationError (the message is refused, not the loop)."""
     if code != _NDARRAY_EXT:
         raise msgspec.ValidationError(f"unknown msgpack extension type {code}")
-    dtype, ndim = _ARRAY_HEAD.unpack_from(data)
-    shape = struct.unpack_from(f"<{ndim}I", data, _ARRAY_HEAD.size)
-    return np.frombuffer(copy(data[_ARRAY_HEAD.size + 4 * ndim:]), dtype.rstrip(b"\0").decode()).reshape(shape)
+    try:
+        code, ndim = _ARRAY_HEAD.unpack_from(data)
+        dtype = _DTYPES.get(code)
+        if dtype is None:
+            dtype = _DTYPES.setdefault(code, np.dtype(code.rstrip(b"\0").decode()))
+        shape = _DIMS[ndim].unpack_from(data, _ARRAY_HEAD.size)
+        array = np.frombuffer(copy(data[_ARRAY_HEAD.size + 4 * ndim :]), dtype)
+        return array if ndim == 1 and len(array) == shape[0] else array.reshape(shape)
+    except (struct.error, ValueError, TypeError, IndexError) as exc:
+        raise msgspec.ValidationError(f"malformed array: {exc}") from None
 
 
 def make_encoder() -> msgspec.msgpack.Encoder:
@@ -258,13 +321,34 @@ def decode_to_engine(buf: Any) -> Any:
         return _decode_to_engine(buf)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         request_id = None
+        where = ""
         try:
             raw = _decode_raw(buf)
             if isinstance(raw, list) and len(raw) > 1 and raw[0] == 0:  # ADD's tag
                 request_id = raw[1] if isinstance(raw[1], str) else None
+                where = _field_names(EngineCoreRequest, str(exc))
         except Exception:  # not even msgpack: nothing to answer
             pass
-        return UndecodableRequest(request_id, f"the engine could not decode the request: {exc}")
+        return UndecodableRequest(request_id, f"the engine could not decode the request: {exc}{where}")
+
+
+def _field_names(cls: type, error: str) -> str:
+    """" (sampling_params.n)" for an error at `$[3][0]` of a `cls`: the fields an array-like
+    struct's path of indices names (a tagged struct's element 0 is its tag); "" if none."""
+    match = re.search(r"at `\$((?:\[\d+\])+)", error)
+    names: list[str] = []
+    for index in map(int, re.findall(r"\d+", match.group(1) if match else "")):
+        if not (isinstance(cls, type) and issubclass(cls, msgspec.Struct)):
+            names[-1] += f"[{index}]"
+            continue
+        fields = msgspec.structs.fields(cls)
+        index -= cls.__struct_config__.tag is not None
+        if not 0 <= index < len(fields):
+            break
+        names.append(fields[index].name)
+        members = [t for t in typing.get_args(fields[index].type) if t is not type(None)] or [fields[index].type]
+        cls = members[0] if len(members) == 1 else None
+    return f" ({'.'.join(names)})" if names else ""
 
 
 def now() -> float:

@@ -28,6 +28,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path, PurePath
 from typing import Any, Optional
@@ -83,12 +85,12 @@ def import_qualified(name: str) -> Any:
 class EngineProcArgs(msgspec.Struct, kw_only=True):
     """What the engine program reads from its stdin (msgpack): the config and the channel.
 
-    The model's transformers config travels as its class name and `to_dict()`, rebuilt with
-    `from_dict` (it has no msgspec schema); `sys_path` is the frontend's, so that an
-    executor_class or a channel opener from the caller's own modules imports here too."""
+    The model's config travels as its values (`HFConfig.to_dict()`; it has no msgspec schema),
+    rebuilt as an HFConfig: the engine never imports transformers for it; `sys_path` is the
+    frontend's, so that an executor_class or a channel opener from the caller's own modules
+    imports here too."""
 
     config: EngineConfig
-    hf_config_class: str
     hf_config: dict[str, Any]
     addresses: Addresses
     parent_pid: int
@@ -102,13 +104,12 @@ class EngineProcArgs(msgspec.Struct, kw_only=True):
     def build(cls, config: EngineConfig, addresses: Addresses, **kwargs: Any) -> "EngineProcArgs":
         hf = config.model_config.hf_config
         bare = dataclasses.replace(config, model_config=dataclasses.replace(config.model_config, hf_config=None))
-        return cls(
-            config=bare, hf_config_class=qualified_name(type(hf)), hf_config=hf.to_dict(), addresses=addresses,
-            **kwargs,
-        )
+        return cls(config=bare, hf_config=hf.to_dict(), addresses=addresses, **kwargs)
 
     def engine_config(self) -> EngineConfig:
-        hf = import_qualified(self.hf_config_class).from_dict(self.hf_config)
+        from shmvllm.model.hf_config import HFConfig
+
+        hf = HFConfig(self.hf_config)
         return dataclasses.replace(self.config, model_config=dataclasses.replace(self.config.model_config, hf_config=hf))
 
 
@@ -147,6 +148,16 @@ def main() -> None:
     os._exit(code)
 
 
+def process_age() -> Optional[float]:
+    """Seconds since this process started (/proc, 10 ms resolution); None where unknown."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
 def pin_process(cpus: list[int]) -> None:
     """Runs every thread of this process, and those it starts later, on `cpus` only.
     (sched_setaffinity applies to one thread: the threads that imports started already, such
@@ -156,6 +167,36 @@ def pin_process(cpus: list[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
         except ProcessLookupError:  # that thread ended meanwhile
             pass
+
+
+class StartupWatch:
+    """While the engine starts (imports, model load: seconds in which nothing reads the channel)
+    a thread looks at the parent every POLL_S; if the frontend died, it removes the segments the
+    frontend left and interrupts the start-up (EngineTerminated in the main thread, `fired`)."""
+
+    def __init__(self, parent_pid: int) -> None:
+        self.parent_pid = parent_pid
+        self.fired = False
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="shmvllm-startup-watch", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(POLL_S):
+            if os.getppid() != self.parent_pid:
+                self.fired = True
+                try:
+                    from ipc import sweep_stale_segments
+
+                    sweep_stale_segments()
+                except Exception:  # the sweep of the next start removes them then
+                    logger.warning("could not remove the dead frontend's segments", exc_info=True)
+                # a real signal to the main thread: it also ends a sleep or a wait in progress
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
 
 
 class FrontendGoneError(Exception):
@@ -175,19 +216,30 @@ class EngineCoreProc:
         executor_class: Optional[type] = None,
         engine_index: int = 0,
     ) -> None:
-        from shmvllm.engine.core import EngineCore
+        at_init = time.monotonic()
+        from shmvllm.engine.core import EngineCore  # torch and the model code
 
+        imported = time.monotonic()
         self.parent_pid = parent_pid
         self.engine_index = engine_index
         self.endpoint = import_qualified(addresses.opener)(addresses)
         self.outbox = EngineOutbox(self.endpoint, OUTBOX_RING_MULTIPLE * 4 * self.endpoint.max_message)
         try:
+            built = time.monotonic()
             self.engine_core = EngineCore(config, executor_class)
         except BaseException as exc:
             self._last_words(EngineFailed("startup", traceback.format_exc(), _error_line(exc)))
             self.endpoint.close()
             raise
         self.outbox.send(self.engine_core.ready())
+        ready = time.monotonic()
+        age = process_age()
+        logger.info(
+            "Start-up of the engine process: READY %s after it started: interpreter and first imports %s, "
+            "torch and the model code %.2f s, channel %.3f s, EngineCore %.2f s (its lines above)",
+            "?" if age is None else f"{age:.2f} s", "?" if age is None else f"{age - (ready - at_init):.2f} s",
+            imported - at_init, built - imported, ready - built,
+        )
 
     # ---- the process ---------------------------------------------------------------------
 
@@ -200,12 +252,16 @@ class EngineCoreProc:
         logging.basicConfig(level=args.log_level, format=f"(EngineCore pid={os.getpid()}) %(levelname)s %(name)s: %(message)s")
         engine: Optional[EngineCoreProc] = None
         code = 0
+        watch = StartupWatch(args.parent_pid)
         try:
             try:
-                executor_class = None if args.executor_class is None else import_qualified(args.executor_class)
-                engine = EngineCoreProc(
-                    args.engine_config(), args.addresses, args.parent_pid, executor_class, args.engine_index
-                )
+                try:
+                    executor_class = None if args.executor_class is None else import_qualified(args.executor_class)
+                    engine = EngineCoreProc(
+                        args.engine_config(), args.addresses, args.parent_pid, executor_class, args.engine_index
+                    )
+                finally:
+                    watch.stop()
                 engine.run_busy_loop()
             finally:
                 ignore_termination()  # the cleanup below runs to its end
@@ -214,10 +270,13 @@ class EngineCoreProc:
             if engine is not None:
                 engine.endpoint.remove_orphaned()
         except EngineTerminated as exc:
-            logger.warning("%s: exiting", exc)
-            if engine is not None:
-                engine._last_words(EngineFailed("serving", str(exc), str(exc)))
-            code = -exc.signum
+            if watch.fired:
+                logger.warning("the frontend (pid %d) died while the engine started: exiting", args.parent_pid)
+            else:
+                logger.warning("%s: exiting", exc)
+                if engine is not None:
+                    engine._last_words(EngineFailed("serving", str(exc), str(exc)))
+                code = -exc.signum
         except BaseException as exc:
             logger.exception("the engine failed")
             if engine is not None:

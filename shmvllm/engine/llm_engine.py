@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator, Optional, Union
+import threading
+import time
+from typing import Any, Callable, Iterator, Optional, Union
 
 import msgspec
 
@@ -28,12 +30,53 @@ from shmvllm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+class _Background:
+    """`fn(*args)` on a thread of its own; `result()` waits for it and returns (or raises) it."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._fn, self._args = fn, args
+        self._value: Any = None
+        self._error: Optional[BaseException] = None
+        self.seconds = 0.0
+        self._thread = threading.Thread(target=self._run, name=f"shmvllm-{fn.__name__}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        started = time.perf_counter()
+        try:
+            self._value = self._fn(*self._args)
+        except BaseException as exc:  # handed to the caller of result()
+            self._error = exc
+        self.seconds = time.perf_counter() - started
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, multiprocess: bool = True):
         self.config = config
         model_config = config.model_config
-        self.tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(
-            model_config.tokenizer_dir or model_config.model_dir, model_config.tokenizer_mode
+        # The engine process loads while this one loads the tokenizer (a thread: imports and file
+        # parsing here, a wait with the GIL released there); the engine's failure comes first.
+        tokenizer = None if model_config.skip_tokenizer_init else _Background(
+            load_tokenizer, model_config.tokenizer_dir or model_config.model_dir, model_config.tokenizer_mode
+        )
+        started = time.perf_counter()
+        # a failure here leaves the tokenizer's thread (a daemon) to end on its own
+        self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess)
+        engine_ready = time.perf_counter()
+        try:
+            self.tokenizer = None if tokenizer is None else tokenizer.result()
+        except BaseException:
+            self.engine_core.shutdown()
+            raise
+        logger.info(
+            "Start-up: engine ready %.2f s after its start; the tokenizer %s",
+            engine_ready - started, "skipped" if tokenizer is None else f"loaded in {tokenizer.seconds:.2f} s alongside",
         )
         self.renderer = Renderer(self.tokenizer)
         self.input_processor = InputProcessor(
@@ -44,7 +87,6 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = FrontendStats()
-        self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess)
         # The engine's own limits (READY carries them: max_model_len clamped to what the KV cache
         # holds, the vocabulary, max_logprobs), which requests are validated against.
         self.input_processor.set_engine_limits(self.engine_core.ready)
@@ -56,7 +98,10 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, multiprocess: bool = True) -> "LLMEngine":
-        return cls(engine_args.create_engine_config(), multiprocess=multiprocess)
+        started = time.perf_counter()
+        config = engine_args.create_engine_config()
+        logger.info("Start-up: engine config (model %s) in %.3f s", config.model_config.model_dir, time.perf_counter() - started)
+        return cls(config, multiprocess=multiprocess)
 
     def get_tokenizer(self) -> Any:
         if self.tokenizer is None:

@@ -7,6 +7,7 @@ more.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -15,10 +16,35 @@ Conversation = list[ChatMessage]
 
 
 def load_tokenizer(tokenizer_dir: Union[str, Path], mode: str = "auto", **kwargs: Any) -> Any:
-    """The Hugging Face tokenizer of a local directory; mode "slow": the Python implementation."""
+    """The Hugging Face tokenizer of a local directory; mode "slow": the Python implementation.
+
+    A directory with a tokenizer.json gets the class its tokenizer_config.json names, taken from
+    transformers directly: AutoTokenizer would import transformers' config machinery, and torch
+    with it (seconds); the class and the files are what AutoTokenizer would use."""
+    cls = _named_tokenizer_class(Path(tokenizer_dir)) if mode != "slow" else None
+    if cls is not None:
+        return cls.from_pretrained(str(tokenizer_dir), **kwargs)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tokenizer_dir), use_fast=mode != "slow", **kwargs)
+
+
+def _named_tokenizer_class(tokenizer_dir: Path) -> Any:
+    """The tokenizers-backed class tokenizer_config.json names, or None (AutoTokenizer decides)."""
+    config_file = tokenizer_dir / "tokenizer_config.json"
+    if not (tokenizer_dir / "tokenizer.json").exists() or not config_file.exists():
+        return None
+    try:
+        name = json.loads(config_file.read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None
+    if not isinstance(name, str) or not name.isidentifier():
+        return None
+    import transformers
+
+    cls = getattr(transformers, name, None) or getattr(transformers, name + "Fast", None)
+    backend = getattr(transformers, "TokenizersBackend", None)
+    return cls if isinstance(cls, type) and backend is not None and issubclass(cls, backend) else None
 
 
 def get_tokenizer(

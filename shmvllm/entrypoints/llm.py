@@ -335,10 +335,14 @@ class LLM:
         if engine_task is None:
             return self.supported_tasks[0]
         if engine_task not in self.supported_tasks:
-            names = {"embed": "Embedding", "classify": "Classification", "score": "Score", "token_embed": "Token embedding"}
+            if engine_task == "plugin":
+                raise ValueError("No IOProcessor plugin installed: shmvllm has no IO processor plugins "
+                                 f"(pooling_task='plugin'); model {self.model_config.model!r} does {list(self.supported_tasks)}.")
+            api = {"embed": "Embedding", "token_embed": "Embedding", "classify": "Classification",
+                   "token_classify": "Classification", "score": "Score"}.get(engine_task, repr(engine_task))
             raise ValueError(
-                f"{names.get(engine_task, repr(engine_task))} API (pooling_task={task!r}) is not supported by model "
-                f"{self.model_config.model!r}: it does {list(self.supported_tasks)}."
+                f"{api} API is not supported by this model (pooling_task={task!r}): model "
+                f"{self.model_config.model!r} does {list(self.supported_tasks)}."
             )
         return engine_task
 
@@ -388,12 +392,17 @@ class LLM:
                 engine_task = self._pooling_task(params.task)
             if params.dimensions is not None and engine_task != "embed":
                 raise ValueError(f"pooling_params.dimensions is for task 'embed', not {engine_task!r}.")
-            if params.use_activation is not None and engine_task not in ("classify", "score"):
-                raise ValueError(f"pooling_params.use_activation is for tasks 'classify' and 'score', not {engine_task!r}.")
             if params.extra_kwargs:
                 raise ValueError("pooling_params.extra_kwargs is set by LLM.score for cross-encoder pairs, not by callers.")
             engine.input_processor.verify_pooling_params(params)
-            tasked[id(params)] = msgspec.structs.replace(params, task=engine_task)
+            changes: dict[str, Any] = {"task": engine_task}
+            if params.use_activation is not None and engine_task in ("embed", "token_embed"):
+                # vLLM's current name of normalize for embedding tasks
+                if params.normalize is not None and params.normalize != params.use_activation:
+                    raise ValueError(f"pooling_params.use_activation={params.use_activation} contradicts "
+                                     f"normalize={params.normalize} (for task {engine_task!r} both say whether to normalize).")
+                changes.update(normalize=params.use_activation, use_activation=None)
+            tasked[id(params)] = msgspec.structs.replace(params, **changes)
         return [tasked[id(p)] for p in params_list]
 
     def _with_st_prompt(self, prompts: list[PromptType], prompt_name: Optional[str], task: str) -> list[PromptType]:

@@ -17,6 +17,13 @@ to its slot (slot_mapping), then
 - prefill requests (a chunk of prompt, maybe after a cached prefix) attend one by one: over
   their fresh K/V when nothing precedes the chunk, else over the context gathered from the
   cache with a causal mask shifted by the prefix length.
+
+Per layer, two options of the decoder families: a sliding window (the query at position p sees
+the keys at positions > p - window, as transformers' sliding-window mask) and Gemma 2's
+soft-capping of the scores (cap * tanh(score / cap), before the mask). The cache keeps every
+block of a request for every layer (a block that only sliding layers could drop is kept for the
+global ones), so prefix caching, chunked prefill and preemption work on it unchanged; a sliding
+layer just reads the last `window` positions.
 Everything that does not depend on the layer (gather indices, masks) is built once per step
 by `build_attention_metadata`.
 
@@ -47,6 +54,18 @@ class PrefillSeq:
     end: int
     context_slots: Optional[torch.Tensor]  # [seq_len] cache slots of the whole context; None: no prefix
     mask: Optional[torch.Tensor]  # [chunk_len, seq_len] bool, True = may attend; None: plain causal
+    num_computed: int = 0  # context positions before the chunk
+    masks: dict = field(default_factory=dict)  # window -> the mask of a sliding layer, built once a step
+
+    def window_mask(self, window: int, device: torch.device) -> torch.Tensor:
+        """[chunk_len, seq_len] bool: causal and within the last `window` positions."""
+        mask = self.masks.get(window)
+        if mask is None:
+            chunk = self.end - self.start
+            query_pos = torch.arange(self.num_computed, self.num_computed + chunk, device=device)[:, None]
+            key_pos = torch.arange(self.num_computed + chunk, device=device)[None, :]
+            mask = self.masks[window] = (key_pos <= query_pos) & (key_pos > query_pos - window)
+        return mask
 
 
 @dataclass
@@ -131,18 +150,27 @@ def _prefill_seq(
     slots = block_row[positions // block_size].astype(np.int64) * block_size + positions % block_size
     query_pos = np.arange(num_computed, seq_len)
     mask = positions[None, :] <= query_pos[:, None]
-    return PrefillSeq(start, end, torch.from_numpy(slots).to(device), torch.from_numpy(mask).to(device))
+    return PrefillSeq(start, end, torch.from_numpy(slots).to(device), torch.from_numpy(mask).to(device), num_computed)
 
 
 class PagedAttention(torch.nn.Module):
     """Causal self-attention of one layer; q/k/v come in flat as [num_tokens, heads, head_dim]."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+        sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+    ) -> None:
         super().__init__()
+        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}.")
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap must be a positive number or None, got {softcap!r}.")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.softcap = softcap
         self.k_cache: Optional[torch.Tensor] = None  # bound by the model runner
         self.v_cache: Optional[torch.Tensor] = None
 
@@ -185,11 +213,11 @@ class PagedAttention(torch.nn.Module):
         k_cache, v_cache = self.k_cache, self.v_cache
         assert k_cache is not None and v_cache is not None and v_cache.is_contiguous()
         rows, table, seq_lens = batch.pointers
-        status = kernels.shm_paged_decode_attention(
+        status = kernels.shm_paged_decode_attention_ex(
             out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0), rows, len(batch.rows),
             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1] * k_cache.shape[2], table,
             batch.block_table.shape[1], seq_lens, k_cache.shape[2], self.num_heads, self.num_kv_heads,
-            self.head_dim, self.scale,
+            self.head_dim, self.scale, self.sliding_window or 0, self.softcap or 0.0,
         )
         if status != 0:
             raise MemoryError("the decode attention kernel could not allocate its scratch memory")
@@ -203,7 +231,12 @@ class PagedAttention(torch.nn.Module):
         values = self.v_cache.index_select(1, blocks).view(kv_heads * n, length, d)
         queries = q[:n] if batch.are_prefix else q.index_select(0, batch.token_idx)
         queries = queries.view(n, kv_heads, group, d).transpose(0, 1).reshape(kv_heads * n, group, d)
-        scores = torch.baddbmm(self._decode_bias(batch, group, q.dtype), queries, keys.transpose(1, 2), alpha=self.scale)
+        bias = self._decode_bias(batch, group, q.dtype)
+        if self.softcap is None:
+            scores = torch.baddbmm(bias, queries, keys.transpose(1, 2), alpha=self.scale)
+        else:
+            scores = torch.bmm(queries, keys.transpose(1, 2)).mul_(self.scale).div_(self.softcap).tanh_().mul_(self.softcap)
+            scores.add_(bias)
         attn = torch.bmm(torch.softmax(scores, dim=-1), values)
         attn = attn.view(kv_heads, n, group, d).transpose(0, 1).reshape(n, self.num_heads, d)
         if batch.are_prefix:
@@ -212,12 +245,16 @@ class PagedAttention(torch.nn.Module):
             out.index_copy_(0, batch.token_idx, attn)
 
     def _decode_bias(self, batch: DecodeBatch, group: int, dtype: torch.dtype) -> torch.Tensor:
-        """The length mask as [kv_heads * num_decodes, group, max_len], built once per step."""
-        key = (self.num_kv_heads, group, dtype)
+        """The length mask (and window) as [kv_heads * num_decodes, group, max_len], built once per step."""
+        key = (self.num_kv_heads, group, dtype, self.sliding_window)
         bias = batch.bias_cache.get(key)
         if bias is None:
             _, mask, length = batch.gather
             n = len(batch.rows)
+            if self.sliding_window is not None:
+                first = torch.from_numpy(batch.seq_lens.astype(np.int64) - self.sliding_window).to(mask.device)
+                outside = torch.arange(length, device=mask.device)[None, None, :] < first[:, None, None]
+                mask = mask.masked_fill(outside, float("-inf"))
             bias = mask.to(dtype).expand(self.num_kv_heads, n, group, length)
             bias = batch.bias_cache[key] = bias.reshape(self.num_kv_heads * n, group, length)
         return bias
@@ -235,13 +272,29 @@ class PagedAttention(torch.nn.Module):
         if seq.context_slots is None:
             keys = k[seq.start : seq.end].transpose(0, 1).unsqueeze(0)
             values = v[seq.start : seq.end].transpose(0, 1).unsqueeze(0)
-            attn = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=self.scale, enable_gqa=True)
         else:
             if k_flat is None or v_flat is None:
                 raise RuntimeError("a prefill after a cached prefix needs the KV cache.")
             keys = k_flat.index_select(1, seq.context_slots).unsqueeze(0)
             values = v_flat.index_select(1, seq.context_slots).unsqueeze(0)
-            attn = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=seq.mask, scale=self.scale, enable_gqa=True
-            )
+        mask = seq.mask
+        if self.sliding_window is not None and seq.num_computed + seq.end - seq.start > self.sliding_window:
+            mask = seq.window_mask(self.sliding_window, q.device)
+        if self.softcap is not None:
+            if mask is None:
+                mask = seq.window_mask(keys.shape[2], q.device)  # plain causal: a window as long as the sequence
+            attn = self._softcapped(queries, keys, values, mask)
+        elif mask is None:
+            attn = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=self.scale, enable_gqa=True)
+        else:
+            attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
         return attn.squeeze(0).transpose(0, 1)
+
+    def _softcapped(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Eager attention with scores capped before the mask (SDPA has no soft-capping)."""
+        group = self.num_heads // self.num_kv_heads
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+        scores = torch.matmul(queries, keys.transpose(2, 3)).mul_(self.scale).div_(self.softcap).tanh_().mul_(self.softcap)
+        scores.masked_fill_(~mask, float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(queries.dtype), values)

@@ -154,8 +154,9 @@ class AttentionPlan:
         """qkv: [num_tokens, 3 * hidden] (Q pre-scaled) -> [num_tokens, hidden].
         window: each token attends only to those at most this many positions away (ModernBERT's
         local layers); a run no longer than window + 1 needs no mask."""
-        hidden = num_heads * head_dim
-        outs = []
+        # Each run's [count, heads, length, head_dim] result is copied once, straight into its
+        # rows of the packed output (a reshape then a cat would copy it twice).
+        out = qkv.new_empty(qkv.shape[0], num_heads * head_dim)
         for first, count, length in self.runs:
             run = qkv[first : first + count * length].view(count, length, 3, num_heads, head_dim)
             q, k, v = run.permute(2, 0, 3, 1, 4)
@@ -163,9 +164,9 @@ class AttentionPlan:
             if window is not None and length > window + 1:
                 offsets = torch.arange(length, device=qkv.device)
                 mask = (offsets[:, None] - offsets[None, :]).abs() <= window
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
-            outs.append(out.transpose(1, 2).reshape(count * length, hidden))
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+            result = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+            out[first : first + count * length].view(count, length, num_heads, head_dim).copy_(result.transpose(1, 2))
+        return out
 
 
 class BertModel(nn.Module):

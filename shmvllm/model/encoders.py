@@ -50,7 +50,9 @@ def load_encoder(
         from shmvllm.model.modernbert import ModernBertModel as model_class
     else:
         from shmvllm.model.bert import BertModel as model_class
-    with torch.device("meta"):
+    from shmvllm.model.loader import built_on_meta
+
+    with built_on_meta():
         model = model_class(hf_config)
     model = model.to_empty(device="cpu")
     model.load_weights(weights)

@@ -10,19 +10,20 @@ GGUF (registry.gguf_source): on the CPU with fp32 activations and the quantized 
 each 2-D weight stays in its GGML blocks (quant.py) and its Linear / embedding runs on them;
 the fp32 weights that were materialized for those modules are dropped before any page of them
 is touched, so the resident weights are about the file's size. Norms (F32 in GGUF) load as
-fp32. `quantization="none"` (or no kernels, or another device/dtype) loads transformers'
-dequantized safetensors instead, as before. `quantization="q8_0"` quantizes a safetensors
+fp32. `quantization="none"` (or no kernels, or another device/dtype) dequantizes the blocks
+in memory, as transformers' GGUF loader does (gguf.quants.dequantize). `quantization="q8_0"` quantizes a safetensors
 model's linear weights into Q8_0 blocks after loading them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Union
+from typing import Iterable, Iterator, Union
 
 import torch
 from safetensors import safe_open
@@ -31,6 +32,7 @@ from torch import nn
 from shmvllm.config import ModelConfig
 from shmvllm.model.kernels import quant_kernels
 from shmvllm.model.linear import Linear, VocabEmbedding
+from shmvllm.model.models import ARCHITECTURES, decoder_architecture, family
 from shmvllm.model.quant import FORMAT_IDS, QuantizedWeight, quantize, read_gguf
 from shmvllm.model.registry import gguf_source, weight_files
 
@@ -39,17 +41,8 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _llama(config: Any, max_position: int) -> nn.Module:
-    from shmvllm.model.llama import LlamaForCausalLM
-
-    return LlamaForCausalLM(config, max_position)
-
-
-MODEL_REGISTRY: dict[str, Callable[[Any, int], nn.Module]] = {
-    "LlamaForCausalLM": _llama,
-    "MistralForCausalLM": _llama,
-    "Qwen2ForCausalLM": _llama,
-}
+# HF architecture name -> decoder family (model/models/); a plain dict, read without building models
+MODEL_REGISTRY: dict[str, str] = ARCHITECTURES
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -62,28 +55,26 @@ def get_model(model_config: ModelConfig) -> nn.Module:
     """Returns the model of `model_config`, weights loaded, in eval mode on its device."""
     started = time.perf_counter()
     hf_config = model_config.hf_config
-    architectures = getattr(hf_config, "architectures", None) or []
-    builder = next((MODEL_REGISTRY[a] for a in architectures if a in MODEL_REGISTRY), None)
-    if builder is None:
-        raise ValueError(f"model architectures {architectures} are not supported; supported: {sorted(MODEL_REGISTRY)}.")
+    builder = family(decoder_architecture(hf_config))
     device = torch.device(model_config.device)
     dtype = torch_dtype(model_config.dtype)
     max_position = max(model_config.max_model_len, 1)
-    with torch.device("meta"):
-        model = builder(hf_config, max_position)
+    with built_on_meta():
+        model = builder.build(hf_config, max_position)
     model = _materialize(model, device, dtype)
     model_dir = Path(model_config.model_dir)
-    source = gguf_source(model_dir) if model_config.quantization != "none" else None
-    if source is not None and not _blocks_run_here(device, dtype):
+    source = gguf_source(model_dir)
+    on_blocks = source is not None and model_config.quantization != "none"
+    if on_blocks and not _blocks_run_here(device, dtype):
         if model_config.quantization == "gguf":
             raise ValueError(
                 f"quantization='gguf' runs the blocks on the CPU with dtype float32 and the C kernels; "
                 f"got device {device}, dtype {model_config.dtype}, kernels {'built' if quant_kernels() else 'unavailable'}."
             )
         logger.warning("GGUF blocks do not run on %s / %s here: loading dequantized weights", device, model_config.dtype)
-        source = None
+        on_blocks = False
     if source is not None:
-        load_weights(model, read_gguf(source, hf_config))
+        load_weights(model, read_gguf(source, hf_config, builder, dequantize=not on_blocks))
     else:
         load_weights(model, _safetensors_tensors(model_dir))
         if model_config.quantization == "q8_0":
@@ -105,6 +96,31 @@ def get_model(model_config: ModelConfig) -> nn.Module:
         len(blocks), time.perf_counter() - started,
     )
     return model
+
+
+# torch.nn.init's in-place initializers, which modules call while they are built.
+_INITIALIZERS = ("normal_", "uniform_", "zeros_", "ones_", "constant_", "kaiming_uniform_", "kaiming_normal_",
+                 "xavier_uniform_", "xavier_normal_", "trunc_normal_")
+
+
+@contextlib.contextmanager
+def built_on_meta() -> Iterator[None]:
+    """Modules built in this block get meta parameters and no initialization: every weight is
+    loaded afterwards, and a meta normal_ (nn.Embedding's) would import torch._dynamo, which
+    costs seconds."""
+    saved = {name: getattr(nn.init, name) for name in _INITIALIZERS}
+    try:
+        for name in _INITIALIZERS:
+            setattr(nn.init, name, _no_init)
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
+
+
+def _no_init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return tensor
 
 
 def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -232,5 +248,5 @@ def _check_complete(model: nn.Module, params: dict[str, nn.Parameter], loaded: s
             if f".{packed}." in name:
                 expected = len(model.packed_modules[packed])
                 got = sum(1 for key in loaded if key.startswith(f"{name}#"))
-                if got != expected:
+                if got != expected and not (got == 0 and name in loaded):  # 0 shards: loaded fused (Phi-3)
                     raise ValueError(f"fused parameter {name!r} got {got} of its {expected} checkpoint shards.")

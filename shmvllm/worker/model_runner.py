@@ -55,6 +55,7 @@ class ModelRunner:
         self.bitmask_applier = TokenBitmaskApplier(self.vocab_size, device)
         self.model: Optional[torch.nn.Module] = None
         self.kv_cache: Optional[torch.Tensor] = None
+        self._padding_zeroed = False
         self.num_blocks = 0
         self.rope_lengths_needed = False
 
@@ -76,8 +77,8 @@ class ModelRunner:
         key/value views. Left uninitialized, so that the OS maps pages only when a block is first
         written (a 4 GiB cache is ready at once, not after seconds of zero-filling). Decode
         attention reads whole blocks, and a masked score times a NaN value is still NaN, so
-        block 0 (the padding) is zeroed here and every other block when a request first gets it
-        (`_zero_new_blocks`)."""
+        block 0 (the padding) is zeroed by the first step and every other block when a request
+        first gets it (`_zero_new_blocks`): no page is touched before the engine is ready."""
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}.")
         layers = self._attention_layers()
@@ -85,7 +86,7 @@ class ModelRunner:
         shape = (len(layers), 2, attn.num_kv_heads, num_blocks, self.block_size, attn.head_dim)
         self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
         advise_huge_pages(self.kv_cache)  # before the first write maps any page
-        self.kv_cache[:, :, :, 0].zero_()
+        self._padding_zeroed = False
         for index, layer in enumerate(layers):
             layer.k_cache = self.kv_cache[index, 0]
             layer.v_cache = self.kv_cache[index, 1]
@@ -169,6 +170,9 @@ class ModelRunner:
             if row is not None:
                 batch.append_block_ids(row, new_blocks)
                 batch.num_computed_tokens[row] = num_computed
+        if not self._padding_zeroed:
+            fresh_blocks.append(0)
+            self._padding_zeroed = True
         self._zero_new_blocks(fresh_blocks)
         for req_id in [r for r in batch.req_ids if r not in so.num_scheduled_tokens]:
             batch.remove_request(req_id)  # not scheduled this step: keep its state, leave the batch

@@ -39,6 +39,9 @@ class PoolingModelRunner:
                 f"model_type {hf_config.model_type!r} (architectures {architectures}) is not supported for "
                 f"embedding; supported: {ENCODER_MODEL_TYPES} and the architectures {sorted(MODEL_REGISTRY)}."
             )
+        if self.is_decoder and getattr(hf_config, "use_bidirectional_attention", False):
+            # EmbeddingGemma's: the decoder's attention is causal only, so such a model is refused, not run causally.
+            raise ValueError(f"use_bidirectional_attention=True (architectures {architectures}) is not supported for decoder embedders.")
         if self.is_decoder and is_classifier(hf_config):
             raise ValueError(f"architectures {architectures}: sequence classification is supported for {ENCODER_MODEL_TYPES} only.")
         self.model_config = model_config

@@ -50,6 +50,10 @@ _SIGNATURES = {
         ctypes.c_int,
         [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _f32],
     ),
+    "shm_paged_decode_attention_ex": (
+        ctypes.c_int,
+        [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _f32, _i64, _f32],
+    ),
     "shm_rms_norm": (None, [_ptr, _ptr, _ptr, _i64, _i64, _f32]),
     "shm_silu_and_mul": (None, [_ptr, _ptr, _i64, _i64]),
     "shm_rotary": (None, [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr]),
@@ -196,6 +200,7 @@ def native_bf16() -> tuple[bool, str]:
 
 
 QUANT_SOURCE = Path(__file__).with_name("quant_kernels.c")
+QUANT_FORMATS_SOURCE = Path(__file__).with_name("quant_formats.h")
 # decode_step.c includes quant_kernels.c: one library per ISA holds both.
 STEP_SOURCE = Path(__file__).with_name("decode_step.c")
 _QUANT_SIGNATURES = {
@@ -224,7 +229,8 @@ _QUANT_BASE_FLAGS = ["-O3", "-mtune=native", "-fopenmp", "-fPIC", "-std=gnu11", 
 @functools.lru_cache(maxsize=None)
 def _quant_build(isa: str) -> Optional[ctypes.CDLL]:
     flags = next(f for name, _, f in QUANT_ISAS if name == isa)
-    return _build(f"quant_kernels-{isa}", STEP_SOURCE, _QUANT_BASE_FLAGS + flags, _QUANT_SIGNATURES, (QUANT_SOURCE, ATTENTION_HEADER))
+    return _build(f"quant_kernels-{isa}", STEP_SOURCE, _QUANT_BASE_FLAGS + flags, _QUANT_SIGNATURES,
+                  (QUANT_SOURCE, QUANT_FORMATS_SOURCE, ATTENTION_HEADER))
 
 
 def quant_isas_supported() -> list[str]:

@@ -21,9 +21,16 @@ typedef struct {
     int64_t block_size, num_heads, kv_heads, head_dim;
     float scale;
     int64_t max_chunks; /* runs of the longest context: tasks = num_decodes * kv_heads * max_chunks */
+    int64_t window;     /* > 0: a sliding-window layer attends to the last `window` positions only */
+    float softcap;      /* > 0: scores become softcap * tanh(score / softcap) (Gemma 2) */
 } shm_attention_args;
 
 static inline int64_t attention_chunks(int64_t seq_len) { return (seq_len + ATTN_CHUNK - 1) / ATTN_CHUNK; }
+
+/* The first position a query at the end of a seq_len context attends to. */
+static inline int64_t attention_first(int64_t seq_len, int64_t window) {
+    return window > 0 && seq_len > window ? seq_len - window : 0;
+}
 
 /* Floats of one thread's work buffer; of the partial results of all tasks of a step. */
 static inline int64_t attention_work_floats(int64_t group, int64_t head_dim) { return group * (ATTN_CHUNK + head_dim); }

@@ -99,7 +99,7 @@ static inline const act_t *block_rows(const act_t *head, const int32_t *blocks, 
 
 /* Scores of positions [start, end) for `group` query heads into s[g * (end - start) + pos]. */
 static void attention_scores(const act_t *q, const act_t *k_head, const int32_t *blocks, int64_t start, int64_t end,
-                             int64_t block_size, int64_t group, int64_t head_dim, float scale, float *s) {
+                             int64_t block_size, int64_t group, int64_t head_dim, float scale, float softcap, float *s) {
     const int64_t len = end - start;
     for (int64_t b = start / block_size; b * block_size < end; b++) {
         const act_t *keys = block_rows(k_head, blocks, b, block_size, head_dim);
@@ -112,7 +112,8 @@ static void attention_scores(const act_t *q, const act_t *k_head, const int32_t 
                 float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                 for (int64_t d = 0; d < head_dim; d++) dot += LD(qg[d]) * LD(key[d]);
-                s[g * len + b * block_size + j - start] = dot * scale;
+                /* soft-capping in transformers' order: score * scale / cap, tanh, times cap */
+                s[g * len + b * block_size + j - start] = softcap > 0.0f ? tanhf(dot * scale / softcap) * softcap : dot * scale;
             }
         }
     }
@@ -161,16 +162,17 @@ static void attention_exp(float *s, int64_t group, int64_t len, float *maxes, fl
 void shm_attention_task(const shm_attention_args *a, int64_t task, float *work, float *partials) {
     const int64_t chunk = task % a->max_chunks, h = (task / a->max_chunks) % a->kv_heads;
     const int64_t i = task / (a->max_chunks * a->kv_heads);
-    const int64_t seq_len = a->seq_lens[i], chunks = attention_chunks(seq_len);
+    const int64_t seq_len = a->seq_lens[i], first = attention_first(seq_len, a->window);
+    const int64_t chunks = attention_chunks(seq_len - first);
     if (chunk >= chunks) return;
     const int64_t group = a->num_heads / a->kv_heads, D = a->head_dim, row = a->decode_rows[i];
-    const int64_t start = chunk * ATTN_CHUNK, end = start + ATTN_CHUNK < seq_len ? start + ATTN_CHUNK : seq_len;
+    const int64_t start = first + chunk * ATTN_CHUNK, end = start + ATTN_CHUNK < seq_len ? start + ATTN_CHUNK : seq_len;
     const int64_t len = end - start;
     const act_t *q = a->q + row * a->q_row_stride + h * group * D;
     const act_t *k_head = a->k_cache + h * a->num_slots * D, *v_head = a->v_cache + h * a->num_slots * D;
     const int32_t *blocks = a->block_table + i * a->block_table_stride;
     float *s = work, *acc = work + group * len, maxes[group], sums[group];
-    attention_scores(q, k_head, blocks, start, end, a->block_size, group, D, a->scale, s);
+    attention_scores(q, k_head, blocks, start, end, a->block_size, group, D, a->scale, a->softcap, s);
     attention_exp(s, group, len, maxes, sums);
     if (chunks == 1) {
         /* the whole context: normalize the probabilities, then weigh the values with them */
@@ -195,7 +197,8 @@ void shm_attention_task(const shm_attention_args *a, int64_t task, float *work, 
 /* Joins the runs of (request, kv head) `pair` = i * kv_heads + h, where its context spans more
  * than one: out = sum_c exp(max_c - max) acc_c / sum_c exp(max_c - max) sum_c. */
 void shm_attention_combine(const shm_attention_args *a, int64_t pair, const float *partials) {
-    const int64_t i = pair / a->kv_heads, h = pair % a->kv_heads, chunks = attention_chunks(a->seq_lens[i]);
+    const int64_t i = pair / a->kv_heads, h = pair % a->kv_heads;
+    const int64_t chunks = attention_chunks(a->seq_lens[i] - attention_first(a->seq_lens[i], a->window));
     if (chunks == 1) return;
     const int64_t group = a->num_heads / a->kv_heads, D = a->head_dim;
     const float *first = partials + pair * a->max_chunks * group * (D + 2);
@@ -223,22 +226,25 @@ void shm_attention_combine(const shm_attention_args *a, int64_t pair, const floa
 
 /* Decode attention for `num_decodes` requests, each one query token at row decode_rows[i] of
  * q (in) and out (out, rows of [num_heads * head_dim], `out_row_stride` apart), over its first
- * seq_lens[i] cache positions, found through block_table row i. Returns 0, or -1 when the
+ * seq_lens[i] cache positions (the last `window` of them when window > 0), found through
+ * block_table row i; scores soft-capped at `softcap` when it is > 0. Returns 0, or -1 when the
  * scratch memory could not be allocated (nothing is written then). */
-int shm_paged_decode_attention(act_t *out, int64_t out_row_stride, const act_t *q, int64_t q_row_stride,
-                               const int64_t *decode_rows, int64_t num_decodes, const act_t *k_cache,
-                               const act_t *v_cache, int64_t num_slots, const int32_t *block_table,
-                               int64_t block_table_stride, const int32_t *seq_lens, int64_t block_size,
-                               int64_t num_heads, int64_t kv_heads, int64_t head_dim, float scale) {
+int shm_paged_decode_attention_ex(act_t *out, int64_t out_row_stride, const act_t *q, int64_t q_row_stride,
+                                  const int64_t *decode_rows, int64_t num_decodes, const act_t *k_cache,
+                                  const act_t *v_cache, int64_t num_slots, const int32_t *block_table,
+                                  int64_t block_table_stride, const int32_t *seq_lens, int64_t block_size,
+                                  int64_t num_heads, int64_t kv_heads, int64_t head_dim, float scale, int64_t window,
+                                  float softcap) {
     const int64_t group = num_heads / kv_heads;
     int64_t max_len = 1, total_len = 0;
     for (int64_t i = 0; i < num_decodes; i++) {
-        max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
-        total_len += seq_lens[i];
+        const int64_t len = seq_lens[i] - attention_first(seq_lens[i], window);
+        max_len = len > max_len ? len : max_len;
+        total_len += len;
     }
     const shm_attention_args a = {out, out_row_stride, q, q_row_stride, decode_rows, num_decodes, k_cache, v_cache,
                                   num_slots, block_table, block_table_stride, seq_lens, block_size, num_heads,
-                                  kv_heads, head_dim, scale, attention_chunks(max_len)};
+                                  kv_heads, head_dim, scale, attention_chunks(max_len), window, softcap};
     const int64_t work_floats = attention_work_floats(group, head_dim);
     const int64_t partial_floats =
         a.max_chunks > 1 ? attention_partial_floats(num_decodes, kv_heads, a.max_chunks, group, head_dim) : 0;
@@ -258,6 +264,17 @@ int shm_paged_decode_attention(act_t *out, int64_t out_row_stride, const act_t *
     }
     free(work);
     return 0;
+}
+
+/* The whole context, no soft-capping (the Llama options). */
+int shm_paged_decode_attention(act_t *out, int64_t out_row_stride, const act_t *q, int64_t q_row_stride,
+                               const int64_t *decode_rows, int64_t num_decodes, const act_t *k_cache,
+                               const act_t *v_cache, int64_t num_slots, const int32_t *block_table,
+                               int64_t block_table_stride, const int32_t *seq_lens, int64_t block_size,
+                               int64_t num_heads, int64_t kv_heads, int64_t head_dim, float scale) {
+    return shm_paged_decode_attention_ex(out, out_row_stride, q, q_row_stride, decode_rows, num_decodes, k_cache,
+                                         v_cache, num_slots, block_table, block_table_stride, seq_lens, block_size,
+                                         num_heads, kv_heads, head_dim, scale, 0, 0.0f);
 }
 
 

@@ -1,7 +1,8 @@
 /* GEMM / GEMV on GGUF block-quantized weights with fp32 activations, and row dequantization.
  *
  * A weight is [n, k] as nn.Linear keeps it, each row a run of GGML blocks (Q4_0, Q4_1, Q8_0:
- * 32 values; Q4_K, Q5_K, Q6_K: 256; F16 / BF16 rows are handled as blocks of 32). A block is
+ * 32 values; Q4_K, Q5_K, Q6_K: 256; F16 / BF16 rows are handled as blocks of 32; Q5_0, Q5_1,
+ * Q2_K, Q3_K, IQ4_NL, IQ4_XS and MXFP4 are dequantized in quant_formats.h). A block is
  * dequantized in registers to the exact fp32 values gguf.quants.dequantize (transformers' GGUF
  * loader) produces: the scale products are exact in fp32 (an fp16 scale has 11 significant
  * bits, the integer factors at most 13 together), so the only rounding is the one the
@@ -44,6 +45,7 @@ typedef uint16_t vh __attribute__((vector_size(VW * 2)));
 
 /* GGML type ids (ggml.h). */
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+enum { T_Q5_0 = 6, T_Q5_1 = 7, T_Q2_K = 10, T_Q3_K = 11, T_IQ4_NL = 20, T_IQ4_XS = 23, T_MXFP4 = 39 };
 
 #define FEW_ROWS 4
 #define PARALLEL_MIN_WORK (1 << 16)
@@ -138,6 +140,7 @@ static inline vf sbytes_to_float(vsb b) {
 static int block_values(int type) {
     switch (type) {
     case T_Q4_K: case T_Q5_K: case T_Q6_K: return 256;
+    case T_Q2_K: case T_Q3_K: case T_IQ4_XS: return 256;
     default: return 32;
     }
 }
@@ -152,6 +155,13 @@ static int block_bytes(int type) {
     case T_Q4_K: return 144;
     case T_Q5_K: return 176;
     case T_Q6_K: return 210;
+    case T_Q5_0: return 22;
+    case T_Q5_1: return 24;
+    case T_Q2_K: return 84;
+    case T_Q3_K: return 110;
+    case T_IQ4_NL: return 18;
+    case T_IQ4_XS: return 136;
+    case T_MXFP4: return 17;
     default: return 0;
     }
 }
@@ -276,6 +286,8 @@ static inline void deq_bf16(const uint8_t *blk, vf *w) {
 }
 
 static inline void deq_f32(const uint8_t *blk, vf *w) { memcpy(w, blk, 128); }
+
+#include "quant_formats.h"
 
 /* ---- the blocked GEMM for more rows ----
  *
@@ -566,6 +578,13 @@ DEFINE_ROW(q6_k, deq_q6_k, 256, 210)
 DEFINE_ROW(f16, deq_f16, 32, 64)
 DEFINE_ROW(bf16, deq_bf16, 32, 64)
 DEFINE_ROW(f32, deq_f32, 32, 128)
+DEFINE_ROW(q5_0, deq_q5_0, 32, 22)
+DEFINE_ROW(q5_1, deq_q5_1, 32, 24)
+DEFINE_ROW(q2_k, deq_q2_k, 256, 84)
+DEFINE_ROW(q3_k, deq_q3_k, 256, 110)
+DEFINE_ROW(iq4_nl, deq_iq4_nl, 32, 18)
+DEFINE_ROW(iq4_xs, deq_iq4_xs, 256, 136)
+DEFINE_ROW(mxfp4, deq_mxfp4, 32, 17)
 
 DEFINE_FORMAT(q4_0, deq_q4_0, 32, 18, 0)
 DEFINE_FORMAT(q4_1, deq_q4_1, 32, 20, 1)
@@ -576,6 +595,13 @@ DEFINE_FORMAT(q6_k, deq_q6_k, 256, 210, 0)
 DEFINE_FORMAT(f16, deq_f16, 32, 64, 0)
 DEFINE_FORMAT(bf16, deq_bf16, 32, 64, 0)
 DEFINE_FORMAT(f32, deq_f32, 32, 128, 0)
+DEFINE_FORMAT(q5_0, deq_q5_0, 32, 22, 0)
+DEFINE_FORMAT(q5_1, deq_q5_1, 32, 24, 0)
+DEFINE_FORMAT(q2_k, deq_q2_k, 256, 84, 0)
+DEFINE_FORMAT(q3_k, deq_q3_k, 256, 110, 0)
+DEFINE_FORMAT(iq4_nl, deq_iq4_nl, 32, 18, 0)
+DEFINE_FORMAT(iq4_xs, deq_iq4_xs, 256, 136, 0)
+DEFINE_FORMAT(mxfp4, deq_mxfp4, 32, 17, 0)
 
 typedef void (*few_fn)(int, float *, int64_t, const float *, int64_t, const uint8_t *, int64_t, const float *,
                        const float *, int64_t, int64_t, int64_t);
@@ -602,6 +628,13 @@ static int lookup(int type, format_fns *fns) {
     case T_F16: *fns = FNS(f16); return 0;
     case T_BF16: *fns = FNS(bf16); return 0;
     case T_F32: *fns = FNS(f32); return 0;
+    case T_Q5_0: *fns = FNS(q5_0); return 0;
+    case T_Q5_1: *fns = FNS(q5_1); return 0;
+    case T_Q2_K: *fns = FNS(q2_k); return 0;
+    case T_Q3_K: *fns = FNS(q3_k); return 0;
+    case T_IQ4_NL: *fns = FNS(iq4_nl); return 0;
+    case T_IQ4_XS: *fns = FNS(iq4_xs); return 0;
+    case T_MXFP4: *fns = FNS(mxfp4); return 0;
     default: return -1;
     }
 }

@@ -1,10 +1,13 @@
-"""Sharded Llama-family layers: a loaded model is cut in place into one rank's share.
+"""Sharded decoder layers (every family of model/decoder.py): a loaded model is cut in place into
+one rank's share.
 
 Megatron's split, per decoder layer:
 - attention: the KV heads are split across the ranks (as evenly as they go: a rank may hold
   one more), each rank keeping the query heads of its KV heads; `qkv_proj` keeps those rows
   (column-parallel), `o_proj` the matching input columns (row-parallel: each rank's partial
-  product is summed over the ranks); each rank's KV cache holds only its own KV heads;
+  product is summed over the ranks); each rank's KV cache holds only its own KV heads; per-head
+  options (q/k norm per head, window, soft-capping, rotary) need nothing more, and a q/k norm
+  over the whole projection (OLMo 2) sums its squares over the ranks;
 - MLP: `gate_up_proj` keeps one slice of the intermediate rows of gate and of up
   (column-parallel), `down_proj` the same input columns (row-parallel);
 - the embedding keeps one slice of the vocabulary (a token outside it looks up zeros, and the
@@ -24,7 +27,7 @@ and multiplies zeros in the columns outside its share: the sum over the ranks is
 the full product, every weight stays in its blocks, and the cost (a block column of memory and
 work per row, per rank) is logged as a warning naming the tensors.
 
-Each rank loads the whole checkpoint and keeps copies of its slices (`shard_llama_`); the full
+Each rank loads the whole checkpoint and keeps copies of its slices (`shard_decoder_`); the full
 tensors are then freed and the heap handed back, so a rank holds its share only. The sharded
 Linear layers are the project's `Linear` (packed for oneDNN or on blocks, fused residual),
 composed here with the collective rather than subclassed. The residual and a row-parallel bias
@@ -169,6 +172,22 @@ class VocabParallelEmbedding(nn.Module):
         return self.group.all_reduce_(out)
 
 
+class ProjNormShard(nn.Module):
+    """An RMSNorm over a whole projection (all heads' features: OLMo 2's q/k norm) of which this
+    rank holds the features [start, stop): the sum of squares is summed over the ranks, then
+    transformers' arithmetic (fp32 normalize, cast, scale by this rank's weights)."""
+
+    def __init__(self, full: nn.Module, start: int, stop: int, group: TPGroup) -> None:
+        super().__init__()
+        self.group, self.eps, self.width = group, full.eps, full.weight.shape[0]
+        self.weight = nn.Parameter(_owned(full.weight[start:stop].detach()), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        squares = self.group.all_reduce_(x32.pow(2).sum(-1, keepdim=True))
+        return self.weight * (x32 * torch.rsqrt(squares / self.width + self.eps)).to(x.dtype)
+
+
 class ParallelLMHead(nn.Module):
     """The lm_head rows of this rank's vocabulary slice; the logits gathered on every rank."""
 
@@ -233,8 +252,9 @@ def _query_columns(attn: nn.Module, world: int, rank: int) -> tuple[int, int]:
     return kv0 * width, kv1 * width
 
 
-def shard_llama_(model: nn.Module, group: TPGroup) -> nn.Module:
-    """Cuts a loaded LlamaForCausalLM (fp32 / bf16 weights or GGML blocks) into `group.rank`'s share, in place."""
+def shard_decoder_(model: nn.Module, group: TPGroup) -> nn.Module:
+    """Cuts a loaded decoder (model/decoder.py, any family; fp32 / bf16 weights or GGML blocks)
+    into `group.rank`'s share, in place."""
     world, rank = group.world_size, group.rank
     check_shardable(model.config, world)
     inner = model.model
@@ -254,9 +274,13 @@ def shard_llama_(model: nn.Module, group: TPGroup) -> nn.Module:
             straddled.append(note)
         attn.qkv_proj = _rows(attn.qkv_proj, [q_rows, k_rows, v_rows])
         attn.o_proj = RowParallelLinear(attn.o_proj, *q_rows, group)
+        if getattr(attn, "qk_norm", None) == "proj":  # OLMo 2: one norm over all heads' features
+            attn.q_norm = ProjNormShard(attn.q_norm, q_rows[0], q_rows[1], group)
+            attn.k_norm = ProjNormShard(attn.k_norm, kv0 * hd, kv1 * hd, group)
         attn.num_heads, attn.num_kv_heads = (kv1 - kv0) * group_size, kv1 - kv0
         attn.q_size, attn.kv_size = attn.num_heads * hd, attn.num_kv_heads * hd
-        attn.attn = PagedAttention(attn.num_heads, attn.num_kv_heads, hd, attn.attn.scale)
+        full = attn.attn
+        attn.attn = PagedAttention(attn.num_heads, attn.num_kv_heads, hd, full.scale, full.sliding_window, full.softcap)
 
         size = mlp.intermediate_size
         unit = block_unit(mlp.down_proj)

@@ -1,4 +1,4 @@
-/* The benchmark's floor (ipc.bench, not the ring): the round trip of a bare cache-line
+/* The floor of benchmarks/ipc_latency.py (not the ring): the round trip of a bare cache-line
  * ping-pong between two processes, no queue logic and no Python in the loop. A standalone
  * program: it forks, parent and child bounce a counter between two cache lines of a shared
  * anonymous mapping `iters` times per batch, and it prints the mean ns per round trip of each

@@ -1,4 +1,4 @@
-"""ipc.bench's harness: the rounds (rotated order, each round's share of the counts, rows merged
+"""benchmarks/ipc_latency.py's harness: the rounds (rotated order, each round's share of the counts, rows merged
 from the rounds, the CHECKs' round counts) on synthetic figures, a tiny real run end to end, and
 an echo process that dies before it attaches to the rings is an error, not a wait without end."""
 
@@ -8,12 +8,16 @@ import json
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from ipc import RingBuffer
-from ipc import bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import ipc_latency as bench  # noqa: E402
 
 
 def _exit_at_once() -> None:
@@ -98,22 +102,24 @@ def _row(transport, variant, payload, mode, rounds, rates=None):
                 msgs_per_s=statistics.median(rates) if rates else None, msgs_per_s_rounds=rates)
 
 
-def test_a_check_is_judged_on_the_medians_and_counts_the_rounds_won_against_every_peer():
+def test_a_check_holds_on_the_medians_and_in_every_round_against_every_peer():
     rows = [_row("shm", "ring", "64B", "busy", [0.9, 1.1, 2.0], [10.0, 10.0, 1.0]),
             # each peer wins one round, neither has the better median
             _row("pipe", "os.pipe", "64B", "busy", [0.5, 3.0, 3.0], [5.0, 5.0, 5.0]),
             _row("zmq", "push/pull", "64B", "busy", [3.0, 0.5, 3.0], [1.0, 1.0, 1.0]),
             _row("floor", "cacheline", "cacheline", "busy", [0.1, 0.1, 0.5])]
     lines = dict(bench.checks(rows))
-    assert lines == {
-        "CHECK ok   64B busy: shm 1.10 µs < best peer pipe os.pipe 3.00 µs (ratio 0.367), won 1/3 rounds": True,
-        "CHECK ok   64B one-way: shm 10 msg/s > best peer pipe os.pipe 5 (ratio 2.00), won 2/3 rounds": True,
+    assert lines == {  # better medians, but rounds lost: they fail
+        "CHECK FAIL 64B busy: shm 1.10 µs < best peer pipe os.pipe 3.00 µs (ratio 0.367), won 1/3 rounds": False,
+        "CHECK FAIL 64B one-way: shm 10 msg/s > best peer pipe os.pipe 5 (ratio 2.00), won 2/3 rounds": False,
         "CHECK FAIL 64B busy: shm 1.10 µs <= 10x floor 0.100 µs (ratio 11.0x), won 2/3 rounds": False,
     }
     table = bench.format_table(rows)
     assert "| 1.10 [0.90-2.00] (2) | 3.00 [0.50-3.00] (3) |" in table
     assert "| 10 [1-10] | 5 [5-5] | 1 [1-1] |" in table and "0.100 µs per round trip [0.100-0.500]" in table
     assert bench._rate(12_345.0) == "12.3k" and bench._rate(9_775_230.0) == "9.78M"
+    rows[0] = _row("shm", "ring", "64B", "busy", [0.4, 0.4, 0.4], [10.0, 10.0, 10.0])
+    assert [(ok, line.endswith("won 3/3 rounds")) for line, ok in bench.checks(rows)] == [(True, True)] * 3
 
 
 def test_rows_without_rounds_are_checked_as_before():
@@ -157,13 +163,15 @@ def test_a_round_warms_up_then_measures_exactly_its_counts(transport, variant, m
     assert result["msgs_per_s"] > 0 and result["payload_bytes"] == 64
 
 
-@pytest.mark.parametrize("size", [0, 64, 16376, 16377, 65536, 1 << 20, 3 << 20])
-def test_a_case_rings_are_the_smallest_that_hold_its_message_in_one_record(size):
+@pytest.mark.parametrize("size", [0, 64, 16376, 16377, 32760, 32761, 65536, 1 << 20, 3 << 20, 5 << 20])
+def test_a_case_rings_are_the_smallest_that_hold_two_of_its_records(size):
     from ipc import layout
 
-    capacity = bench.ring_capacity(size)
-    assert capacity % 4096 == 0 and 64 << 10 <= capacity <= 8 << 20
+    capacity, max_record = bench.ring_geometry(size)
+    assert capacity % 4096 == 0 and 64 << 10 <= capacity <= 8 << 20 and max_record == capacity // 2
     if capacity < 8 << 20:
-        assert layout.max_record_for(capacity) >= layout.record_size(size)
-    if capacity > 64 << 10:  # a page less would not hold it
-        assert layout.max_record_for(capacity - 4096) < layout.record_size(size)
+        assert max_record >= layout.record_size(size)
+    if capacity > 64 << 10:  # a page less would not hold two
+        assert (capacity - 4096) // 2 < layout.record_size(size)
+    ring = RingBuffer.create(capacity, max_record=max_record)  # a geometry the ring takes
+    ring.close()

@@ -1,0 +1,438 @@
+"""One causal decoder for every family: layers composed from a handful of declared options.
+
+A family (model/models/<family>.py) declares its `DecoderOptions` from the HF config (where the
+norms sit, (1 + w) norms, q/k norm, activation, embedding / residual / attention / logit scales,
+soft-capping, and per layer: sliding window and which rotary table, if any) and its GGUF tensor
+names; this module builds the model from them.
+
+Module and parameter names follow transformers' so that checkpoints load by name, except that
+q/k/v projections are fused into `qkv_proj` and gate/up into `gate_up_proj` (one GEMM each
+instead of three and two); the loader stacks the checkpoint's shards into them (a checkpoint
+that ships them fused, as Phi-3 does, loads straight into them).
+
+The forward pass takes a flat batch of tokens ([num_tokens]) from many requests and returns
+hidden states; `compute_logits` runs the lm_head only on the rows that are sampled.
+
+Plain options (`DecoderOptions.plain`: Llama, Mistral without a window, Qwen2) keep the fast
+path: the residual add fused into o_proj / down_proj, and the native all-layer decode step
+(decode_step.py). Any other option makes that step step aside: those models decode layer by
+layer (the same kernels, called from Python).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shmvllm.model.attention import AttentionMetadata, PagedAttention
+from shmvllm.model.decode_step import DecodeStep
+from shmvllm.model.decode_step import enabled as decode_step_enabled
+from shmvllm.model.kernels import kernels_for
+from shmvllm.model.linear import Linear, VocabEmbedding
+from shmvllm.model.rotary import RotaryEmbedding, RotaryStep
+
+NORM_PLACEMENTS = ("pre", "sandwich", "post")
+QK_NORMS = (None, "head", "proj")
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+# checkpoint names of each norm, by placement: (before attention, after it, before the MLP, after it)
+_NORM_NAMES = {
+    "pre": ("input_layernorm", None, "post_attention_layernorm", None),
+    "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+    "post": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
+}
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    sliding_window: Optional[int] = None  # the query sees the last `sliding_window` positions; None: all
+    rope: Optional[str] = "global"  # which rotary table (one of DecoderOptions.rope); None: no rotary
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    """Everything in which the supported families differ."""
+
+    layers: tuple[LayerOptions, ...]
+    # the rotary tables: "global" (the config's rope parameters) or a layer type of parameters
+    # given per layer type (Gemma 3: "sliding_attention" has its own base)
+    rope: tuple[str, ...] = ("global",)
+    norm: str = "pre"  # "pre" (Llama), "sandwich" (Gemma: before and after attention and MLP), "post" (OLMo 2)
+    norm_offset: float = 0.0  # 1.0: the norms scale by (1 + weight) (Gemma)
+    qk_norm: Optional[str] = None  # "head": RMSNorm over each head (Qwen3, Gemma 3); "proj": over the whole projection (OLMo 2)
+    activation: str = "silu"  # the MLP's gate: "silu" or "gelu_tanh" (GeGLU)
+    embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden); Granite: embedding_multiplier)
+    residual_scale: float = 1.0  # each block's output times this before the residual add (Granite)
+    attn_scale: Optional[float] = None  # score scale; None: head_dim ** -0.5
+    attn_softcap: Optional[float] = None  # scores -> cap * tanh(score / cap) (Gemma 2)
+    final_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    logits_scale: float = 1.0  # logits times this (Granite: 1 / logits_scaling)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.norm not in NORM_PLACEMENTS:
+            raise ValueError(f"DecoderOptions.norm must be one of {NORM_PLACEMENTS}, got {self.norm!r}.")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"DecoderOptions.qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}.")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"DecoderOptions.activation must be one of {ACTIVATIONS}, got {self.activation!r}.")
+        for index, layer in enumerate(self.layers):
+            if layer.rope is not None and layer.rope not in self.rope:
+                raise ValueError(f"layer {index} uses rope {layer.rope!r}, which is not one of {sorted(self.rope)}.")
+
+    @property
+    def plain(self) -> bool:
+        """The Llama options, which the native decode step runs."""
+        return (
+            self.norm == "pre" and self.norm_offset == 0.0 and self.qk_norm is None and self.activation == "silu"
+            and self.embed_scale == 1.0 and self.residual_scale == 1.0 and self.attn_softcap is None
+            and self.final_softcap is None and self.logits_scale == 1.0
+            and all(layer == LayerOptions() for layer in self.layers)
+        )
+
+    def fallback_reasons(self) -> list[str]:
+        """The options that keep a model off the native decode step (for the log)."""
+        checks = {
+            f"norm={self.norm!r}": self.norm != "pre", "norm_offset": self.norm_offset != 0.0,
+            f"qk_norm={self.qk_norm!r}": self.qk_norm is not None, f"activation={self.activation!r}": self.activation != "silu",
+            "embed_scale": self.embed_scale != 1.0, "residual_scale": self.residual_scale != 1.0,
+            "attn_softcap": self.attn_softcap is not None, "final_softcap": self.final_softcap is not None,
+            "logits_scale": self.logits_scale != 1.0,
+            "sliding_window": any(layer.sliding_window is not None for layer in self.layers),
+            "per-layer rope": any(layer.rope != "global" for layer in self.layers),
+        }
+        return [name for name, differs in checks.items() if differs]
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def standard_options(config: Any, **overrides: Any) -> DecoderOptions:
+    """Options read from the fields transformers' configs share (rope_parameters, layer_types,
+    sliding_window, attention_bias, mlp_bias, num_hidden_layers), then the family's overrides.
+    Rope parameters keyed by layer type (Gemma 3) give one rotary table per type."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    num_layers = config.num_hidden_layers
+    per_type = bool(layer_types) and set(layer_types) <= set(params) and all(isinstance(v, dict) for v in params.values())
+    rope = tuple(sorted(set(layer_types))) if per_type else ("global",)
+    window = getattr(config, "sliding_window", None)
+    layers = []
+    for index in range(num_layers):
+        kind = layer_types[index] if layer_types else None
+        sliding = window if (kind == "sliding_attention" or (kind is None and window is not None)) else None
+        layers.append(LayerOptions(sliding_window=sliding, rope=kind if per_type else "global"))
+    options: dict[str, Any] = {
+        "layers": tuple(layers), "rope": rope,
+        "qkv_bias": bool(getattr(config, "attention_bias", False)),
+        "o_bias": bool(getattr(config, "attention_bias", False)),
+        "mlp_bias": bool(getattr(config, "mlp_bias", False)),
+    }
+    options.update(overrides)
+    return DecoderOptions(**options)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension; `offset` 1.0 scales by (1 + weight) (Gemma), computed in
+    fp32 and rounded once at the end, as transformers' Gemma norms."""
+
+    def __init__(self, hidden_size: int, eps: float, offset: float = 0.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.offset = offset
+        self.scale: Optional[torch.Tensor] = None  # fp32 (offset + weight), set by fold_offset
+
+    def fold_offset(self) -> None:
+        """After loading: the (offset + weight) factor, once, in fp32."""
+        if self.offset:
+            self.scale = self.weight.detach().float() + self.offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:
+            scale = self.scale if self.scale is not None else self.weight.float() + self.offset
+            if x.dtype == torch.float32:
+                return _rms_norm_fp32(x, scale, self.eps)
+            return (torch.rms_norm(x.float(), scale.shape, eps=self.eps) * scale).to(x.dtype)
+        if x.dtype == torch.float32:
+            return _rms_norm_fp32(x, self.weight, self.eps)
+        kernels = kernels_for(x, self.weight) if x.is_contiguous() else None
+        if kernels is not None:
+            return _rms_norm_kernel(kernels, x, self.weight, self.eps)
+        return self.weight * torch.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+
+
+def _rms_norm_kernel(kernels: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    out = torch.empty_like(x)
+    hidden = x.shape[-1]
+    kernels.shm_rms_norm(out.data_ptr(), x.data_ptr(), weight.data_ptr(), x.numel() // hidden, hidden, eps)
+    return out
+
+
+def _rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' arithmetic (normalize, then scale) in one C kernel or one fused torch op."""
+    kernels = kernels_for(x, weight) if x.is_contiguous() else None
+    if kernels is not None:
+        return _rms_norm_kernel(kernels, x, weight, eps)
+    return torch.rms_norm(x, weight.shape, weight, eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Any, options: DecoderOptions, layer: LayerOptions) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=options.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=options.o_bias)
+        self.qk_norm = options.qk_norm
+        if options.qk_norm is not None:
+            q_dim, k_dim = (self.head_dim, self.head_dim) if options.qk_norm == "head" else (self.q_size, self.kv_size)
+            self.q_norm = RMSNorm(q_dim, config.rms_norm_eps, options.norm_offset)
+            self.k_norm = RMSNorm(k_dim, config.rms_norm_eps, options.norm_offset)
+        self.rope = layer.rope
+        scale = options.attn_scale if options.attn_scale is not None else self.head_dim**-0.5
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, self.head_dim, scale, layer.sliding_window, options.attn_softcap
+        )
+
+    def forward(
+        self, ropes: dict[str, RotaryStep], x: torch.Tensor, residual: Optional[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """x: the normed hidden states; returns the attention output (+ residual when given)."""
+        rows, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        rope = ropes[self.rope] if self.rope is not None else None
+        qkv = self.qkv_proj(x)
+        if self.qk_norm is None:
+            qkv = qkv.view(rows, heads + 2 * kv_heads, d)
+            if rope is not None:
+                rope.apply_(qkv[:, : heads + kv_heads])  # q and k, in place
+            q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            if self.qk_norm == "head":
+                q, k = self.q_norm(q.reshape(rows, heads, d)), self.k_norm(k.reshape(rows, kv_heads, d))
+            else:
+                q = self.q_norm(q.contiguous()).view(rows, heads, d)
+                k = self.k_norm(k.contiguous()).view(rows, kv_heads, d)
+            v = v.view(rows, kv_heads, d)
+            if rope is not None:
+                rope.apply_(q)
+                rope.apply_(k)
+        return self.o_proj(self.attn(q, k, v, meta), residual)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Any, options: DecoderOptions) -> None:
+        super().__init__()
+        self.activation = options.activation
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=options.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=options.mlp_bias)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+        """Returns MLP(x) (+ residual when given)."""
+        gate_up = self.gate_up_proj(x)
+        kernels = kernels_for(gate_up) if self.activation == "silu" else None
+        if kernels is not None:
+            act = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
+            kernels.shm_silu_and_mul(act.data_ptr(), gate_up.data_ptr(), gate_up.shape[0], self.intermediate_size)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            if self.activation == "silu":
+                act = F.silu(gate).mul_(up)
+            else:
+                act = F.gelu(gate, approximate="tanh").mul_(up)
+        return self.down_proj(act, residual)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, options: DecoderOptions, layer: LayerOptions) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, options, layer)
+        self.mlp = MLP(config, options)
+        self.norm_names = _NORM_NAMES[options.norm]
+        for name in self.norm_names:
+            if name is not None:
+                setattr(self, name, RMSNorm(config.hidden_size, config.rms_norm_eps, options.norm_offset))
+        self.residual_scale = options.residual_scale
+        self.fused_residual = options.norm == "pre" and options.residual_scale == 1.0
+
+    def _norm(self, role: int, x: torch.Tensor) -> torch.Tensor:
+        name = self.norm_names[role]
+        return x if name is None else getattr(self, name)(x)
+
+    def forward(self, ropes: dict[str, RotaryStep], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.fused_residual:  # the residual add inside o_proj's and down_proj's GEMMs
+            hidden = self.self_attn(ropes, self._norm(0, hidden), hidden, meta)
+            return self.mlp(self._norm(2, hidden), hidden)
+        out = self._norm(1, self.self_attn(ropes, self._norm(0, hidden), None, meta))
+        hidden = hidden + (out if self.residual_scale == 1.0 else out * self.residual_scale)
+        out = self._norm(3, self.mlp(self._norm(2, hidden), None))
+        return hidden + (out if self.residual_scale == 1.0 else out * self.residual_scale)
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: Any, options: DecoderOptions, max_position: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        head_dim = head_dim_of(config)
+        used = {layer.rope for layer in options.layers if layer.rope is not None}
+        # one table per rope kind, shared by the layers that use it
+        self.rotary = nn.ModuleDict({
+            key: RotaryEmbedding(config, head_dim, max_position, layer_type=None if key == "global" else key)
+            for key in sorted(used)
+        })
+        self.layers = nn.ModuleList(DecoderLayer(config, options, layer) for layer in options.layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, options.norm_offset)
+        self.embed_scale = options.embed_scale
+        self.decode_step: Optional[DecodeStep] = None  # set by process_weights_after_loading
+
+    @property
+    def rotary_emb(self) -> RotaryEmbedding:
+        """The one table of a plain model (what the native decode step reads)."""
+        return self.rotary["global"]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        if self.embed_scale != 1.0:
+            # transformers multiplies by the scale rounded to the weights' dtype
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        if self.decode_step is not None:
+            out = self.decode_step.run(hidden, positions, meta)
+            if out is not None:
+                return out
+        # looked up once for all layers
+        ropes = {key: table(positions, hidden.dtype, meta.rope_lengths) for key, table in self.rotary.items()}
+        for layer in self.layers:
+            hidden = layer(ropes, hidden, meta)
+        return self.norm(hidden)
+
+
+class DecoderForCausalLM(nn.Module):
+    """A causal LM of any declared family. `max_position`: the longest position the engine will use."""
+
+    packed_modules = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+    }
+
+    def __init__(self, config: Any, max_position: int, options: DecoderOptions) -> None:
+        super().__init__()
+        self.config = config
+        self.options = options
+        self.model = DecoderModel(config, options, max_position)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden_size]."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states of the sampled rows -> float32 logits [rows, vocab_size]."""
+        logits = self.lm_head(hidden)
+        if self.options.logits_scale != 1.0:
+            logits = logits * self.options.logits_scale
+        cap = self.options.final_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
+
+    def tie_blocks(self) -> None:
+        """A tied lm_head runs on the embedding's blocks when the embedding has them."""
+        blocks = self.model.embed_tokens.blocks
+        if self.tie_word_embeddings and blocks is not None:
+            self.lm_head.set_blocks([(0, blocks)])
+
+    def process_weights_after_loading(self) -> None:
+        """Packs every linear layer's weight for the device's fastest GEMM (see linear.py), folds
+        (1 + w) norms, and sets up the native decode step where the options allow it."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+            elif isinstance(module, RMSNorm):
+                module.fold_offset()
+        step = DecodeStep(self.model) if decode_step_enabled() and self.options.plain else None
+        self.model.decode_step = step if step is not None and step.usable() else None
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def shard_for(self, param_name: str) -> tuple[str, int, int] | None:
+        """A checkpoint name of a fused shard -> (our parameter, row offset, row count)."""
+        for packed, shards in self.packed_modules.items():
+            for index, shard in enumerate(shards):
+                marker = f".{shard}."
+                if marker not in param_name:
+                    continue
+                target = param_name.replace(marker, f".{packed}.")
+                sizes = self._shard_sizes(packed)
+                return target, sum(sizes[:index]), sizes[index]
+        return None
+
+    def _shard_sizes(self, packed: str) -> list[int]:
+        attn = self.model.layers[0].self_attn
+        if packed == "qkv_proj":
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        size = self.model.layers[0].mlp.intermediate_size
+        return [size, size]
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a family file declares: its options from the HF config, and its GGUF names."""
+
+    options: Callable[[Any], DecoderOptions]
+    gguf_names: dict[str, str]  # GGUF tensor name after "blk.N." -> checkpoint name after "model.layers.N."
+    gguf_norms_minus_one: bool = False  # GGUF stores (1 + w) norms: transformers subtracts 1 on load (Gemma)
+    gguf_permute_qk: tuple[str, ...] = ()  # file architectures whose q/k rows llama.cpp interleaved ("llama")
+
+    def build(self, config: Any, max_position: int) -> DecoderForCausalLM:
+        options = self.options(config)
+        # a window no position reaches is no window: the layer (and the model) stays plain
+        layers = tuple(
+            replace(layer, sliding_window=None)
+            if layer.sliding_window is not None and layer.sliding_window >= max_position else layer
+            for layer in options.layers
+        )
+        return DecoderForCausalLM(config, max_position, replace(options, layers=layers))
+
+
+# the GGUF names every family shares (llama.cpp's names on the left)
+LLAMA_GGUF_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def gelu_tanh_or_silu(name: str) -> str:
+    """transformers' activation name -> our option (a ValueError naming it otherwise)."""
+    if name in ("silu", "swish"):
+        return "silu"
+    if name in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return "gelu_tanh"
+    raise ValueError(f"hidden_act / hidden_activation {name!r} is not supported; supported: silu, gelu_pytorch_tanh.")
+
+
+def sqrt_hidden(config: Any) -> float:
+    return math.sqrt(config.hidden_size)

@@ -1,0 +1,281 @@
+"""Start-up: GGUF files read straight from the file (a memory-mapped header walk, no converted
+weights on disk), configs cached, the frontend without torch and the engine without
+transformers, and a start-up interrupted from either side (kill -9, Ctrl-C) leaves no process
+and nothing in /dev/shm."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import leaked_shm_entries, wait_until_dead
+from ipc.segment import pid_alive
+from shmvllm.model.gguf_file import GGML_BLOCKS, GGUFFile
+from shmvllm.model.registry import _shipped_model_path, gguf_source
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf() -> Path:
+    return _shipped_model_path("smollm2-135m-instruct")
+
+
+# ---- the GGUF file -----------------------------------------------------------------------------
+
+def test_gguf_file_reads_what_gguf_py_reads(smollm2_gguf):
+    from gguf import GGUFReader
+
+    ours, theirs = GGUFFile(smollm2_gguf), GGUFReader(str(smollm2_gguf))
+    assert ours.keys == [key for key in theirs.fields if not key.startswith("GGUF.")]  # its header pseudo-fields
+    for key in ours.keys:
+        value, expected = ours.metadata(key), theirs.fields[key].contents()
+        value = value.tolist() if isinstance(value, np.ndarray) else value
+        assert value == pytest.approx(expected) if isinstance(expected, float) else value == expected, key
+    assert len(ours.tensors) == len(theirs.tensors)
+    for mine, ref in zip(ours.tensors, theirs.tensors):
+        assert (mine.name, mine.tensor_type, mine.shape) == (ref.name, int(ref.tensor_type), tuple(int(d) for d in ref.shape))
+        assert mine.data.dtype == ref.data.dtype and np.array_equal(mine.data, ref.data), mine.name
+
+
+def test_gguf_block_sizes_are_ggmls():
+    from gguf.constants import GGML_QUANT_SIZES
+
+    known = {int(kind): sizes for kind, sizes in GGML_QUANT_SIZES.items()}
+    assert {kind: GGML_BLOCKS[kind] for kind in known if kind in GGML_BLOCKS} == {k: known[k] for k in known if k in GGML_BLOCKS}
+    assert set(known) <= set(GGML_BLOCKS)
+
+
+def test_gguf_tensors_are_views_of_the_mapped_file(smollm2_gguf, smollm2_dir):
+    """No weight is read and copied at load: each block tensor lies in the file's mapping, except
+    the q/k rows llama files permute; neighbours in the file (gate, up) stack into one view."""
+    import torch
+
+    from shmvllm.config import EngineArgs
+    from shmvllm.model.loader import get_model
+
+    model = get_model(EngineArgs(model=str(smollm2_dir), max_model_len=64).create_engine_config().model_config)
+    mapped = [line.split()[0] for line in Path("/proc/self/maps").read_text().splitlines() if str(smollm2_gguf.resolve()) in line]
+    spans = [tuple(int(x, 16) for x in span.split("-")) for span in mapped]
+    in_file = lambda t: any(lo <= t.data_ptr() < hi for lo, hi in spans)  # noqa: E731
+    layer = model.model.layers[2]
+    assert in_file(model.model.embed_tokens.blocks.data)
+    assert in_file(layer.self_attn.o_proj.blocks[0][1].data) and in_file(layer.mlp.down_proj.blocks[0][1].data)
+    (_, gate_up), = layer.mlp.gate_up_proj.blocks
+    assert in_file(gate_up.data) and gate_up.n == 2 * layer.mlp.intermediate_size
+    assert not in_file(layer.self_attn.qkv_proj.blocks[0][1].data)  # q and k are unpermuted copies
+    assert isinstance(layer.input_layernorm.weight, torch.nn.Parameter)
+
+
+def test_unsupported_gguf_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    import gguf
+
+    path = tmp_path / "other.gguf"
+    writer = gguf.GGUFWriter(str(path), "mamba")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SHMVLLM_CACHE", str(cache))
+    from shmvllm.model.registry import resolve_model_dir
+
+    with pytest.raises(ValueError, match="GGUF architecture 'mamba' is not supported"):
+        resolve_model_dir(str(path))
+    assert not any(p for p in cache.rglob("*") if p.is_file())
+
+
+def test_gguf_cache_holds_config_and_tokenizer_only(tmp_path, monkeypatch, smollm2_gguf):
+    """A fresh cache: the directory a GGUF file gets holds a few MB (no weights); its config is
+    transformers' GGUF mapping of the file, its tokenizer transformers' conversion."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from shmvllm.engine.renderer import load_tokenizer
+    from shmvllm.model.hf_config import config_values, load_hf_config
+    from shmvllm.model.registry import resolve_model_dir
+
+    monkeypatch.setenv("SHMVLLM_CACHE", str(tmp_path))
+    model_dir = resolve_model_dir(str(smollm2_gguf))
+    assert gguf_source(model_dir) == smollm2_gguf.resolve()
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert sum(p.stat().st_size for p in written) < 8 * 2**20
+    assert not [p for p in written if p.suffix in (".safetensors", ".bin", ".pt")]
+    expected = config_values(AutoConfig.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name))
+    config = load_hf_config(model_dir).to_dict()
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+        assert config[key] == expected[key], key
+    ours = load_tokenizer(model_dir)
+    theirs = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    for text in ["The capital of France is", "  spaces\nand ünïcödé 🙂", "<|im_start|>user\nhi<|im_end|>"]:
+        assert ours(text)["input_ids"] == theirs(text)["input_ids"]
+    conversation = [{"role": "user", "content": "Name three primes."}]
+    assert ours.apply_chat_template(conversation, tokenize=False) == theirs.apply_chat_template(conversation, tokenize=False)
+    assert resolve_model_dir(str(smollm2_gguf)) == model_dir  # found again, nothing rewritten
+    assert sorted(p for p in tmp_path.rglob("*") if p.is_file()) == sorted(written)
+
+
+def test_config_cache_answers_like_transformers(tiny_llama_dir, tmp_path, monkeypatch):
+    from transformers import AutoConfig
+
+    from shmvllm.model.hf_config import HFConfig, load_hf_config
+
+    monkeypatch.setenv("SHMVLLM_CACHE", str(tmp_path))
+    first = load_hf_config(tiny_llama_dir)
+    assert len(list((tmp_path / "configs").iterdir())) == 1
+    again = load_hf_config(tiny_llama_dir)
+    reference = AutoConfig.from_pretrained(tiny_llama_dir)
+    assert first == again and isinstance(again, HFConfig)
+    for name in ("hidden_size", "num_key_value_heads", "rope_parameters", "tie_word_embeddings", "head_dim"):
+        assert getattr(again, name) == getattr(reference, name), name
+    assert getattr(again, "no_such_value", 7) == 7
+
+
+# ---- what each process imports -----------------------------------------------------------------
+
+IMPORTS_EXECUTOR = """
+import json, os, sys
+from shmvllm.executor.uniproc import UniProcExecutor
+
+
+class ReportImports(UniProcExecutor):
+    def __init__(self, config):
+        super().__init__(config)
+        with open(os.environ["IMPORTS_REPORT"], "w") as f:
+            json.dump(sorted(m for m in ("torch", "transformers") if m in sys.modules), f)
+"""
+
+IMPORTS_FRONTEND = """
+import sys
+import types
+from shmvllm import EngineArgs, SamplingParams
+from shmvllm.engine.core_client import SyncMPClient
+from shmvllm.engine.llm_engine import LLMEngine
+
+# the engine builds its EngineCore with report_imports.ReportImports, named here without importing it (torch)
+named = types.SimpleNamespace(__module__="report_imports", __qualname__="ReportImports")
+SyncMPClient.__init__.__kwdefaults__["executor_class"] = named
+engine = LLMEngine(EngineArgs(model={model!r}, max_model_len=64, num_kv_blocks=16).create_engine_config())
+engine.add_request("r", "The capital of France is", SamplingParams(temperature=0.0, max_tokens=4))
+while engine.has_unfinished_requests():
+    engine.step()
+print("FRONTEND", sorted(m for m in ("torch", "transformers") if m in sys.modules))
+engine.shutdown()
+"""
+
+
+def test_frontend_imports_no_torch_and_the_engine_no_transformers(tmp_path, smollm2_dir):
+    (tmp_path / "report_imports.py").write_text(IMPORTS_EXECUTOR)
+    (tmp_path / "frontend.py").write_text(IMPORTS_FRONTEND.format(model=str(smollm2_dir)))
+    report = tmp_path / "engine.json"
+    done = subprocess.run([sys.executable, str(tmp_path / "frontend.py")], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "IMPORTS_REPORT": str(report), "PYTHONPATH": f"{REPO}:{tmp_path}"})
+    assert done.returncode == 0, done.stderr
+    assert "FRONTEND ['transformers']" in done.stdout  # the tokenizer's classes, not torch
+    assert json.loads(report.read_text()) == ["torch"]
+
+
+# ---- a start-up interrupted ----------------------------------------------------------------------
+
+SLOW_EXECUTOR = """
+import os, time
+from shmvllm.executor.uniproc import UniProcExecutor
+
+
+class SlowLoad(UniProcExecutor):
+    def __init__(self, config):
+        with open(os.environ["LOADING_MARK"], "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(120)
+        super().__init__(config)
+"""
+
+SLOW_FRONTEND = """
+import os, signal
+from shmvllm import EngineArgs
+from shmvllm.engine.core_client import SyncMPClient
+from slow_load import SlowLoad
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal
+print("FRONTEND", os.getpid(), flush=True)
+SyncMPClient(EngineArgs(model={model!r}, max_model_len=64, num_kv_blocks=16).create_engine_config(), executor_class=SlowLoad)
+"""
+
+
+def _start_loading(tmp_path: Path, model_dir: Path) -> tuple[subprocess.Popen, int]:
+    """A frontend whose engine is loading (it sleeps in its executor); (frontend, engine pid)."""
+    (tmp_path / "slow_load.py").write_text(SLOW_EXECUTOR)
+    (tmp_path / "frontend.py").write_text(SLOW_FRONTEND.format(model=str(model_dir)))
+    mark = tmp_path / "loading"
+    proc = subprocess.Popen(
+        [sys.executable, str(tmp_path / "frontend.py")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "LOADING_MARK": str(mark), "PYTHONPATH": f"{REPO}:{tmp_path}", "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (mark.exists() and mark.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    return proc, int(mark.read_text())
+
+
+def _left_by(*pids: int) -> set[str]:
+    return {name for name in leaked_shm_entries() if any(f"-{pid}-" in name for pid in pids)}
+
+
+def _assert_nothing_left(frontend: int, engine: int, within: float) -> None:
+    assert wait_until_dead(engine, within) < within
+    deadline = time.monotonic() + 2.0
+    while _left_by(frontend, engine) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not _left_by(frontend, engine), sorted(_left_by(frontend, engine))
+
+
+def test_kill_9_of_the_frontend_while_the_engine_loads(tmp_path, tiny_llama_dir):
+    proc, engine = _start_loading(tmp_path, tiny_llama_dir)
+    try:
+        proc.kill()
+        proc.wait(timeout=10)
+        _assert_nothing_left(proc.pid, engine, within=3.0)  # noticed within a poll, not after the load
+    finally:
+        proc.kill()
+        proc.communicate()
+        if pid_alive(engine):
+            os.kill(engine, signal.SIGKILL)
+
+
+def test_kill_9_of_the_engine_while_it_loads(tmp_path, tiny_llama_dir):
+    proc, engine = _start_loading(tmp_path, tiny_llama_dir)
+    try:
+        os.kill(engine, signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 1 and "EngineStartupError" in err and "died before READY" in err, err
+        _assert_nothing_left(proc.pid, engine, within=1.0)
+    finally:
+        proc.kill()
+
+
+def test_ctrl_c_while_the_engine_loads(tmp_path, tiny_llama_dir):
+    """SIGINT to the whole process group, as a terminal's Ctrl-C: the frontend raises
+    KeyboardInterrupt, stops its engine and removes its rings."""
+    proc, engine = _start_loading(tmp_path, tiny_llama_dir)
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        assert "KeyboardInterrupt" in err, err
+        _assert_nothing_left(proc.pid, engine, within=10.0)
+    finally:
+        proc.kill()
+        if pid_alive(engine):
+            os.kill(engine, signal.SIGKILL)

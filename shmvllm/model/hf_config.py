@@ -58,15 +58,34 @@ def _transformers_version() -> str:
     return version("transformers")
 
 
+_VALUES_FORMAT = 2  # bumped when config_values() changes what it keeps, so older cached files are not read
+
+
 def _cache_key(config_file: Path) -> str:
     stat = config_file.stat()
-    raw = f"{config_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{_transformers_version()}"
+    raw = f"{config_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{_transformers_version()}:{_VALUES_FORMAT}"
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
 def config_values(config: Any) -> dict[str, Any]:
-    """A transformers config's full values (defaults included), JSON-safe."""
-    return json.loads(config.to_json_string(use_diff=False))
+    """A transformers config's full values (defaults included), JSON-safe, with the values of its
+    family's own properties (ModernBERT's sliding_window is derived from local_attention), which
+    to_dict() leaves out."""
+    values = json.loads(config.to_json_string(use_diff=False))
+    from transformers import PretrainedConfig
+
+    for cls in type(config).__mro__:
+        if cls is PretrainedConfig or not issubclass(cls, PretrainedConfig):
+            break
+        for name, member in vars(cls).items():
+            if isinstance(member, property) and name not in values and not name.startswith("_"):
+                try:
+                    value = getattr(config, name)
+                    json.dumps(value)
+                except Exception:  # a property that needs state the config lacks, or no JSON value
+                    continue
+                values[name] = value
+    return values
 
 
 def load_hf_config(model_dir: Path) -> HFConfig:

@@ -350,10 +350,12 @@ def test_kv_cache_sizing(tiny_llama_dir):
 
 
 def test_smollm2_greedy_batch_matches_hf(smollm2_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from conftest import hf_causal_lm
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    hf = hf_causal_lm(smollm2_dir)
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far",
              "1, 2, 3, 4,", "Water boils at", "The quick brown fox", "My favourite colour is", "Hello"]
     prompts = [tokenizer(t)["input_ids"] for t in texts]

@@ -160,12 +160,12 @@ IMPORTS_FRONTEND = """
 import sys
 import types
 from shmvllm import EngineArgs, SamplingParams
-from shmvllm.engine.core_client import SyncMPClient
+from shmvllm.engine.core_client import MPClient
 from shmvllm.engine.llm_engine import LLMEngine
 
 # the engine builds its EngineCore with report_imports.ReportImports, named here without importing it (torch)
 named = types.SimpleNamespace(__module__="report_imports", __qualname__="ReportImports")
-SyncMPClient.__init__.__kwdefaults__["executor_class"] = named
+MPClient.__init__.__kwdefaults__["executor_class"] = named
 engine = LLMEngine(EngineArgs(model={model!r}, max_model_len=64, num_kv_blocks=16).create_engine_config())
 engine.add_request("r", "The capital of France is", SamplingParams(temperature=0.0, max_tokens=4))
 while engine.has_unfinished_requests():
@@ -204,12 +204,12 @@ class SlowLoad(UniProcExecutor):
 SLOW_FRONTEND = """
 import os, signal
 from shmvllm import EngineArgs
-from shmvllm.engine.core_client import SyncMPClient
+from shmvllm.engine.core_client import MPClient
 from slow_load import SlowLoad
 
 signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal
 print("FRONTEND", os.getpid(), flush=True)
-SyncMPClient(EngineArgs(model={model!r}, max_model_len=64, num_kv_blocks=16).create_engine_config(), executor_class=SlowLoad)
+MPClient(EngineArgs(model={model!r}, max_model_len=64, num_kv_blocks=16).create_engine_config(), executor_class=SlowLoad)
 """
 
 

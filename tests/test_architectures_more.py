@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 
 from shmvllm.model.models import check_gguf_architecture
-from test_architectures import MIXED_LENGTHS, assert_engine_matches, prompts_of
+# the families' shared engine tests, run here on this module's family_dir (Phi-3's prompts
+# past LongRoPE's 32 use long factors throughout and share their cached prefix)
+from test_architectures import (  # noqa: F401
+    assert_engine_matches,
+    prompts_of,
+    test_alone_and_in_a_mixed_batch,
+    test_chunked_prefill_and_prefix_cache_hits,
+    test_under_preemption,
+)
 from test_engine_core import make_engine
 from tiny_models import build_tiny, write_gguf
 
@@ -36,38 +44,6 @@ FAMILIES = list(FAMILY_OVERRIDES)
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_dir(request, tmp_path_factory) -> Path:
     return build_tiny(request.param, tmp_path_factory.mktemp(request.param), **FAMILY_OVERRIDES[request.param])
-
-
-def test_alone_and_in_a_mixed_batch(family_dir):
-    prompts = prompts_of(MIXED_LENGTHS)
-    engine = make_engine(family_dir, num_kv_blocks=64)
-    try:
-        assert_engine_matches(family_dir, engine, prompts[:1])
-        assert_engine_matches(family_dir, engine, prompts)
-    finally:
-        engine.shutdown()
-
-
-def test_under_preemption(family_dir):
-    engine = make_engine(family_dir, num_kv_blocks=24, block_size=4)
-    try:
-        assert_engine_matches(family_dir, engine, prompts_of(MIXED_LENGTHS, seed=1))
-        assert engine.get_stats()["num_preemptions"] > 0
-    finally:
-        engine.shutdown()
-
-
-def test_chunked_prefill_and_prefix_cache_hits(family_dir):
-    engine = make_engine(family_dir, num_kv_blocks=128, max_num_batched_tokens=16)
-    try:
-        # Phi-3's prompts all past LongRoPE's 32: long factors throughout, their cached prefix shared
-        system = prompts_of([40], seed=2)[0]
-        prompts = [system + suffix for suffix in prompts_of([3, 9, 1, 20], seed=3)]
-        assert_engine_matches(family_dir, engine, prompts[:1])  # cached afterwards
-        outputs = assert_engine_matches(family_dir, engine, prompts[1:])
-        assert all(outs[-1].num_cached_tokens == 32 for outs in outputs.values())
-    finally:
-        engine.shutdown()
 
 
 def test_phi3_gguf_of_the_same_weights(tmp_path):

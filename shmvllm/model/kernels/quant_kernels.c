@@ -482,23 +482,78 @@ static inline void block_sums(float *xs, int M, const float *x, int64_t ldx, int
         }
 }
 
-/* BB-byte blocks of 32: an fp16 d at 0 (and an fp16 m at 2 when HAS_M), then Q values from QOFF,
- * widened by TO_FLOAT. Blocks go in pairs, each into its own accumulator (two chains a row). */
-#define FOLDED_BLOCK(NAME, BB, QOFF, TO_FLOAT, HAS_M, B, A)                                                    \
+/* Q5_0 / Q5_1: the 16 nibble bytes at qs (values i and 16 + i) with the fifth bits of all 32
+ * values in qh (little-endian uint32). AVX-512 ORs the fifth bits in as a lane mask; AVX2 looks
+ * each byte of them up in a table of 8 lanes (8 KiB, L1-resident), one load per 8 values. */
+#if VW == 16 && defined(__AVX512F__)
+static inline void q5_to_float(const uint8_t *qs, uint32_t qh, vf q[32 / VW]) {
+    const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs)), sixteen = _mm512_set1_epi32(16);
+    const __m512i lo = _mm512_and_si512(wide, _mm512_set1_epi32(0x0f)), hi = _mm512_srli_epi32(wide, 4);
+    q[0] = (vf)_mm512_cvtepi32_ps(_mm512_mask_or_epi32(lo, (__mmask16)qh, lo, sixteen));
+    q[1] = (vf)_mm512_cvtepi32_ps(_mm512_mask_or_epi32(hi, (__mmask16)(qh >> 16), hi, sixteen));
+}
+#elif VW == 8 && defined(__AVX2__)
+/* Q5_HIGH[byte][i]: 16 where bit i of byte is set: the fifth bits of 8 values in one load */
+#define Q5H1(b) {((b) & 1) << 4, ((b) >> 1 & 1) << 4, ((b) >> 2 & 1) << 4, ((b) >> 3 & 1) << 4, \
+                 ((b) >> 4 & 1) << 4, ((b) >> 5 & 1) << 4, ((b) >> 6 & 1) << 4, ((b) >> 7 & 1) << 4}
+#define Q5H4(b) Q5H1(b), Q5H1(b + 1), Q5H1(b + 2), Q5H1(b + 3)
+#define Q5H16(b) Q5H4(b), Q5H4(b + 4), Q5H4(b + 8), Q5H4(b + 12)
+#define Q5H64(b) Q5H16(b), Q5H16(b + 16), Q5H16(b + 32), Q5H16(b + 48)
+static const uint32_t Q5_HIGH[256][8] __attribute__((aligned(32))) = {Q5H64(0), Q5H64(64), Q5H64(128), Q5H64(192)};
+static inline void q5_to_float(const uint8_t *qs, uint32_t qh, vf q[32 / VW]) {
+    const __m256i mask = _mm256_set1_epi32(0x0f);
+    for (int c = 0; c < 2; c++) {
+        const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * c)));
+        const __m256i lo = _mm256_or_si256(_mm256_and_si256(wide, mask),
+                                           _mm256_load_si256((const __m256i *)Q5_HIGH[(qh >> (8 * c)) & 0xff]));
+        const __m256i hi = _mm256_or_si256(_mm256_srli_epi32(wide, 4),
+                                           _mm256_load_si256((const __m256i *)Q5_HIGH[(qh >> (16 + 8 * c)) & 0xff]));
+        q[c] = (vf)_mm256_cvtepi32_ps(lo);
+        q[2 + c] = (vf)_mm256_cvtepi32_ps(hi);
+    }
+}
+#else
+static inline void q5_to_float(const uint8_t *qs, uint32_t qh, vf q[32 / VW]) {
+    for (int c = 0; c < 16 / VW; c++) {
+        vb b;
+        memcpy(&b, qs + c * VW, VW);
+        const vu lanes = lane_ids() + (uint32_t)(c * VW);
+        q[c] = int_to_float(bytes_to_int(b & 0x0f) | (vi)(((qh - (vu){0}) >> lanes & 1) << 4));
+        q[16 / VW + c] = int_to_float(bytes_to_int(b >> 4) | (vi)(((qh - (vu){0}) >> (lanes + 16) & 1) << 4));
+    }
+}
+#endif
+
+/* Per format of blocks of 32 with an fp16 d at byte 0: NAME##_q (the block's 32 integers as
+ * floats) and NAME##_m (the constant per sum of x: w = d * q + m, m = -8 d for Q4_0's q - 8). */
+static inline void q4_0_q(const uint8_t *blk, vf q[32 / VW]) { nibbles_to_float(blk + 2, q); }
+static inline float q4_0_m(const uint8_t *blk) { return -8.0f * fp16_to_fp32(load_u16(blk)); }
+static inline void q4_1_q(const uint8_t *blk, vf q[32 / VW]) { nibbles_to_float(blk + 4, q); }
+static inline float q4_1_m(const uint8_t *blk) { return fp16_to_fp32(load_u16(blk + 2)); }
+static inline void q8_0_q(const uint8_t *blk, vf q[32 / VW]) { int8s_to_float(blk + 2, q); }
+static inline float q8_0_m(const uint8_t *blk) { (void)blk; return 0.0f; }
+static inline void q5_0_q(const uint8_t *blk, vf q[32 / VW]) { q5_to_float(blk + 6, load_u32(blk + 2), q); }
+static inline float q5_0_m(const uint8_t *blk) { return -16.0f * fp16_to_fp32(load_u16(blk)); }
+static inline void q5_1_q(const uint8_t *blk, vf q[32 / VW]) { q5_to_float(blk + 8, load_u32(blk + 4), q); }
+static inline float q5_1_m(const uint8_t *blk) { return fp16_to_fp32(load_u16(blk + 2)); }
+
+/* BB-byte blocks of 32 (NAME##_q, NAME##_m above). Blocks go in pairs, each into its own
+ * accumulator (two chains a row). */
+#define FOLDED_BLOCK(NAME, BB, HAS_M, B, A)                                                                    \
     {                                                                                                           \
         const uint8_t *blk = row + (B) * BB;                                                                    \
         const vf d = splat(fp16_to_fp32(load_u16(blk)));                                                        \
         vf q[32 / VW];                                                                                          \
-        TO_FLOAT(blk + QOFF, q);                                                                                \
+        NAME##_q(blk, q);                                                                                       \
         for (int m = 0; m < M; m++) {                                                                           \
             const float *xb = x + m * ldx + 32 * (B);                                                           \
             vf s = q[0] * loadf(xb);                                                                            \
             for (int t = 1; t < 32 / VW; t++) s += q[t] * loadf(xb + t * VW);                                    \
             A[m] += d * s;                                                                                      \
-            if (HAS_M) macc[m] += fp16_to_fp32(load_u16(blk + 2)) * xs[m * blocks + (B)];                       \
+            if (HAS_M) macc[m] += NAME##_m(blk) * xs[m * blocks + (B)];                                         \
         }                                                                                                       \
     }
-#define DEFINE_FOLDED_ROW(NAME, BB, QOFF, TO_FLOAT, HAS_M)                                                     \
+#define DEFINE_FOLDED_ROW(NAME, BB, HAS_M)                                                                     \
     static inline __attribute__((always_inline)) void NAME##_row(                                            \
         const int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *row, const float *bias, \
         const float *residual, int64_t ldr, int64_t j, int64_t k, const float *xs) {                            \
@@ -508,15 +563,154 @@ static inline void block_sums(float *xs, int M, const float *x, int64_t ldx, int
         const int64_t blocks = k / 32;                                                                          \
         int64_t b = 0;                                                                                          \
         for (; b + 2 <= blocks; b += 2) {                                                                       \
-            FOLDED_BLOCK(NAME, BB, QOFF, TO_FLOAT, HAS_M, b, acc0)                                              \
-            FOLDED_BLOCK(NAME, BB, QOFF, TO_FLOAT, HAS_M, b + 1, acc1)                                          \
+            FOLDED_BLOCK(NAME, BB, HAS_M, b, acc0)                                                              \
+            FOLDED_BLOCK(NAME, BB, HAS_M, b + 1, acc1)                                                          \
         }                                                                                                       \
-        if (b < blocks) FOLDED_BLOCK(NAME, BB, QOFF, TO_FLOAT, HAS_M, b, acc0)                                 \
+        if (b < blocks) FOLDED_BLOCK(NAME, BB, HAS_M, b, acc0)                                                 \
         const float add = bias != NULL ? bias[j] : 0.0f;                                                        \
         for (int m = 0; m < M; m++)                                                                             \
             out[m * ldo + j] = (hsum(acc0[m] + acc1[m]) + macc[m]) + add +                                      \
                                (residual != NULL ? residual[m * ldr + j] : 0.0f);                               \
     }
+
+/* Q2_K / Q3_K rows (the AVX2 and AVX-512 builds, both on 8-lane vectors: measured faster than
+ * 16 lanes for these on Zen 4, which splits 512-bit operations in two anyway). A sub-block's
+ * dequantized values, all 4 (Q2_K: dl * q - ml) or 8 (Q3_K: dl * (q - 4)) of them, are a table of
+ * floats in one register, built with one FMA (the reference's rounding: dl * q is exact); each
+ * value's bits, shifted into place in its 32-bit lane, index it with one permute (vpermilps reads
+ * the low 2 bits of a lane, vpermps the low 3, so the bits above need no mask). A value then costs
+ * a shift, a permute and its FMA with x, against extract, convert, scale and FMA before. */
+#if defined(__AVX2__)
+#define LOW_BIT_ROWS 1
+typedef float f8 __attribute__((vector_size(32)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+
+static inline f8 load_f8(const float *p) {
+    f8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline i8 load_8_bytes(const uint8_t *p) { return (i8)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline f8 splat8(float s) { return s - (f8){0}; }
+static inline float hsum8(f8 v) {
+    const vf4 h4 = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+static inline void store_row_out(const int M, f8 acc[FEW_ROWS][2], float *out, int64_t ldo, const float *bias,
+                                 const float *residual, int64_t ldr, int64_t j) {
+    const float add = bias != NULL ? bias[j] : 0.0f;
+    for (int m = 0; m < M; m++)
+        out[m * ldo + j] = hsum8(acc[m][0] + acc[m][1]) + add + (residual != NULL ? residual[m * ldr + j] : 0.0f);
+}
+
+static inline __attribute__((always_inline)) void q2_k_row(const int M, float *out, int64_t ldo, const float *x,
+                                                           int64_t ldx, const uint8_t *row, const float *bias,
+                                                           const float *residual, int64_t ldr, int64_t j, int64_t k,
+                                                           const float *xs) {
+    (void)xs;
+    f8 acc[FEW_ROWS][2];
+    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = (f8){0};
+    const f8 pat = {0, 1, 2, 3, 0, 1, 2, 3};
+    for (int64_t b = 0; b < k / 256; b++) {
+        const uint8_t *blk = row + b * 84, *qs = blk + 16;
+        const f8 d = splat8(fp16_to_fp32(load_u16(blk + 80))), dmin = splat8(fp16_to_fp32(load_u16(blk + 82)));
+        float dl[16], ml[16];
+        for (int c = 0; c < 2; c++) {
+            const i8 sc = load_8_bytes(blk + 8 * c);
+            const f8 a = d * __builtin_convertvector(sc & 0x0f, f8), mn = dmin * __builtin_convertvector(sc >> 4, f8);
+            memcpy(dl + 8 * c, &a, sizeof a);
+            memcpy(ml + 8 * c, &mn, sizeof mn);
+        }
+        for (int h = 0; h < 2; h++)
+            for (int i = 0; i < 32; i += 8) {
+                const i8 q = load_8_bytes(qs + 32 * h + i);
+                for (int s = 0; s < 4; s++) {
+                    const int sb = 8 * h + 2 * s + i / 16;
+                    const f8 table = pat * splat8(dl[sb]) - splat8(ml[sb]);
+                    const f8 w = (f8)_mm256_permutevar_ps((__m256)table, (__m256i)(q >> (2 * s)));
+                    const float *xe = x + b * 256 + 128 * h + 32 * s + i;
+                    for (int m = 0; m < M; m++) acc[m][s & 1] += w * load_f8(xe + m * ldx);
+                }
+            }
+    }
+    store_row_out(M, acc, out, ldo, bias, residual, ldr, j);
+}
+
+static inline __attribute__((always_inline)) void q3_k_row(const int M, float *out, int64_t ldo, const float *x,
+                                                           int64_t ldx, const uint8_t *row, const float *bias,
+                                                           const float *residual, int64_t ldr, int64_t j, int64_t k,
+                                                           const float *xs) {
+    (void)xs;
+    f8 acc[FEW_ROWS][2];
+    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = (f8){0};
+    const f8 pat = {-4, -3, -2, -1, 0, 1, 2, 3};
+    for (int64_t b = 0; b < k / 256; b++) {
+        const uint8_t *blk = row + b * 110, *qs = blk + 32, *packed = blk + 96;
+        const f8 d = splat8(fp16_to_fp32(load_u16(blk + 108)));
+        /* scale j: its low 4 bits are nibble j / 8 of byte j % 8, its high 2 bits bits 2 (j / 4)
+         * of byte 8 + j % 4; assembled 8 at a time in a uint64 */
+        uint64_t low;
+        uint32_t high;
+        memcpy(&low, packed, 8);
+        memcpy(&high, packed + 8, 4);
+        const uint64_t m2 = 0x03030303u;
+        uint8_t bytes16[16];
+        const uint64_t s0 = (low & 0x0f0f0f0f0f0f0f0full) | (((high & m2) | ((high >> 2) & m2) << 32) << 4);
+        const uint64_t s1 = ((low >> 4) & 0x0f0f0f0f0f0f0f0full) | ((((high >> 4) & m2) | ((uint64_t)(high >> 6) & m2) << 32) << 4);
+        memcpy(bytes16, &s0, 8);
+        memcpy(bytes16 + 8, &s1, 8);
+        float dl[16];
+        for (int c = 0; c < 2; c++) {
+            const f8 v = d * __builtin_convertvector(load_8_bytes(bytes16 + 8 * c) - 32, f8);
+            memcpy(dl + 8 * c, &v, sizeof v);
+        }
+        for (int i = 0; i < 32; i += 8) {
+            const i8 hm = load_8_bytes(blk + i);
+            for (int h = 0; h < 2; h++) {
+                const i8 q = load_8_bytes(qs + 32 * h + i);
+                for (int s = 0; s < 4; s++) {
+                    /* bits 0-1: the low part; bit 2: the high bit, brought there from bit 4 h + s */
+                    const int hb = 4 * h + s;
+                    const i8 high_bit = hb >= 2 ? hm >> (hb - 2) : hm << (2 - hb);
+                    const i8 idx = ((q >> (2 * s)) & 3) | (high_bit & 4);
+                    const int sb = 8 * h + 2 * s + i / 16;
+                    const f8 w = (f8)_mm256_permutevar8x32_ps((__m256)(pat * splat8(dl[sb])), (__m256i)idx);
+                    const float *xe = x + b * 256 + 128 * h + 32 * s + i;
+                    for (int m = 0; m < M; m++) acc[m][s & 1] += w * load_f8(xe + m * ldx);
+                }
+            }
+        }
+    }
+    store_row_out(M, acc, out, ldo, bias, residual, ldr, j);
+}
+#endif
+
+/* IQ4_XS: each run of 32 values dequantized and multiplied in as it is unpacked (the generic row
+ * holds two whole 256-value blocks, 64 vectors on AVX2's 16 registers: spilled). */
+static inline __attribute__((always_inline)) void iq4_xs_row(const int M, float *out, int64_t ldo, const float *x,
+                                                             int64_t ldx, const uint8_t *row, const float *bias,
+                                                             const float *residual, int64_t ldr, int64_t j, int64_t k,
+                                                             const float *xs) {
+    (void)xs;
+    vf acc[FEW_ROWS][2];
+    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = (vf){0};
+    for (int64_t b = 0; b < k / 256; b++) {
+        const uint8_t *blk = row + b * 136;
+        const float d = fp16_to_fp32(load_u16(blk));
+        const uint16_t scales_h = load_u16(blk + 2);
+        for (int r = 0; r < 8; r++) {
+            const int scale = (((blk[4 + r / 2] >> (4 * (r % 2))) & 0x0f) | (((scales_h >> (2 * r)) & 3) << 4)) - 32;
+            vf w[32 / VW];
+            deq_nibble_table(IQ4_VALUES, d * (float)scale, blk + 8 + 16 * r, w);
+            for (int t = 0; t < 32 / VW; t++)
+                for (int m = 0; m < M; m++) acc[m][t & 1] += w[t] * loadf(x + m * ldx + b * 256 + 32 * r + t * VW);
+        }
+    }
+    const float add = bias != NULL ? bias[j] : 0.0f;
+    for (int m = 0; m < M; m++)
+        out[m * ldo + j] = hsum(acc[m][0] + acc[m][1]) + add + (residual != NULL ? residual[m * ldr + j] : 0.0f);
+}
 
 /* Per format: NAME##_range (rows [j0, j1) of the output on the calling thread: what the decode
  * step's team runs), NAME##_few (the GEMV for up to FEW_ROWS rows, the rows split over the
@@ -569,24 +763,25 @@ static inline void block_sums(float *xs, int M, const float *x, int64_t ldx, int
     }
 
 
-DEFINE_ROW(q4_0, deq_q4_0, 32, 18)
-DEFINE_FOLDED_ROW(q4_1, 20, 4, nibbles_to_float, 1)
-DEFINE_FOLDED_ROW(q8_0, 34, 2, int8s_to_float, 0)
+DEFINE_FOLDED_ROW(q4_0, 18, 1)
+DEFINE_FOLDED_ROW(q4_1, 20, 1)
+DEFINE_FOLDED_ROW(q8_0, 34, 0)
 DEFINE_ROW(q4_k, deq_q4_k, 256, 144)
 DEFINE_ROW(q5_k, deq_q5_k, 256, 176)
 DEFINE_ROW(q6_k, deq_q6_k, 256, 210)
 DEFINE_ROW(f16, deq_f16, 32, 64)
 DEFINE_ROW(bf16, deq_bf16, 32, 64)
 DEFINE_ROW(f32, deq_f32, 32, 128)
-DEFINE_ROW(q5_0, deq_q5_0, 32, 22)
-DEFINE_ROW(q5_1, deq_q5_1, 32, 24)
+DEFINE_FOLDED_ROW(q5_0, 22, 1)
+DEFINE_FOLDED_ROW(q5_1, 24, 1)
+#ifndef LOW_BIT_ROWS
 DEFINE_ROW(q2_k, deq_q2_k, 256, 84)
 DEFINE_ROW(q3_k, deq_q3_k, 256, 110)
+#endif
 DEFINE_ROW(iq4_nl, deq_iq4_nl, 32, 18)
-DEFINE_ROW(iq4_xs, deq_iq4_xs, 256, 136)
 DEFINE_ROW(mxfp4, deq_mxfp4, 32, 17)
 
-DEFINE_FORMAT(q4_0, deq_q4_0, 32, 18, 0)
+DEFINE_FORMAT(q4_0, deq_q4_0, 32, 18, 1)
 DEFINE_FORMAT(q4_1, deq_q4_1, 32, 20, 1)
 DEFINE_FORMAT(q8_0, deq_q8_0, 32, 34, 0)
 DEFINE_FORMAT(q4_k, deq_q4_k, 256, 144, 0)
@@ -595,8 +790,8 @@ DEFINE_FORMAT(q6_k, deq_q6_k, 256, 210, 0)
 DEFINE_FORMAT(f16, deq_f16, 32, 64, 0)
 DEFINE_FORMAT(bf16, deq_bf16, 32, 64, 0)
 DEFINE_FORMAT(f32, deq_f32, 32, 128, 0)
-DEFINE_FORMAT(q5_0, deq_q5_0, 32, 22, 0)
-DEFINE_FORMAT(q5_1, deq_q5_1, 32, 24, 0)
+DEFINE_FORMAT(q5_0, deq_q5_0, 32, 22, 1)
+DEFINE_FORMAT(q5_1, deq_q5_1, 32, 24, 1)
 DEFINE_FORMAT(q2_k, deq_q2_k, 256, 84, 0)
 DEFINE_FORMAT(q3_k, deq_q3_k, 256, 110, 0)
 DEFINE_FORMAT(iq4_nl, deq_iq4_nl, 32, 18, 0)

@@ -22,7 +22,7 @@ from conftest import leaked_shm_entries, wait_until_dead
 from ipc.segment import pid_alive
 from shmvllm import LLM, SamplingParams
 from shmvllm.boundary.messages import SchedulerStats
-from shmvllm.config import EngineArgs
+from shmvllm.engine.arg_utils import EngineArgs
 from shmvllm.engine.core_client import MPClient
 from shmvllm.engine.dp_balancer import DPLoadBalancer
 from shmvllm.engine.dp_client import plan_cpus

@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional
 
 from shmvllm.compat.vllm_args import BY_NAME as _VLLM_ONLY_ARGS
 from shmvllm.compat.vllm_args import VllmArgs, check_vllm_args
+from shmvllm.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,7 @@ class EngineConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
+    speculative_config: Optional[SpeculativeConfig] = None
 
 
 @dataclass
@@ -180,6 +182,7 @@ class EngineArgs(VllmArgs):
     tokenizer_mode: str = "auto"  # "auto" | "hf" | "slow"
     generation_config: str = "auto"  # "auto" | "vllm" | a folder holding generation_config.json
     override_generation_config: Optional[dict[str, Any]] = None
+    speculative_config: Optional[dict[str, Any]] = None  # {"method": "ngram", "num_speculative_tokens": k, ...}
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -209,6 +212,7 @@ class EngineArgs(VllmArgs):
 
         check_engine_args(self)
         self._verify()
+        speculative = SpeculativeConfig.from_user(self.speculative_config)
         from shmvllm.model.hf_config import load_hf_config
         from shmvllm.model.models import check_causal_lm_dir, decoder_architecture
         from shmvllm.model.registry import resolve_model_dir
@@ -241,6 +245,8 @@ class EngineArgs(VllmArgs):
             quantization=self.quantization,
         )
         _verify_quantization(self.quantization, model_dir, task)
+        if speculative is not None and task != "generate":
+            raise ValueError(f"speculative_config={self.speculative_config!r} applies to generation only, not to task {task!r}.")
         _verify_tensor_parallel(self.tensor_parallel_size, task, hf_config, device)
         chunked_prefill = self.enable_chunked_prefill is not False
         max_batched, max_num_seqs = _scheduler_limits(
@@ -272,6 +278,7 @@ class EngineArgs(VllmArgs):
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size
             ),
+            speculative_config=speculative,
         )
         check_against_model(config)
         return config

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from shmvllm.spec_decode.config import SpeculativeConfig
+
 Task = Literal["generate", "embed"]
 
 
@@ -126,3 +128,4 @@ class EngineConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
+    speculative_config: Optional[SpeculativeConfig] = None

@@ -22,6 +22,7 @@ from shmvllm.model.hf_config import HFConfig
 from shmvllm.model.models import check_causal_lm_dir, decoder_architecture, gguf_kv_config
 from shmvllm.model.registry import ModelSource, locate_model
 from shmvllm.model.st_config import dense_out_features
+from shmvllm.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class EngineArgs(VllmArgs):
     tokenizer_mode: str = "auto"  # "auto" | "hf" | "slow"
     generation_config: str = "auto"  # "auto" | "vllm" | a folder holding generation_config.json
     override_generation_config: Optional[dict[str, Any]] = None
+    speculative_config: Optional[dict[str, Any]] = None  # {"method": "ngram", "num_speculative_tokens": k, ...}
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -95,6 +97,7 @@ class EngineArgs(VllmArgs):
     def create_engine_config(self) -> EngineConfig:
         check_engine_args(self)
         self._verify()
+        speculative = SpeculativeConfig.from_user(self.speculative_config)
         source = locate_model(self.model)  # refuses a GGUF file's unsupported architecture
         model_dir = source.model_dir
         device = self.device if self.device != "auto" else _default_device()
@@ -133,6 +136,8 @@ class EngineArgs(VllmArgs):
             dense_out_features=dense_out_features(model_dir),
         )
         _verify_quantization(self.quantization, source, task)
+        if speculative is not None and task != "generate":
+            raise ValueError(f"speculative_config={self.speculative_config!r} applies to generation only, not to task {task!r}.")
         _verify_tensor_parallel(self.tensor_parallel_size, task, hf_config, device)
         chunked_prefill = self.enable_chunked_prefill is not False
         max_batched, max_num_seqs = _scheduler_limits(
@@ -164,6 +169,7 @@ class EngineArgs(VllmArgs):
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size
             ),
+            speculative_config=speculative,
         )
         check_against_model(config, source)
         source.store()  # only now: a refused start leaves the cache as it was

@@ -52,6 +52,8 @@ def combine_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
         elif isinstance(value, dict):
             total[name] = {k: sum(s.get(name, {}).get(k, 0) for s in stats) for k, v in value.items()
                            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            total[name].update({k: [sum(col) for col in zip(*(s.get(name, {}).get(k, v) for s in stats))]
+                                for k, v in value.items() if isinstance(v, list)})  # per-position counts
     total["block_size"] = stats[0].get("block_size")
     blocks = total.get("num_kv_blocks") or 0
     if blocks:

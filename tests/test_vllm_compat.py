@@ -18,7 +18,7 @@ from shmvllm.compat.v1_detokenizer import BaseIncrementalDetokenizer, Incrementa
 from shmvllm.compat.v1_engine import EngineCoreRequest as V1EngineCoreRequest
 from shmvllm import LLM, SamplingParams
 from shmvllm.compat.vllm_args import VLLM_ARGS
-from shmvllm.config import EngineArgs
+from shmvllm.engine.arg_utils import EngineArgs
 from shmvllm.lora import LoRARequest
 from shmvllm.outputs import RequestOutput
 from shmvllm.pooling_params import PoolingParams

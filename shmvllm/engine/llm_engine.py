@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterator, Optional, Union
 import msgspec
 
 from shmvllm.boundary.messages import EngineCoreOutputs, EngineCoreRequest, now
-from shmvllm.config import EngineArgs, EngineConfig
+from shmvllm.config import EngineConfig
+from shmvllm.engine.arg_utils import EngineArgs
 from shmvllm.engine.core_client import EngineCoreClient
 from shmvllm.engine.input_processor import InputProcessor, PromptType, check_priority
 from shmvllm.engine.output_processor import OutputProcessor, ParentRequest

@@ -13,7 +13,7 @@ import numpy as np
 
 from shmvllm.beam_search import BeamSearchOutput, beam_prompt_ids, run_beam_search
 from shmvllm.boundary.messages import EngineCoreRequest
-from shmvllm.config import EngineArgs
+from shmvllm.engine.arg_utils import EngineArgs
 from shmvllm.engine.input_processor import PromptType, check_prompt_keys, parse_tokenization_kwargs
 from shmvllm.engine.llm_engine import LLMEngine
 from shmvllm.engine.renderer import Conversation

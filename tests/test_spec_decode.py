@@ -231,3 +231,25 @@ def test_smollm2_greedy_equal_with_and_without():
     spec, metrics, _ = _generate("smollm2-135m-instruct", prompts, params, speculative_config=NGRAM)
     assert spec == base
     assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+def test_tiny_model_structured_outputs_equal_with_and_without(tiny_llama_dir):
+    """The grammar mask applies at every verified position: proposals the grammar forbids are
+    cut, and greedy outputs equal those without speculation, within the grammar."""
+    import re
+
+    from shmvllm.sampling_params import StructuredOutputsParams
+
+    pattern = r"(cat|mat|sat|on|the|[ ,])+"
+    params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=pattern)),
+              SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)]
+    base, _, _ = _generate(tiny_llama_dir, PROMPTS[:2], params, num_kv_blocks=128)
+    spec, metrics, _ = _generate(tiny_llama_dir, PROMPTS[:2], params, num_kv_blocks=128, speculative_config=NGRAM)
+    assert spec == base
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+    with LLM(model=str(tiny_llama_dir), multiprocess=False, max_model_len=512, num_kv_blocks=128,
+             speculative_config=NGRAM) as llm:
+        text = llm.generate(PROMPTS[:1], params[0], use_tqdm=False)[0].outputs[0].text
+        stats = llm.llm_engine.engine_core.get_stats()["spec_decode"]
+    assert re.fullmatch(r"[catmsheon ,]+", text), text  # cut by max_tokens: only the alphabet is certain
+    assert stats["num_draft_tokens"] > 0

@@ -135,7 +135,9 @@ class ModelRunner:
                 f"request {batch.req_ids[row]!r}: num_computed_tokens {num_computed[row]} + scheduled "
                 f"{query_lens[row]} exceeds its {known[row]} known (and proposed) tokens."
             )
-        input_ids, positions, meta = self._prepare_inputs(query_lens, num_computed)
+        input_ids, positions, meta = self._prepare_inputs(
+            query_lens, num_computed, num_proposed > 0 if proposals else None
+        )
         hidden = self.model(input_ids, positions, meta)
         cu_ends = np.cumsum(query_lens)
         sample_rows = np.flatnonzero(ends == known)
@@ -213,7 +215,7 @@ class ModelRunner:
         )
 
     def _prepare_inputs(
-        self, query_lens: np.ndarray, num_computed: np.ndarray
+        self, query_lens: np.ndarray, num_computed: np.ndarray, verify: Optional[np.ndarray] = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         batch = self.input_batch
         n = batch.num_reqs
@@ -225,7 +227,7 @@ class ModelRunner:
         blocks = batch.block_table[req_idx, positions // self.block_size].astype(np.int64)
         slot_mapping = blocks * self.block_size + positions % self.block_size
         meta = build_attention_metadata(
-            query_lens, num_computed, batch.block_table[:n], slot_mapping, self.block_size, self.device
+            query_lens, num_computed, batch.block_table[:n], slot_mapping, self.block_size, self.device, verify
         )
         if self.rope_lengths_needed:  # the length transformers' generate rotates each token with
             lengths = np.maximum(batch.num_prompt_tokens[req_idx], positions + 1).astype(np.int64)
@@ -302,7 +304,7 @@ class ModelRunner:
         hidden_idx = np.repeat(cu_ends[sample_rows] - widths, widths) + offsets
         logits = self.model.compute_logits(hidden.index_select(0, torch.from_numpy(hidden_idx).to(self.device)))
         if so.grammar_bitmask is not None:
-            self._apply_grammar_bitmask(logits, sample_rows, so, group_starts)
+            self._apply_grammar_bitmask(logits, sample_rows, so, group_starts, widths)
         proposals = [so.scheduled_spec_decode_tokens.get(batch.req_ids[r], []) for r in sample_rows.tolist()]
         try:
             results = [(0, *verify(self.sampler, logits, self._sampling_metadata(rows, offsets), proposals))]
@@ -357,18 +359,19 @@ class ModelRunner:
                     )
 
     def _apply_grammar_bitmask(
-        self, logits: torch.Tensor, sample_rows: np.ndarray, so: SchedulerOutput, group_starts: Optional[np.ndarray] = None
+        self, logits: torch.Tensor, sample_rows: np.ndarray, so: SchedulerOutput,
+        group_starts: Optional[np.ndarray] = None, widths: Optional[np.ndarray] = None,
     ) -> None:
         """Masks each constrained request's logits row with its bitmask row (before sampling, so
-        every sampling knob chooses among allowed tokens). group_starts: with proposals, the first
-        logits row of each sampling request (a constrained request proposes nothing)."""
+        every sampling knob chooses among allowed tokens). With proposals, group_starts / widths:
+        each sampling request's logits rows, which its bitmask rows cover in order."""
         batch_rows = np.fromiter((self.input_batch.req_id_to_index[r] for r in so.structured_output_request_ids),
                                  dtype=np.int64, count=len(so.structured_output_request_ids))
         logits_rows = np.searchsorted(sample_rows, batch_rows)  # sample_rows is sorted
         if not np.array_equal(sample_rows[np.minimum(logits_rows, len(sample_rows) - 1)], batch_rows):
             raise ValueError(f"grammar bitmask for requests that do not sample in this step: {so.structured_output_request_ids}.")
         if group_starts is not None:
-            logits_rows = group_starts[logits_rows]
+            logits_rows = np.concatenate([np.arange(group_starts[g], group_starts[g] + widths[g]) for g in logits_rows])
         self.bitmask_applier.apply(logits, logits_rows, so.grammar_bitmask)
 
     def _sampling_metadata(self, rows: np.ndarray, offsets: Optional[np.ndarray] = None) -> SamplingMetadata:

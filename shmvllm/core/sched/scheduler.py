@@ -207,7 +207,7 @@ class Scheduler:
         depends on the outputs before it (penalties, bad_words, min_tokens, a grammar)."""
         params = request.sampling_params
         if (
-            params is None or request.structured_output_request is not None or params.bad_words_token_ids
+            params is None or params.bad_words_token_ids
             or params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
             or request.num_output_tokens < params.min_tokens
         ):
@@ -218,7 +218,11 @@ class Scheduler:
             limit = min(limit, params.max_tokens - request.num_output_tokens - 1)
         if limit <= 0:
             return None
-        return self.proposer.propose(np.asarray(request.all_token_ids), limit)
+        tokens = self.proposer.propose(np.asarray(request.all_token_ids), limit)
+        so_request = request.structured_output_request
+        if tokens and so_request is not None:  # only what the grammar allows is worth verifying
+            del tokens[so_request.allowed_prefix(tokens):]
+        return tokens
 
     def _admit_compiled(self) -> None:
         """Moves requests whose grammar is compiled into the waiting queue (at their place in the
@@ -245,14 +249,24 @@ class Scheduler:
 
     def _add_grammar_bitmask(self, output: SchedulerOutput) -> None:
         """The bitmask rows of the constrained requests that sample in this step (their scheduled
-        tokens reach the end of their known tokens)."""
+        tokens reach the end of their known and proposed tokens): one row each, or with
+        proposals one per verified position."""
         sampling = []
+        proposals = output.scheduled_spec_decode_tokens
         for req_id in output.num_scheduled_tokens:
             request = self.requests[req_id]
-            if request.structured_output_request is not None and request.num_computed_tokens == request.num_tokens:
+            if request.structured_output_request is not None and (
+                request.num_computed_tokens == request.num_tokens + len(proposals.get(req_id, ()))
+            ):
                 sampling.append(request)
-        if sampling:
-            output.structured_output_request_ids = [r.request_id for r in sampling]
+        if not sampling:
+            return
+        output.structured_output_request_ids = [r.request_id for r in sampling]
+        if any(r.request_id in proposals for r in sampling):
+            output.grammar_bitmask = self.structured_output_manager.speculative_bitmask(
+                [(r.structured_output_request, proposals.get(r.request_id, [])) for r in sampling]
+            )
+        else:
             output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
                 [r.structured_output_request for r in sampling]
             )

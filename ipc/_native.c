@@ -573,8 +573,7 @@ static PyObject *py_take(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
  * functools.partial; what they do not handle they hand to the Python method.
  * `gate` is a bytearray of the ring object: while gate[0] (gate[1]) is nonzero, push (pop) goes
  * to the Python method at once (the ring is closed, or a fragmented message is under way).
- *   push_fast(base, gate, push, ring, data[, timeout]): bytes, or a contiguous buffer, that fits
- *     in a record and in the ring now is pushed here; anything else is push(ring, data[, timeout]).
+ *   push_fast(base, gate, push, ring, data[, timeout]) and try_push_fast, consume_fast: see below.
  *   pop_fast(base, gate, spin_ns, sleep_ns, closed_off, pop, pop_rest, ring[, timeout]): without a
  *     timeout, the whole wait of the common case: peek, spin while empty (spin_ns), then sleep
  *     once (ring_sleep, at most sleep_ns: the poll interval; 0 = no sleep here) and copy out the
@@ -605,27 +604,103 @@ static int gate_open(PyObject *gate, int which) {
     return PyByteArray_CheckExact(gate) && PyByteArray_GET_SIZE(gate) == 2 && PyByteArray_AS_STRING(gate)[which] == 0;
 }
 
+/* Whether a call's keywords are at most "timeout" (which a push that fits now does not need). */
+static int only_timeout_kw(PyObject *kwnames) {
+    if (kwnames == NULL || PyTuple_GET_SIZE(kwnames) == 0) return 1;
+    return PyTuple_GET_SIZE(kwnames) == 1 && PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "timeout") == 0;
+}
+
+/* Pushes `data` (bytes, or a contiguous buffer) if it fits in a record and in the ring now:
+ * 1 pushed, 0 not (the caller's method handles it), -1 an error set. */
+static int push_now(uint8_t *b, PyObject *data) {
+    if (PyBytes_CheckExact(data) && PyBytes_GET_SIZE(data) <= INT32_MAX)
+        return ipc_push(b, (const uint8_t *)PyBytes_AS_STRING(data), (int)PyBytes_GET_SIZE(data)) >= 0;
+    if (!PyObject_CheckBuffer(data)) return 0; /* a bytearray, a memoryview (of another ring, say) */
+    Py_buffer view;
+    if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) != 0) {
+        PyErr_Clear(); /* not contiguous, released, ...: the method says what is wrong */
+        return 0;
+    }
+    int64_t r = view.len <= INT32_MAX ? ipc_push(b, (const uint8_t *)view.buf, (int)view.len) : FULL;
+    PyBuffer_Release(&view);
+    return r >= 0;
+}
+
+/* push_fast(base, gate, push, ring, data[, timeout]): a message that fits now is pushed here
+ * whatever the timeout (it only bounds a wait); anything else is push(ring, data[, timeout]). */
 static PyObject *py_push_fast(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     uint8_t *b;
     if (nargs < 4 || base_arg(args, 1, 1, &b) < 0) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "push_fast(base, gate, push, ring, ...)");
         return NULL;
     }
-    if (nargs >= 5 && gate_open(args[1], 0) && no_timeout(args, nargs, 5, kwnames)) {
-        if (PyBytes_CheckExact(args[4]) && PyBytes_GET_SIZE(args[4]) <= INT32_MAX) {
-            if (ipc_push(b, (const uint8_t *)PyBytes_AS_STRING(args[4]), (int)PyBytes_GET_SIZE(args[4])) >= 0) Py_RETURN_NONE;
-        } else if (PyObject_CheckBuffer(args[4])) { /* a bytearray, a memoryview (of another ring, say) */
-            Py_buffer view;
-            if (PyObject_GetBuffer(args[4], &view, PyBUF_SIMPLE) == 0) {
-                int64_t r = view.len <= INT32_MAX ? ipc_push(b, (const uint8_t *)view.buf, (int)view.len) : FULL;
-                PyBuffer_Release(&view);
-                if (r >= 0) Py_RETURN_NONE;
-            } else {
-                PyErr_Clear(); /* not contiguous, released, ...: the method says what is wrong */
-            }
-        }
+    if (nargs >= 5 && nargs <= 6 && gate_open(args[1], 0) && only_timeout_kw(kwnames)) {
+        int r = push_now(b, args[4]);
+        if (r < 0) return NULL;
+        if (r) Py_RETURN_NONE;
     }
     return call_with_ring(args[2], args[3], args + 4, nargs - 4, kwnames);
+}
+
+/* try_push_fast(base, gate, try_push, ring, data): True for a message pushed now; anything else
+ * is try_push(ring, data) (which may spin for room, and says False when there is none). */
+static PyObject *py_try_push_fast(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    uint8_t *b;
+    if (nargs < 4 || base_arg(args, 1, 1, &b) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "try_push_fast(base, gate, try_push, ring, ...)");
+        return NULL;
+    }
+    if (nargs == 5 && gate_open(args[1], 0) && (kwnames == NULL || PyTuple_GET_SIZE(kwnames) == 0)) {
+        int r = push_now(b, args[4]);
+        if (r < 0) return NULL;
+        if (r) Py_RETURN_TRUE;
+    }
+    return call_with_ring(args[2], args[3], args + 4, nargs - 4, kwnames);
+}
+
+/* fn(view) of the whole message `r` (ipc_peek's result), read in place, then its record freed
+ * (waking a producer that sleeps for space), also when fn raises. The view is released before
+ * the record is freed, so that a use of it afterwards raises instead of reading what the
+ * producer writes next; if fn kept an export of it (an array over it), that release raises
+ * BufferError, which is then the result (the record is freed all the same). */
+static PyObject *release_name;
+static PyObject *deliver(uint8_t *b, int64_t r, PyObject *fn) {
+    PyObject *view = PyMemoryView_FromMemory((char *)b + (r & 0x3FFFFFFF), (Py_ssize_t)((r >> 30) & 0x3FFFFFFF), PyBUF_WRITE);
+    if (view == NULL) return NULL;
+    PyObject *out = PyObject_CallOneArg(fn, view);
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb); /* fn's exception, if any, set aside during the release */
+    PyObject *done = PyObject_CallMethodNoArgs(view, release_name);
+    Py_DECREF(view);
+    ipc_release(b);
+    if (done == NULL) {
+        Py_CLEAR(out);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        return NULL;
+    }
+    Py_DECREF(done);
+    PyErr_Restore(type, value, tb);
+    return out;
+}
+
+/* consume_fast(base, gate, wait, consume, ring, fn[, timeout]): the body of consume (wait: True)
+ * and try_consume (False) for the common case, in one call: fn(view) of the next whole message
+ * in place (deliver), or, from try_consume, None when the ring is empty; anything else (a wait,
+ * a fragment, an error, the gate closed) is consume(ring, fn[, timeout]). */
+static PyObject *py_consume_fast(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    uint8_t *b;
+    if (nargs < 6 || base_arg(args, 1, 1, &b) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "consume_fast(base, gate, wait, consume, ring, fn, ...)");
+        return NULL;
+    }
+    if (nargs <= 7 && gate_open(args[1], 1) && only_timeout_kw(kwnames)) {
+        int64_t r = ipc_peek(b);
+        if (r >= 0 && (r >> 60) == KIND_MSG) return deliver(b, r, args[5]);
+        if (r == EMPTY && args[2] == Py_False) Py_RETURN_NONE;
+    }
+    return call_with_ring(args[3], args[4], args + 5, nargs - 5, kwnames);
 }
 
 static PyObject *py_pop_fast(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
@@ -821,10 +896,15 @@ static PyMethodDef methods[] = {
     FASTCALL("take_many", py_take_many), FASTCALL("push_many", py_push_many),
     {"push_fast", (PyCFunction)(void (*)(void))py_push_fast, METH_FASTCALL | METH_KEYWORDS, NULL},
     {"pop_fast", (PyCFunction)(void (*)(void))py_pop_fast, METH_FASTCALL | METH_KEYWORDS, NULL},
+    {"try_push_fast", (PyCFunction)(void (*)(void))py_try_push_fast, METH_FASTCALL | METH_KEYWORDS, NULL},
+    {"consume_fast", (PyCFunction)(void (*)(void))py_consume_fast, METH_FASTCALL | METH_KEYWORDS, NULL},
     FASTCALL("sleep_consumer", py_sleep_consumer), FASTCALL("sleep_producer", py_sleep_producer),
     FASTCALL("futex_wait", py_futex_wait), FASTCALL("futex_wake", py_futex_wake), {NULL, NULL, 0, NULL},
 };
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ipc_fast", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__ipc_fast(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__ipc_fast(void) {
+    release_name = PyUnicode_InternFromString("release");
+    return release_name == NULL ? NULL : PyModule_Create(&module);
+}
 #endif

@@ -254,6 +254,11 @@ class RingBuffer:
             # kept a reference to them.
             me, cls = weakref.proxy(self), type(self)
             self.push = functools.partial(ops.ext.push_fast, ops.base, self._gate, cls.push, me)  # type: ignore[method-assign]
+            self.try_push = functools.partial(ops.ext.try_push_fast, ops.base, self._gate, cls.try_push, me)  # type: ignore[method-assign]
+            self.consume = functools.partial(ops.ext.consume_fast, ops.base, self._gate, True, cls.consume, me)  # type: ignore[method-assign]
+            self.try_consume = functools.partial(  # type: ignore[method-assign]
+                ops.ext.consume_fast, ops.base, self._gate, False, cls.try_consume, me
+            )
             self.pop = functools.partial(  # type: ignore[method-assign]
                 ops.ext.pop_fast, ops.base, self._gate, self._take_spin_ns,
                 0 if self._nap_window_s > 0 else int(self._poll_interval * 1e9),  # naps: the Waiter's
@@ -485,6 +490,16 @@ class RingBuffer:
                         self._ring_data()
                     return
         self._push_slow(data, timeout)
+
+    def try_push(self, data: "bytes | bytearray | memoryview") -> bool:
+        """`push(data, timeout=0)`: True if the message went in (after the short spin for room a
+        full ring gets), False if there was no room; never sleeps. For a producer that must not
+        block (it keeps what did not go for later)."""
+        try:
+            self.push(data, 0.0)
+        except RingTimeoutError:
+            return False
+        return True
 
     def push_many(self, messages: "list[bytes]", timeout: Optional[float] = None) -> None:
         """Pushes several messages in order, publishing the tail once for as many of them as fit
@@ -757,9 +772,11 @@ class RingBuffer:
         try:
             return fn(view)
         finally:
-            view.release()
-            if self._op_release():
-                self._ring_space()
+            try:
+                view.release()  # a BufferError if fn kept an export of it; the record is freed all the same
+            finally:
+                if self._op_release():
+                    self._ring_space()
 
     def _consume_slow(self, fn: Callable[[memoryview], T], r: int, deadline: Optional[float], spun: bool = False) -> T:
         """The rest of pop/consume after a first look (`r`); `spun`: that look spun already."""

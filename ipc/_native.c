@@ -685,22 +685,39 @@ static PyObject *deliver(uint8_t *b, int64_t r, PyObject *fn) {
     return out;
 }
 
-/* consume_fast(base, gate, wait, consume, ring, fn[, timeout]): the body of consume (wait: True)
- * and try_consume (False) for the common case, in one call: fn(view) of the next whole message
- * in place (deliver), or, from try_consume, None when the ring is empty; anything else (a wait,
- * a fragment, an error, the gate closed) is consume(ring, fn[, timeout]). */
+/* consume_fast(base, gate, spin_ns, consume, consume_rest, ring, fn[, timeout]): the body of
+ * consume (spin_ns >= 0) and try_consume (spin_ns < 0) for the common case, in one call: fn(view)
+ * of the next whole message in place (deliver); from try_consume, None when the ring is empty;
+ * from consume without a timeout, an empty ring is first spun on for spin_ns with the GIL released
+ * (as pop_fast does), and what is there after the spin goes to consume_rest(ring, fn, result).
+ * Anything else (a timeout to honour, a fragment, an error, the gate closed) is
+ * consume(ring, fn[, timeout]). */
 static PyObject *py_consume_fast(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     uint8_t *b;
-    if (nargs < 6 || base_arg(args, 1, 1, &b) < 0) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "consume_fast(base, gate, wait, consume, ring, fn, ...)");
+    if (nargs < 7 || base_arg(args, 1, 1, &b) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "consume_fast(base, gate, spin_ns, consume, consume_rest, ring, fn, ...)");
         return NULL;
     }
-    if (nargs <= 7 && gate_open(args[1], 1) && only_timeout_kw(kwnames)) {
+    long long spin_ns = PyLong_AsLongLong(args[2]);
+    if (spin_ns == -1 && PyErr_Occurred()) return NULL;
+    if (nargs <= 8 && gate_open(args[1], 1) && only_timeout_kw(kwnames)) {
         int64_t r = ipc_peek(b);
-        if (r >= 0 && (r >> 60) == KIND_MSG) return deliver(b, r, args[5]);
-        if (r == EMPTY && args[2] == Py_False) Py_RETURN_NONE;
+        if (r >= 0 && (r >> 60) == KIND_MSG) return deliver(b, r, args[6]);
+        if (r == EMPTY && spin_ns < 0) Py_RETURN_NONE;
+        if (r == EMPTY && spin_ns > 0 && no_timeout(args, nargs, 7, kwnames)) {
+            Py_BEGIN_ALLOW_THREADS
+            spin_until(b, 0, 0, spin_ns);
+            Py_END_ALLOW_THREADS
+            r = ipc_peek(b);
+            if (r >= 0 && (r >> 60) == KIND_MSG) return deliver(b, r, args[6]);
+            PyObject *rest[2] = {args[6], PyLong_FromLongLong(r)};
+            if (rest[1] == NULL) return NULL;
+            PyObject *out = call_with_ring(args[4], args[5], rest, 2, NULL);
+            Py_DECREF(rest[1]);
+            return out;
+        }
     }
-    return call_with_ring(args[3], args[4], args + 5, nargs - 5, kwnames);
+    return call_with_ring(args[3], args[5], args + 6, nargs - 6, kwnames);
 }
 
 static PyObject *py_pop_fast(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {

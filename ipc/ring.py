@@ -255,9 +255,11 @@ class RingBuffer:
             me, cls = weakref.proxy(self), type(self)
             self.push = functools.partial(ops.ext.push_fast, ops.base, self._gate, cls.push, me)  # type: ignore[method-assign]
             self.try_push = functools.partial(ops.ext.try_push_fast, ops.base, self._gate, cls.try_push, me)  # type: ignore[method-assign]
-            self.consume = functools.partial(ops.ext.consume_fast, ops.base, self._gate, True, cls.consume, me)  # type: ignore[method-assign]
+            self.consume = functools.partial(  # type: ignore[method-assign]
+                ops.ext.consume_fast, ops.base, self._gate, self._take_spin_ns, cls.consume, cls._consume_rest, me
+            )
             self.try_consume = functools.partial(  # type: ignore[method-assign]
-                ops.ext.consume_fast, ops.base, self._gate, False, cls.try_consume, me
+                ops.ext.consume_fast, ops.base, self._gate, -1, cls.try_consume, None, me
             )
             self.pop = functools.partial(  # type: ignore[method-assign]
                 ops.ext.pop_fast, ops.base, self._gate, self._take_spin_ns,
@@ -811,6 +813,10 @@ class RingBuffer:
                 if message is not None:
                     return message
             r = self._op_peek()
+
+    def _consume_rest(self, fn: Callable[[memoryview], T], r: int) -> T:
+        """consume after the C fast path spun on an empty ring and then found `r`."""
+        return self._consume_slow(fn, r, None, spun=True)
 
     def _pop_rest(self, r: int, slept: bool) -> bytes:
         """pop after the C fast path's look found `r`, not a whole message: it spun already,

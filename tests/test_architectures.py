@@ -155,7 +155,7 @@ def test_unsupported_models_are_refused_before_conversion(tmp_path, monkeypatch)
     the supported ones, in well under 2 s, with nothing written to the model cache."""
     import gguf
 
-    from shmvllm.config import EngineArgs
+    from shmvllm.engine.arg_utils import EngineArgs
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("SHMVLLM_CACHE", str(cache))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from shmvllm.config import EngineArgs
+from shmvllm.engine.arg_utils import EngineArgs
 from shmvllm.model.kernels import quant_isas_supported
 from shmvllm.model.linear import Linear, VocabEmbedding
 from shmvllm.model.loader import get_model

@@ -57,6 +57,9 @@ OUTBOX_RING_MULTIPLE = 4  # the engine stops stepping while its outbox holds mor
 FLUSH_POLL_S = 0.001  # how long an engine with a non-empty outbox waits for input before it flushes again
 POLL_S = 0.25  # how often a blocked side (either) looks at its peer process
 LAST_WORDS_S = 1.0  # how long a failing engine tries to deliver its EngineFailed before it exits
+ABORT_SEND_TIMEOUT_S = 1.0  # how long the frontend's abort waits for room on a full input ring, then gives up
+SHUTDOWN_SEND_TIMEOUT_S = 1.0  # the same for SHUTDOWN (the engine is terminated then)
+DEAD_ENGINE_EXIT_S = 1.0  # how long an engine found dead (and its data-parallel peers) gets to exit before the kill
 # The frontend naps through each step's wait before it sleeps, so that the engine's send does
 # not have to wake it (a futex wake on the engine's critical path), only where the engine's
 # threads leave it a core (`frontend_nap_window()`); a window that covers the short steps the

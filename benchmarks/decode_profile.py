@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from shmvllm import envs
-from shmvllm.config import EngineArgs
+from shmvllm.engine.arg_utils import EngineArgs
 from shmvllm.model.attention import build_attention_metadata
 from shmvllm.model.kernels import cpu_kernels, quant_isas_supported, quant_kernels
 from shmvllm.model.loader import get_model

@@ -139,7 +139,7 @@ def embed_with_runner(
     budget and the sequence cap (what the scheduler will do for whole pooling prompts)."""
     from transformers import AutoTokenizer
 
-    from shmvllm.config import EngineArgs
+    from shmvllm.engine.arg_utils import EngineArgs
     from shmvllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
     from shmvllm.pooling_params import PoolingParams
     from shmvllm.worker.pooling_runner import PoolingModelRunner

@@ -16,7 +16,7 @@ _EXPORTS = {
     "RequestOutput": "shmvllm.outputs",
     "CompletionOutput": "shmvllm.outputs",
     "EmbeddingRequestOutput": "shmvllm.outputs",
-    "EngineArgs": "shmvllm.config",
+    "EngineArgs": "shmvllm.engine.arg_utils",
     "EngineDeadError": "shmvllm.engine.exceptions",
     "TextPrompt": "shmvllm.inputs",
     "TokensPrompt": "shmvllm.inputs",

@@ -95,6 +95,12 @@ class FrontendStats:
             Counter("vllm:prompt_tokens", labels, self.prompt_tokens),
             Counter("vllm:generation_tokens", labels, self.generation_tokens),
         ]
+        spec = engine_stats.get("spec_decode")
+        if spec is not None:  # speculative decoding is on
+            for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+                metrics.append(Counter(f"vllm:spec_decode_{name}", labels, int(spec[name])))
+            metrics.append(Vector("vllm:spec_decode_num_accepted_tokens_per_pos", labels,
+                                  [int(n) for n in spec["num_accepted_tokens_per_pos"]]))
         for reason in ("stop", "length", "abort", "error"):
             metrics.append(Counter("vllm:request_success", {**labels, "finished_reason": reason},
                                    self.finish_reasons.get(reason, 0)))

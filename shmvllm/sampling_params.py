@@ -32,11 +32,6 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N_SEQUENCES_ENV = "SHMVLLM_MAX_N_SEQUENCES"
 DEFAULT_MAX_N_SEQUENCES = 16384
 _set_field = msgspec.Struct.__setattr__  # a field assignment without re-validation
-# The shortcut in SamplingParams._validate takes a number of exactly these types, and an
-# unbounded one (repetition_penalty) only up to the largest float: an int up to it converts to
-# a finite float, and Python compares ints with floats exactly, so a bigger int (which
-# math.isfinite refuses) is left to the detailed check.
-_NUMBER_TYPES = (float, int)
 _FLOAT_MAX = sys.float_info.max
 
 
@@ -261,51 +256,7 @@ class SamplingParams(
             raise
 
     def _validate(self) -> None:
-        """Normalizes and checks every field: _normalize, _verify and _verify_v1_fields.
-
-        It runs on every construction and on every decoding by the engine, so it first tries a
-        shortcut: params whose fields all hold plain values (ints and floats of exactly those
-        types within their bounds, bools, an enum member, stop strings and stop token ids that
-        need no conversion, none of the optional list, dict or structured-output fields) are
-        accepted by a few comparisons, which hold only where the detailed checks would pass and
-        change nothing but stop/stop_token_ids None -> []. Anything else goes through the
-        detailed checks, so every error and every normalization is theirs. The unpacking below
-        names every field: a new field breaks it until the shortcut has been taught about it.
-        """
-        (n, presence_penalty, frequency_penalty, repetition_penalty, temperature, top_p, top_k, min_p, seed,
-         stop, stop_token_ids, ignore_eos, max_tokens, min_tokens, logprobs, prompt_logprobs, detokenize,
-         skip_special_tokens, spaces_between_special_tokens, include_stop_str_in_output, output_kind,
-         truncate_prompt_tokens, logit_bias, allowed_token_ids, bad_words, extra_args, flat_logprobs,
-         structured_outputs, guided_decoding, _eos_token_id, _bad_words_token_ids) = msgspec.structs.astuple(self)
-        if (
-            type(n) is int and 1 <= n <= INT64_MAX
-            and type(presence_penalty) in _NUMBER_TYPES and -2.0 <= presence_penalty <= 2.0
-            and type(frequency_penalty) in _NUMBER_TYPES and -2.0 <= frequency_penalty <= 2.0
-            and type(repetition_penalty) in _NUMBER_TYPES and 0.0 < repetition_penalty <= _FLOAT_MAX
-            and type(temperature) in _NUMBER_TYPES and 0.0 <= temperature <= _MAX_TEMPERATURE
-            and type(top_p) in _NUMBER_TYPES and 0.0 < top_p <= 1.0
-            and type(top_k) is int and -1 <= top_k <= INT64_MAX
-            and type(min_p) in _NUMBER_TYPES and 0.0 <= min_p <= 1.0
-            and (seed is None or (type(seed) is int and 0 <= seed <= INT64_MAX))
-            and (max_tokens is None or (type(max_tokens) is int and 1 <= max_tokens <= INT64_MAX))
-            and type(min_tokens) is int and 0 <= min_tokens <= INT64_MAX
-            and (max_tokens is None or min_tokens <= max_tokens)
-            and (logprobs is None or (type(logprobs) is int and -1 <= logprobs <= INT64_MAX))
-            and (prompt_logprobs is None or (type(prompt_logprobs) is int and -1 <= prompt_logprobs <= INT64_MAX))
-            and type(ignore_eos) is type(detokenize) is type(skip_special_tokens) is bool
-            and type(spaces_between_special_tokens) is type(include_stop_str_in_output) is type(flat_logprobs) is bool
-            and type(output_kind) is RequestOutputKind
-            and guided_decoding is structured_outputs is truncate_prompt_tokens is None
-            and logit_bias is allowed_token_ids is bad_words is extra_args is None
-            and (stop is None or (type(stop) is list and (not stop or (detokenize and _plain_stop(stop)))))
-            and (stop_token_ids is None or (type(stop_token_ids) is list and _plain_token_ids(stop_token_ids)))
-            and n <= max_n_sequences()
-        ):
-            if stop is None:
-                _set_field(self, "stop", [])
-            if stop_token_ids is None:
-                _set_field(self, "stop_token_ids", [])
-            return
+        """Normalizes and checks every field (on construction and on every assignment)."""
         self._normalize()
         self._verify()
         self._verify_v1_fields()
@@ -432,20 +383,23 @@ class SamplingParams(
                 _check_int(name, value)
                 if value < -1:
                     raise ValueError(f"{name} must be non-negative, or -1 (the whole vocabulary), got {value}.")
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
-            raise ParameterTypeError(f"stop must be a str or a list of str, got {self.stop!r}.")
-        if any(s == "" for s in self.stop):
-            raise ValueError(f"stop cannot contain an empty string, got {self.stop!r}.")
-        if not isinstance(self.stop_token_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids
+        stop, stop_token_ids = self.stop, self.stop_token_ids
+        if not isinstance(stop, list) or (stop and not all(isinstance(s, str) for s in stop)):
+            raise ParameterTypeError(f"stop must be a str or a list of str, got {stop!r}.")
+        if stop and any(s == "" for s in stop):
+            raise ValueError(f"stop cannot contain an empty string, got {stop!r}.")
+        if not isinstance(stop_token_ids, list) or (
+            stop_token_ids and not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids)
         ):
-            raise ParameterTypeError(f"stop_token_ids must be a list of int, got {self.stop_token_ids!r}.")
-        if any(not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative 64-bit ints, got {self.stop_token_ids!r}.")
-        for name in ("ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
-                     "include_stop_str_in_output"):
-            if not isinstance(getattr(self, name), bool):
-                raise ParameterTypeError(f"{name} must be a bool, got {getattr(self, name)!r}.")
+            raise ParameterTypeError(f"stop_token_ids must be a list of int, got {stop_token_ids!r}.")
+        if stop_token_ids and any(not 0 <= t <= INT64_MAX for t in stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative 64-bit ints, got {stop_token_ids!r}.")
+        if not (type(self.ignore_eos) is type(self.detokenize) is type(self.skip_special_tokens) is bool
+                and type(self.spaces_between_special_tokens) is type(self.include_stop_str_in_output) is bool):
+            for name in ("ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
+                         "include_stop_str_in_output"):
+                if not isinstance(getattr(self, name), bool):
+                    raise ParameterTypeError(f"{name} must be a bool, got {getattr(self, name)!r}.")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ParameterTypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
@@ -498,23 +452,9 @@ class BeamSearchParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # typ
             raise ValueError(f"temperature must be in [0, {_MAX_TEMPERATURE}], got {self.temperature}.")
 
 
-def _plain_stop(stop: list[Any]) -> bool:
-    """Whether every stop string is a str (exactly) and not empty."""
-    for text in stop:
-        if type(text) is not str or not text:
-            return False
-    return True
-
-
-def _plain_token_ids(token_ids: list[Any]) -> bool:
-    """Whether every token id is an int (exactly) in [0, INT64_MAX]."""
-    for token in token_ids:
-        if type(token) is not int or not 0 <= token <= INT64_MAX:
-            return False
-    return True
-
-
 def _check_int(name: str, value: object) -> None:
+    if type(value) is int and INT64_MIN <= value <= INT64_MAX:  # the common case, in two comparisons
+        return
     if not isinstance(value, int) or isinstance(value, bool):
         raise ParameterTypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")
     if not INT64_MIN <= value <= INT64_MAX:
@@ -522,6 +462,8 @@ def _check_int(name: str, value: object) -> None:
 
 
 def _check_number(name: str, value: object) -> None:
+    if (type(value) is float or type(value) is int) and -_FLOAT_MAX <= value <= _FLOAT_MAX:  # finite (NaN fails)
+        return
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ParameterTypeError(f"{name} must be a number, got {value!r} ({type(value).__name__}).")
     try:

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from shmvllm import LLM, SamplingParams
-from shmvllm.config import EngineArgs
+from shmvllm.engine.arg_utils import EngineArgs
 from shmvllm.model.kernels import BF16_ENV, native_bf16
 
 BF16_NOISE = 2.0**-5
@@ -139,7 +139,7 @@ def test_auto_dtype_follows_the_cpu(tmp_path, tiny_llama_dir, monkeypatch, caplo
     import logging
 
     model_dir = _bf16_config_dir(tmp_path, tiny_llama_dir)
-    caplog.set_level(logging.INFO, logger="shmvllm.config")
+    caplog.set_level(logging.INFO, logger="shmvllm.engine.arg_utils")
     monkeypatch.setenv(BF16_ENV, "0")
     assert native_bf16() == (False, f"{BF16_ENV}=0")
     assert EngineArgs(model=str(model_dir), device="cpu").create_engine_config().model_config.dtype == "float32"

@@ -22,7 +22,7 @@ from conftest import leaked_shm_entries, wait_until_dead
 from ipc.segment import pid_alive
 from shmvllm import LLM, SamplingParams
 from shmvllm.boundary.messages import SchedulerStats
-from shmvllm.config import EngineArgs
+from shmvllm.engine.arg_utils import EngineArgs
 from shmvllm.engine.core_client import MPClient
 from shmvllm.engine.dp_balancer import DPLoadBalancer
 from shmvllm.engine.dp_client import plan_cpus
@@ -77,7 +77,7 @@ def test_dp2_outputs_equal_dp1_in_input_order_and_both_engines_serve(tiny_llama_
             assert type(client) is MPClient and client.num_engines == dp
             if dp == 1:
                 continue
-            served = client.requests_per_engine
+            served = client.balancer.served
             stats = client.get_stats()
             pids = client.engine_pids
             affinities = [os.sched_getaffinity(pid) for pid in pids]
@@ -106,7 +106,7 @@ def test_dp2_embeddings_equal_dp1(tiny_bert_dir, embedding_texts):
         with LLM(str(tiny_bert_dir), task="embed", data_parallel_size=dp) as llm:
             results[dp] = np.array([o.outputs.embedding for o in llm.embed(embedding_texts, use_tqdm=False)])
             if dp == 2:
-                served = llm.llm_engine.engine_core.requests_per_engine
+                served = llm.llm_engine.engine_core.balancer.served
     assert min(served) > 0 and sum(served) == len(embedding_texts), served
     assert results[2].shape == (len(embedding_texts), results[1].shape[1])
     np.testing.assert_allclose(results[2], results[1], rtol=0, atol=1e-5)
@@ -118,9 +118,9 @@ def test_abort_and_utility_calls_reach_the_right_engines(tiny_llama_dir):
         for i in range(4):
             engine.add_request(f"r{i}", f"prompt number {i}", LONG)
         engine.add_request("family", "a shared prompt", SamplingParams(n=3, max_tokens=1000, ignore_eos=True))
-        owners = {rid: client.owner_of(rid) for rid in ("r0", "r1", "r2", "r3")}
+        owners = {rid: client.balancer.owner.get(rid) for rid in ("r0", "r1", "r2", "r3")}
         assert sorted(owners.values()) == [0, 0, 1, 1], owners  # equal loads: round robin
-        family = {client.owner_of(f"{k}_family") for k in range(3)}
+        family = {client.balancer.owner.get(f"{k}_family") for k in range(3)}
         assert len(family) == 1, family  # n > 1 children stay together
         for _ in range(4):
             engine.step()
@@ -290,7 +290,7 @@ def test_async_llm_and_threads_over_two_engines(tiny_llama_dir):
     engine = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_llama_dir), data_parallel_size=2, **ENGINE_ARGS))
     try:
         assert asyncio.run(stream_all(engine)) == reference
-        assert min(engine.engine.engine_core.requests_per_engine) > 0
+        assert min(engine.engine.engine_core.balancer.served) > 0
     finally:
         engine.shutdown()
 
@@ -361,7 +361,7 @@ def test_tiny_rings_two_engines_long_prompts_and_logprobs(tiny_llama_dir, monkey
         with LLM(str(tiny_llama_dir), data_parallel_size=dp, max_model_len=1024, num_kv_blocks=1024) as llm:
             outs = llm.generate(prompts, params, use_tqdm=False)
             if dp == 2:
-                assert min(llm.llm_engine.engine_core.requests_per_engine) > 0
+                assert min(llm.llm_engine.engine_core.balancer.served) > 0
         # the sampled tokens' logprobs (a top-k member at a near-tie may differ between batchings)
         return [(list(o.outputs[0].token_ids), len(o.prompt_logprobs or []),
                  [step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]) for o in outs]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from shmvllm import LLM
-from shmvllm.config import EngineArgs
+from shmvllm.engine.arg_utils import EngineArgs
 from shmvllm.engine.validation import kv_cache_bytes_per_block
 
 
@@ -30,25 +30,27 @@ def refused_early(tmp_path, monkeypatch):
 
     monkeypatch.setattr(subprocess, "Popen", no_process)
 
-    def check(match: str, *args, valid_model: bool = False, **kwargs) -> ValueError:
-        """valid_model: the model itself is fine (only an argument is refused), so reading its
-        config may leave the config's cached values (cache/configs/), never anything else."""
+    def check(match: str, *args, **kwargs) -> ValueError:
         started = time.monotonic()
         with pytest.raises(ValueError, match=match) as raised:
             LLM(*args, **kwargs)
         elapsed = time.monotonic() - started
         assert elapsed < 2.0, f"refused after {elapsed:.2f} s"
-        written = sorted(p for p in cache.rglob("*") if not (valid_model and p.relative_to(cache).parts[0] == "configs"))
-        assert written == []
+        assert sorted(cache.rglob("*")) == []
         return raised.value
 
     return check
 
 
 def test_a_kv_cache_below_one_block_is_refused(refused_early, tiny_llama_dir):
-    refused_early(r"kv_cache_memory=100 bytes holds no KV-cache block", str(tiny_llama_dir), kv_cache_memory=100,
-                  valid_model=True)
-    refused_early(r"kv_cache_memory=100 bytes", str(tiny_llama_dir), kv_cache_memory_bytes=100, valid_model=True)
+    refused_early(r"kv_cache_memory=100 bytes holds no KV-cache block", str(tiny_llama_dir), kv_cache_memory=100)
+    refused_early(r"kv_cache_memory=100 bytes", str(tiny_llama_dir), kv_cache_memory_bytes=100)
+
+
+def test_a_kv_cache_below_one_block_of_a_gguf_file_is_refused_before_its_conversion(refused_early):
+    """The default model (a GGUF file) on a fresh cache: the budget is checked from the file's header."""
+    refused_early(r"kv_cache_memory=100 bytes holds no KV-cache block: one block of 16 tokens takes 737280 bytes",
+                  kv_cache_memory=100)
 
 
 def test_one_block_is_what_the_engine_needs(tiny_llama_dir):
@@ -64,16 +66,16 @@ def test_one_block_is_what_the_engine_needs(tiny_llama_dir):
 
 
 def test_max_model_len_above_the_models_limit_is_refused(refused_early, tiny_llama_dir):
-    refused_early(r"max_model_len \(1000000\)", str(tiny_llama_dir), max_model_len=1_000_000, valid_model=True)
+    refused_early(r"max_model_len \(1000000\)", str(tiny_llama_dir), max_model_len=1_000_000)
 
 
 def test_unreadable_weights_are_refused_naming_the_file(refused_early, tiny_llama_dir, tmp_path):
     model = tmp_path / "broken"
     shutil.copytree(tiny_llama_dir, model)
     (model / "model.safetensors").write_bytes(b"this is not a safetensors file")
-    refused_early(r"model\.safetensors", str(model), valid_model=True)
+    refused_early(r"model\.safetensors", str(model))
     (model / "model.safetensors").unlink()
-    refused_early(r"no \*\.safetensors weights", str(model), valid_model=True)
+    refused_early(r"no \*\.safetensors weights", str(model))
 
 
 def test_an_unsupported_architecture_is_refused(refused_early, tiny_llama_dir, tmp_path):

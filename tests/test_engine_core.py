@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from shmvllm.config import EngineArgs
+from shmvllm.engine.arg_utils import EngineArgs
 from shmvllm.engine.core import EngineCore
 from shmvllm.boundary.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from shmvllm.sampling_params import SamplingParams

@@ -1,5 +1,6 @@
 """The package's layering, read from the source: no module-level import circle in shmvllm/ or
-ipc/, and core/, worker/ and model/ never import engine/ (at any level, lazy imports included)."""
+ipc/, core/, worker/, model/ and config.py never import engine/, and config.py (plain values) imports
+neither engine/ nor model/ (at any level, lazy imports included)."""
 
 from __future__ import annotations
 
@@ -86,8 +87,14 @@ def test_no_import_circle_even_through_lazy_imports_in_the_engine_stack():
     assert _find_circle(graph) == []
 
 
-def test_core_worker_and_model_never_import_the_engine():
+def test_core_worker_model_and_config_never_import_the_engine():
     lower = [name for name in MODULES if name.split(".")[:2] in (["shmvllm", "core"], ["shmvllm", "worker"], ["shmvllm", "model"])]
+    lower.append("shmvllm.config")
     offenders = {name: sorted(m for m in _imports(MODULES[name], module_level=False) if m.startswith("shmvllm.engine"))
                  for name in lower}
     assert {name: found for name, found in offenders.items() if found} == {}
+
+
+def test_config_is_a_leaf():
+    ours = _imports(MODULES["shmvllm.config"], module_level=False)
+    assert sorted(m for m in ours if m.startswith(("shmvllm.engine", "shmvllm.model"))) == []

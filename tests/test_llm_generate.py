@@ -8,7 +8,7 @@ import pytest
 
 from shmvllm import LLM, SamplingParams
 from shmvllm.boundary.messages import EngineCoreRequest
-from shmvllm.sampling_params import RequestOutputKind
+from shmvllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
 MAX_MODEL_LEN = 256
 
@@ -136,6 +136,27 @@ def test_too_long_prompt_is_rejected_and_the_llm_keeps_serving(llm):
     assert engine_is_idle(llm)
     out = llm.generate("still serving", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("bad", ["prompt", "params", "priority", "structured"])
+def test_a_bad_fifth_of_eight_queues_nothing(llm, monkeypatch, bad):
+    """The input processor checks the whole batch before the first request is queued."""
+    prompts: list = [f"prompt {i}" for i in range(8)]
+    params = [SamplingParams(temperature=0, max_tokens=2) for _ in range(8)]
+    priority = [0] * 8
+    if bad == "prompt":
+        prompts[4] = {"prompt_token_ids": [5, 10**6]}
+    elif bad == "params":
+        params[4] = SamplingParams(max_tokens=2, logprobs=10**4)  # above max_logprobs
+    elif bad == "priority":
+        priority[4] = "high"
+    else:
+        params[4] = SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="(unclosed"))
+    queued = []
+    monkeypatch.setattr(llm.llm_engine.engine_core, "add_request", lambda *a, **k: queued.append(a))
+    with pytest.raises((ValueError, TypeError)):
+        llm.generate(prompts, params, priority=priority, use_tqdm=False)
+    assert queued == [] and engine_is_idle(llm)
 
 
 def test_bad_request_fails_alone(llm):

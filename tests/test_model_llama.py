@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from shmvllm.config import EngineArgs
+from shmvllm.engine.arg_utils import EngineArgs
 from shmvllm.model.attention import build_attention_metadata
 from shmvllm.model.loader import get_model
 from shmvllm.model.rotary import rope_inv_freq

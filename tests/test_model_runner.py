@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from shmvllm.config import EngineArgs
+from shmvllm.engine.arg_utils import EngineArgs
 from shmvllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from shmvllm.executor.uniproc import UniProcExecutor
 from shmvllm.sampling_params import SamplingParams

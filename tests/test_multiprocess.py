@@ -20,7 +20,7 @@ import pytest
 from conftest import leaked_shm_entries, wait_until_dead
 from ipc.segment import pid_alive
 from shmvllm import LLM, SamplingParams
-from shmvllm.config import EngineArgs
+from shmvllm.engine.arg_utils import EngineArgs
 from shmvllm.boundary import channel
 from shmvllm.engine.core_client import MPClient
 from shmvllm.engine.exceptions import EngineDeadError, EngineStartupError, EngineUtilityError

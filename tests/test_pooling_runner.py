@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-from shmvllm.config import EngineArgs
+from shmvllm.engine.arg_utils import EngineArgs
 from shmvllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from shmvllm.model.pooler import PoolerConfig, PoolingType, finalize, load_pooler_config, pool
 from shmvllm.pooling_params import PoolingParams
@@ -206,7 +206,7 @@ def test_llama_last_token_pooling_matches_transformers(tiny_llama_dir):
 
 def test_embed_token_budget_covers_the_longest_prompt():
     """A pooling prompt is never split: the default budget grows with max_model_len."""
-    from shmvllm.config import _scheduler_limits
+    from shmvllm.engine.arg_utils import _scheduler_limits
 
     assert _scheduler_limits(None, None, "embed", 512, False) == (16384, 1024)
     assert _scheduler_limits(None, None, "embed", 32768, False) == (32768, 1024)

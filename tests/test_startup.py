@@ -60,7 +60,7 @@ def test_gguf_tensors_are_views_of_the_mapped_file(smollm2_gguf, smollm2_dir):
     the q/k rows llama files permute; neighbours in the file (gate, up) stack into one view."""
     import torch
 
-    from shmvllm.config import EngineArgs
+    from shmvllm.engine.arg_utils import EngineArgs
     from shmvllm.model.loader import get_model
 
     model = get_model(EngineArgs(model=str(smollm2_dir), max_model_len=64).create_engine_config().model_config)

@@ -392,7 +392,7 @@ def test_padded_vocab_masks_ids_the_tokenizer_lacks(padded_vocab_llama_dir):
 # ---- the engine alone: a constraint that bypassed the frontend ------------------------------
 
 def test_engine_fails_only_the_request_whose_grammar_does_not_compile(tiny_llama_dir):
-    from shmvllm.config import EngineArgs
+    from shmvllm.engine.arg_utils import EngineArgs
     from shmvllm.engine.core import EngineCore
     from shmvllm.boundary.messages import FinishReason
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from shmvllm import LLM, SamplingParams
-from shmvllm.config import EngineArgs
+from shmvllm.engine.arg_utils import EngineArgs
 from shmvllm.engine.exceptions import EngineDeadError
 from shmvllm.model.kernels import quant_isas_supported
 from shmvllm.model.linear import Linear, VocabEmbedding

@@ -18,7 +18,7 @@ from shmvllm.compat.v1_detokenizer import BaseIncrementalDetokenizer, Incrementa
 from shmvllm.compat.v1_engine import EngineCoreRequest as V1EngineCoreRequest
 from shmvllm import LLM, SamplingParams
 from shmvllm.compat.vllm_args import VLLM_ARGS
-from shmvllm.config import EngineArgs
+from shmvllm.engine.arg_utils import EngineArgs
 from shmvllm.lora import LoRARequest
 from shmvllm.outputs import RequestOutput
 from shmvllm.pooling_params import PoolingParams
@@ -177,7 +177,7 @@ def test_ignored_arguments_are_accepted_at_any_value_and_change_nothing(llm, tin
 
 
 @pytest.mark.parametrize("name, value", [
-    ("quantization", "awq"), ("enable_lora", True), ("speculative_config", {"method": "ngram"}),
+    ("quantization", "awq"), ("enable_lora", True), ("speculative_config", {"method": "eagle", "num_speculative_tokens": 2}),
     ("tensor_parallel_size", 4), ("pipeline_parallel_size", 2), ("kv_cache_dtype", "fp8"), ("revision", "main"),
     ("hf_overrides", {"num_hidden_layers": 1}), ("runner", "draft"), ("convert", "classify"),
     ("tokenizer_mode", "mistral"), ("logits_processors", ["my.Processor"]), ("cpu_offload_gb", 4),

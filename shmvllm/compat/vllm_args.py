@@ -152,7 +152,6 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     _only("interleave_mm_strings", False, _NO_MM, cli_type=bool),
     _only("mm_processor_kwargs", None, _NO_MM, {}),
     _only("io_processor_plugin", None, "shmvllm has no plugins"),
-    _only("speculative_config", None, "speculative decoding is not supported"),
     _only("kv_transfer_config", None, "KV transfer between engines is not supported"),
     _only("kv_events_config", None, "KV cache events are not published"),
     _only("kv_sharing_fast_prefill", False, "KV sharing across layers is not supported", cli_type=bool),

@@ -129,6 +129,18 @@ class KVCacheManager:
         self.num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
+    def trim(self, request: Request, num_tokens: int) -> Optional[int]:
+        """Frees the request's blocks past those that hold num_tokens tokens (allocated for
+        proposals that were rejected), last first; returns how many it keeps, or None if it
+        freed nothing."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return None
+        self.block_pool.free_blocks(reversed(blocks[keep:]))
+        del blocks[keep:]
+        return keep
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 

@@ -19,7 +19,8 @@ import multiprocessing.util
 import threading
 from typing import Any, AsyncGenerator, Optional, Union
 
-from shmvllm.config import EngineArgs, EngineConfig
+from shmvllm.config import EngineConfig
+from shmvllm.engine.arg_utils import EngineArgs
 from shmvllm.boundary.channel import POLL_S
 from shmvllm.engine.exceptions import EngineDeadError, EngineTimeoutError
 from shmvllm.engine.input_processor import PromptType

@@ -60,7 +60,8 @@ class EngineCore:
             config.scheduler_config.max_num_seqs,
         )
         self.scheduler = Scheduler(
-            config.scheduler_config, config.cache_config, self.num_kv_blocks, self.structured_output_manager
+            config.scheduler_config, config.cache_config, self.num_kv_blocks, self.structured_output_manager,
+            config.speculative_config,
         )
         self._rejected: list[EngineCoreOutput] = []
         self._totals = {"num_steps": 0, "num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
@@ -208,6 +209,7 @@ class EngineCore:
             "num_running_reqs": len(self.scheduler.running),
             "num_waiting_reqs": len(self.scheduler.waiting),
             **self._totals,
+            **({"spec_decode": self.scheduler.spec_stats.as_dict()} if self.scheduler.spec_stats else {}),
             **({"structured_output": self.structured_output_manager.stats()} if self.structured_output_manager else {}),
         }
 

@@ -1,10 +1,6 @@
-"""EngineCoreClient: the LLMEngine's handle on the EngineCore, wherever that runs.
-
-`make_client` picks the implementation: `MPClient` (the default: N = data_parallel_size engine
-processes, each reached over its own shared-memory channel of shmvllm.boundary) or
-`InprocClient` (the engine in this process, which the tests and debugging use). Both expose the
-same calls.
-"""
+"""EngineCoreClient: the LLMEngine's handle on the EngineCore, wherever that runs: `MPClient`
+(the default: N = data_parallel_size engine processes, each on its own shared-memory channel of
+shmvllm.boundary) or `InprocClient` (the engine in this process, for tests and debugging)."""
 
 from __future__ import annotations
 
@@ -19,18 +15,13 @@ from abc import ABC, abstractmethod
 from typing import Any, Callable, Optional
 
 from ipc import PeerGoneError, RingClosedError
-from shmvllm.boundary.channel import POLL_S, Addresses, ChannelTimeout, Endpoint, FrontendInbox, open_frontend
-from shmvllm.boundary.messages import (
-    EngineCoreAbort,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    EngineCoreShutdown,
-    EngineCoreUtility,
-    EngineFailed,
-    EngineReady,
-    make_encoder,
-)
+from shmvllm.boundary.channel import ABORT_SEND_TIMEOUT_S, DEAD_ENGINE_EXIT_S, POLL_S, SHUTDOWN_SEND_TIMEOUT_S
+from shmvllm.boundary.channel import Addresses, ChannelTimeout, Endpoint, FrontendInbox, open_frontend
+from shmvllm.boundary.messages import EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest, EngineCoreShutdown
+from shmvllm.boundary.messages import EngineCoreUtility, EngineFailed, EngineReady, make_encoder
+from shmvllm.boundary.doorbell import Doorbell, open_frontend_rung
 from shmvllm.config import EngineConfig
+from shmvllm.engine.dp_balancer import DPLoadBalancer
 from shmvllm.engine.dp_client import combine_ready, combine_stats, plan_cpus
 from shmvllm.engine.exceptions import EngineDeadError, EngineTimeoutError, EngineUtilityError
 from shmvllm.engine.proc_manager import DEFAULT_READY_TIMEOUT_S, CoreEngineProcManager, failure_text
@@ -45,11 +36,8 @@ class EngineCoreClient(ABC):
         """MPClient (one engine process per data-parallel rank) when multiprocess, else InprocClient."""
         if multiprocess:
             return MPClient(config)
-        if config.parallel_config.data_parallel_size > 1:
-            raise ValueError(
-                f"data_parallel_size={config.parallel_config.data_parallel_size} needs the engines in "
-                "processes of their own (multiprocess=True)."
-            )
+        if (n := config.parallel_config.data_parallel_size) > 1:
+            raise ValueError(f"data_parallel_size={n} needs the engines in processes of their own (multiprocess=True).")
         return InprocClient(config)
 
     @abstractmethod
@@ -121,10 +109,6 @@ class InprocClient(EngineCoreClient):
         return self.engine_core.ready()
 
 
-ABORT_SEND_TIMEOUT_S = 1.0  # an abort waits this long for room on a full input ring, then gives up
-SHUTDOWN_SEND_TIMEOUT_S = 1.0
-DEAD_ENGINE_EXIT_S = 1.0  # after an engine failed: how long it (and the others) get to exit
-
 ChannelFactory = Callable[[], "tuple[Endpoint, Addresses]"]
 
 
@@ -154,10 +138,8 @@ class BackgroundResources:
         self.pid = os.getpid()  # a child forked from this process inherits the finalizer, not the engines
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """SHUTDOWN to every live engine, `timeout` s for all of them to exit (then terminate,
-        kill, and remove what is left of their trees), then remove the channels and the
-        doorbell. Idempotent. An engine drains its input whatever it has to send, so SHUTDOWN
-        gets through a full output ring."""
+        """SHUTDOWN to every live engine (it gets through: an engine drains its input whatever it
+        has to send), `timeout` s for all to exit (then kill their trees), then remove the channels."""
         if self.closed or os.getpid() != self.pid:
             return
         self.closed = True
@@ -195,37 +177,25 @@ class BackgroundResources:
 
 
 class MPClient(EngineCoreClient):
-    """N = data_parallel_size engines (1 by default), each in its own process on its own
-    channel (shmvllm.boundary.channel), with N > 1 each on its share of the cores (`plan_cpus`).
+    """N = data_parallel_size engines (1 by default), each in its own process on its own channel,
+    with N > 1 each on its share of the cores (`plan_cpus`). Every blocking call waits with the
+    GIL released and looks at every engine process at least every POLL_S s: a dead engine is an
+    EngineDeadError, never a hang (the others are shut down). Sends block while an input ring is
+    full. One engine: the client waits on its output ring. N: a request goes to one engine
+    (`DPLoadBalancer`), an abort to the engine that holds it, a utility call to all (answers
+    combined); the client sleeps on a doorbell that every engine rings (boundary/doorbell.py).
 
-    Every blocking call waits with the GIL released and looks at every engine process at least
-    every POLL_S s: a dead engine is an EngineDeadError, never a hang (the others are shut down).
-    The engines stop on `shutdown()`, when this client is garbage-collected, and at exit. Sends
-    block while an input ring is full (the channel's flow-control rule). One engine: the client
-    waits on its output ring. N: a request goes to one engine (`DPLoadBalancer`), an abort to
-    the engine that holds it, a utility call to all (answers combined); the client sleeps on one
-    doorbell that every engine rings after each message (shmvllm.boundary.doorbell).
+    executor_class: every engine's (tests inject faults with it). channel: what opens a single
+    engine's channel (default: the shared-memory rings; benchmarks/ passes its own)."""
 
-    executor_class: for every engine's EngineCore (tests inject faults with it). channel: what
-    creates a single engine's channel (default: the shared-memory rings); benchmarks/ passes
-    its own, whose Addresses name the engine side's opener.
-    """
-
-    def __init__(
-        self,
-        config: EngineConfig,
-        *,
-        executor_class: Optional[type] = None,
-        ready_timeout: float = DEFAULT_READY_TIMEOUT_S,
-        channel: Optional[ChannelFactory] = None,
-    ) -> None:
+    def __init__(self, config: EngineConfig, *, executor_class: Optional[type] = None,
+                 ready_timeout: float = DEFAULT_READY_TIMEOUT_S, channel: Optional[ChannelFactory] = None) -> None:
         self.num_engines = n = config.parallel_config.data_parallel_size
         if n > 1 and channel is not None:
             raise ValueError(f"channel= opens one engine's channel; data_parallel_size={n} uses the doorbell rings.")
         self._resources = resources = BackgroundResources()
-        # multiprocessing's finalizers run at exit (atexit), before the interpreter tears down
-        # what a shutdown needs: the engines get SHUTDOWN first. SIGTERM and SIGHUP skip atexit:
-        # FrontendTermination removes the channels then.
+        # runs at exit (atexit) before the interpreter tears down what a shutdown needs; SIGTERM
+        # and SIGHUP skip atexit: FrontendTermination removes the channels then.
         self._finalizer = multiprocessing.util.Finalize(self, resources.shutdown, exitpriority=100)
         FrontendTermination.register(resources)
         try:
@@ -233,39 +203,30 @@ class MPClient(EngineCoreClient):
                 resources.handles.append(EngineHandle(0, 1, *(channel or open_frontend)()))
                 self.cpu_plan: list[tuple[list[int], Optional[int]]] = [([], None)]
             else:
-                from shmvllm.boundary.doorbell import Doorbell, open_frontend_rung
-
                 resources.doorbell = Doorbell.create()
                 for i in range(n):
                     resources.handles.append(EngineHandle(i, n, *open_frontend_rung(resources.doorbell)))
                 self.cpu_plan = plan_cpus(n)
             self.handles = resources.handles
             for handle, (cpus, threads) in zip(self.handles, self.cpu_plan):
-                handle.manager = CoreEngineProcManager(
-                    config, handle.addresses, executor_class, engine_index=handle.index, cpus=cpus, num_threads=threads,
-                )
-            self.engine_readies = self._wait_for_ready(ready_timeout)
+                handle.manager = CoreEngineProcManager(config, handle.addresses, executor_class, engine_index=handle.index,
+                                                       cpus=cpus, num_threads=threads)
+            readies = self._wait_for_ready(ready_timeout)
         except BaseException:
             self._finalizer()
             raise
-        self._ready = self.engine_readies[0] if n == 1 else combine_ready(self.engine_readies)
+        self._ready = readies[0] if n == 1 else combine_ready(readies)
         self._doorbell = resources.doorbell
         if n > 1:
-            from shmvllm.engine.dp_balancer import DPLoadBalancer
-
             self.balancer = DPLoadBalancer(n)
         self._encode = make_encoder().encode
         self._send_lock = threading.Lock()  # the encoder and the input rings: one sender at a time
         self._state_lock = threading.Lock()  # the balancer: senders and the reader both update it
-        # The output rings (and the doorbell) have one reader at a time: get_output, or a
-        # utility call waiting for its replies.
-        self._recv_lock = threading.RLock()
-        # Step outputs that arrive while a utility call waits for its answer, for get_output.
-        self._pending: collections.deque[EngineCoreOutputs] = collections.deque()
+        self._recv_lock = threading.RLock()  # one reader of the output rings: get_output or a utility call
+        self._pending: collections.deque[EngineCoreOutputs] = collections.deque()  # outputs a utility call read
         self._next_ring = 0
         self._last_watch = time.monotonic()
-        # How long a send may wait for room on a full input ring (None: as long as it takes).
-        self.request_timeout_s: Optional[float] = None
+        self.request_timeout_s: Optional[float] = None  # how long a send may wait for room (None: no limit)
         self._call_ids = itertools.count()
         self._dead: Optional[str] = None
 
@@ -297,17 +258,6 @@ class MPClient(EngineCoreClient):
     def engine_pids(self) -> list[int]:
         return [h.manager.pid for h in self.handles]
 
-    @property
-    def requests_per_engine(self) -> list[int]:
-        """How many requests each of N > 1 engines has finished (aborted ones included)."""
-        with self._state_lock:
-            return list(self.balancer.served)
-
-    def owner_of(self, request_id: str) -> Optional[int]:
-        """The engine that holds an unfinished request (N > 1)."""
-        with self._state_lock:
-            return self.balancer.owner.get(request_id)
-
     # ---- faults --------------------------------------------------------------------------
 
     def _check_usable(self) -> None:
@@ -317,10 +267,9 @@ class MPClient(EngineCoreClient):
             raise EngineDeadError("the engine client is shut down.")
 
     def _died(self, handle: EngineHandle, why: str) -> EngineDeadError:
-        """`handle`'s engine is dead (or exiting after its last words): its channel is removed
-        now, the process killed if it does not exit within DEAD_ENGINE_EXIT_S, with its workers
-        and their segments; the other engines are shut down; every call from now on raises
-        EngineDeadError."""
+        """`handle`'s engine is dead (or exiting after its last words): its channel removed, its tree
+        killed if it does not exit within DEAD_ENGINE_EXIT_S, the other engines shut down; every call
+        from now on raises EngineDeadError."""
         others = " (the other engines were shut down)" if self.num_engines > 1 else ""
         self._dead = f"{handle} is dead{others}: {why}"
         if others:
@@ -329,6 +278,13 @@ class MPClient(EngineCoreClient):
         handle.manager.reap(DEAD_ENGINE_EXIT_S)
         self._resources.shutdown(DEAD_ENGINE_EXIT_S)
         return EngineDeadError(self._dead)
+
+    def _broken(self, handle: EngineHandle, exc: Exception) -> Exception:
+        """What a channel error means: PeerGoneError, the engine died; RingClosedError, another
+        thread found an engine dead meanwhile (else the ring's own error stands)."""
+        if isinstance(exc, PeerGoneError):
+            return self._died(handle, str(exc))
+        return EngineDeadError(self._dead) if self._dead is not None else exc
 
     def _checked(self, handle: EngineHandle, msg: Any) -> EngineCoreOutputs:
         if isinstance(msg, EngineFailed):
@@ -374,12 +330,8 @@ class MPClient(EngineCoreClient):
                 try:
                     handle.endpoint.send(data, wait)
                     return
-                except PeerGoneError as exc:
-                    raise self._died(handle, str(exc)) from exc
-                except RingClosedError:  # the ring is closed: another thread found an engine dead meanwhile
-                    if self._dead is not None:
-                        raise EngineDeadError(self._dead) from None
-                    raise
+                except (PeerGoneError, RingClosedError) as exc:
+                    raise self._broken(handle, exc) from None
                 except ChannelTimeout:
                     if not handle.manager.is_alive():
                         raise self._died(handle, f"it exited with code {handle.manager.exitcode}") from None
@@ -388,16 +340,14 @@ class MPClient(EngineCoreClient):
                     if timeout is not None:
                         raise
                     state = handle.manager.state()
-                    raise EngineTimeoutError(
-                        f"{handle} took no input for {limit} s (request_timeout_s); it is {state}", state
-                    ) from None
+                    raise EngineTimeoutError(f"{handle} took no input for {limit} s (request_timeout_s); it is {state}",
+                                             state) from None
 
     # ---- receiving -----------------------------------------------------------------------
 
     def _recv(self, timeout: Optional[float] = None) -> EngineCoreOutputs:
-        """The next message of any engine; EngineDeadError within ~POLL_S of any engine's death
-        (even while the others keep answering), EngineTimeoutError (naming the engines' states)
-        when nothing came within `timeout` s."""
+        """The next message of any engine; EngineDeadError within ~POLL_S of any engine's death (even
+        while the others answer), EngineTimeoutError naming their states after `timeout` s of nothing."""
         self._check_usable()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -406,11 +356,9 @@ class MPClient(EngineCoreClient):
             if msg is not None:
                 return msg
             if deadline is not None and time.monotonic() >= deadline:
-                if self.num_engines == 1:
-                    what, states = str(self.handles[0]), f"it is {self.handles[0].manager.state()}"
-                else:
-                    what = f"the {self.num_engines} data-parallel engines"
-                    states = ", ".join(f"engine {h.index}: {h.manager.state()}" for h in self.handles)
+                one = self.num_engines == 1
+                what = str(self.handles[0]) if one else f"the {self.num_engines} data-parallel engines"
+                states = ", ".join(f"{'it is' if one else f'engine {h.index}:'} {h.manager.state()}" for h in self.handles)
                 raise EngineTimeoutError(f"no output from {what} for {timeout} s (request_timeout_s); {states}", states)
 
     def _wait_one(self, wait: float) -> Optional[EngineCoreOutputs]:
@@ -422,12 +370,8 @@ class MPClient(EngineCoreClient):
             if not handle.manager.is_alive():
                 raise self._exited(handle) from None
             return None
-        except PeerGoneError as exc:
-            raise self._died(handle, str(exc)) from exc
-        except RingClosedError:  # the ring is closed: a sender found the engine dead meanwhile
-            if self._dead is not None:
-                raise EngineDeadError(self._dead) from None
-            raise
+        except (PeerGoneError, RingClosedError) as exc:
+            raise self._broken(handle, exc) from None
 
     def _wait_any(self, wait: float) -> Optional[EngineCoreOutputs]:
         """N engines: the next message of any, reading the rings in turn, asleep on the
@@ -438,8 +382,8 @@ class MPClient(EngineCoreClient):
             handle = self.handles[(self._next_ring + k) % n]
             try:
                 msg = handle.inbox.try_recv()
-            except PeerGoneError as exc:
-                raise self._died(handle, str(exc)) from exc
+            except (PeerGoneError, RingClosedError) as exc:
+                raise self._broken(handle, exc) from None
             if msg is not None:
                 self._next_ring = (handle.index + 1) % n
                 if time.monotonic() - self._last_watch > POLL_S:
@@ -479,11 +423,9 @@ class MPClient(EngineCoreClient):
             return self._recv(timeout)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        """Each id to the engine that holds it (with N > 1, ids of finished requests are
-        dropped). A dead engine holds no requests: then there is nothing to abort, and no
-        error. An engine that does not read its input (stopped, stuck) within
-        ABORT_SEND_TIMEOUT_S on a full ring keeps them: logged, not raised (the caller is
-        usually unwinding already)."""
+        """Each id to the engine that holds it (with N > 1, finished ones are dropped); nothing
+        after the engines died. An engine that leaves its input ring full for ABORT_SEND_TIMEOUT_S
+        keeps them: logged, not raised (the caller is usually unwinding already)."""
         if not request_ids or self._dead is not None or not self._finalizer.still_active():
             return
         if self.num_engines == 1:
@@ -516,10 +458,9 @@ class MPClient(EngineCoreClient):
                 if utility is not None and utility.call_id == call_id:
                     if utility.failure_message is None:
                         answers[outputs.engine_index] = utility.result
-                    elif self.num_engines == 1:
-                        failures.append(utility.failure_message)
                     else:
-                        failures.append(f"engine {outputs.engine_index}: {utility.failure_message}")
+                        where = "" if self.num_engines == 1 else f"engine {outputs.engine_index}: "
+                        failures.append(where + utility.failure_message)
                 elif outputs.outputs or outputs.finished_requests:
                     self._pending.append(outputs)
         if failures:
@@ -527,8 +468,7 @@ class MPClient(EngineCoreClient):
         return [answers[i] for i in range(self.num_engines)]
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        """`EngineCore.<method>(*args)` in the engine: its answer (with N > 1, the answers in
-        engine order); EngineUtilityError if it raised there."""
+        """`call_utility_all`'s answer from one engine; with N > 1, the list of them."""
         answers = self.call_utility_all(method, *args)
         return answers[0] if self.num_engines == 1 else answers
 

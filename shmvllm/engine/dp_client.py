@@ -1,7 +1,5 @@
-"""Data parallel's share of the client: each engine's cores (`plan_cpus`) and how N engines'
-answers combine into one (`combine_ready`, `combine_stats`). `MPClient`
-(shmvllm.engine.core_client) runs the N engines; `DPLoadBalancer` (dp_balancer) routes requests.
-"""
+"""Data parallel's share of the client (`MPClient` runs the N engines, `DPLoadBalancer` routes):
+each engine's cores (`plan_cpus`) and how N engines' answers combine into one."""
 
 from __future__ import annotations
 
@@ -16,10 +14,9 @@ logger = logging.getLogger(__name__)
 
 
 def plan_cpus(num_engines: int) -> list[tuple[list[int], int]]:
-    """Each engine's (cores, torch threads): this process's cores in N contiguous disjoint
-    shares, as equal as they divide, with one torch thread per core of the share; fewer cores
-    than engines: no pinning and one thread each (they must share). OMP_NUM_THREADS, if set,
-    is every engine's thread count instead."""
+    """Each engine's (cores, torch threads): this process's cores in N contiguous, as-equal shares,
+    one torch thread per core (OMP_NUM_THREADS, if set, instead); fewer cores than engines: no
+    pinning and one thread each."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     threads = envs.OMP_NUM_THREADS()
     if len(cores) < num_engines:
@@ -52,6 +49,8 @@ def combine_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
         elif isinstance(value, dict):
             total[name] = {k: sum(s.get(name, {}).get(k, 0) for s in stats) for k, v in value.items()
                            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            total[name].update({k: [sum(col) for col in zip(*(s.get(name, {}).get(k, v) for s in stats))]
+                                for k, v in value.items() if isinstance(v, list)})  # per-position counts
     total["block_size"] = stats[0].get("block_size")
     blocks = total.get("num_kv_blocks") or 0
     if blocks:

@@ -1,8 +1,10 @@
 """Prompt + SamplingParams -> EngineCoreRequest: tokenize, validate, fill in what the model knows.
 
-Everything that can be wrong with a request is found here, as a ValueError, before anything is
-queued in the engine: an empty prompt, token ids outside the vocabulary, a prompt that leaves no
-room to generate within max_model_len, a structured-output constraint that does not parse.
+The one door of every generation request: `process_batch` (a whole `generate` / `chat` call) and
+`process_inputs` (one request) find everything that can be wrong, as a ValueError / TypeError,
+before anything is queued in the engine: a request of the wrong task, LoRA, an empty prompt,
+token ids outside the vocabulary, a prompt that leaves no room to generate within max_model_len,
+params the engine refuses, a structured-output constraint that does not parse, a bad priority.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import msgspec
 
 from shmvllm.boundary.messages import EngineCoreRequest, EngineReady, now
 from shmvllm.engine.renderer import Renderer
+from shmvllm.engine.validation import as_prompt_list
+from shmvllm.lora import check_no_lora
 from shmvllm.pooling_params import PoolingParams
-from shmvllm.sampling_params import SamplingParams
+from shmvllm.sampling_params import RequestOutputKind, SamplingParams
 from shmvllm.structured_output.validator import StructuredOutputValidator
 
 logger = logging.getLogger(__name__)
@@ -40,13 +44,16 @@ class InputProcessor:
         vocab_size: int,
         model_dir: Optional[Path] = None,
         hidden_size: Optional[int] = None,
-        generates: bool = True,
+        task: str = "generate",
         max_logprobs: int = 20,
+        model: str = "this model",
     ):
-        """hidden_size: the pooled vector's size, for PoolingParams.verify. generates: False for an
-        embedding model, which has no EOS tokens to look up. max_logprobs: the most logprobs a
-        request may ask for (vLLM's engine argument; -1: the whole vocabulary)."""
+        """hidden_size: the pooled vector's size, for PoolingParams.verify. task: the engine's,
+        "generate" or "embed" (an embedding model has no EOS tokens to look up). max_logprobs:
+        the most logprobs a request may ask for (vLLM's engine argument; -1: the whole
+        vocabulary). model: its name, for the errors."""
         self.renderer = renderer
+        self.task, self.model = task, model
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
@@ -54,7 +61,7 @@ class InputProcessor:
         self.eos_token_id: Optional[int] = None
         self.extra_eos_token_ids: list[int] = []
         self.structured_output_validator = StructuredOutputValidator()
-        if generates:
+        if task == "generate":
             self.eos_token_id, self.extra_eos_token_ids = _eos_token_ids(renderer.tokenizer, model_dir)
 
     def set_engine_limits(self, ready: EngineReady) -> None:
@@ -79,9 +86,53 @@ class InputProcessor:
         self.check_params(params)
         return self.make_request(request_id, prompt, params, arrival_time, priority, tokenization_kwargs)
 
+    def process_batch(
+        self,
+        prompts: Any,
+        params: Any,
+        priority: Optional[list[int]] = None,
+        tokenization_kwargs: Optional[dict[str, Any]] = None,
+        lora_request: Any = None,
+        output_kind: Optional[RequestOutputKind] = None,
+    ) -> list[tuple[EngineCoreRequest, Optional[str], list[int]]]:
+        """A whole call's requests (their ids left empty), every one checked before any is made:
+        prompts (one, or a list), params (one for all, or one per prompt; each distinct object
+        checked once), priorities (one per prompt), tokenization_kwargs, lora_request (refused).
+        output_kind: the kind every request gets (the caller's params stay untouched)."""
+        self.check_task(SamplingParams)
+        check_no_lora(lora_request)
+        prompt_list = as_prompt_list(prompts)
+        if not prompt_list:
+            raise ValueError("prompts is empty.")
+        params_list = params_per_prompt(params, len(prompt_list))
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts.")
+        finals: dict[int, SamplingParams] = {}
+        for p in params_list:
+            if id(p) not in finals:
+                self.check_params(p)
+                finals[id(p)] = p if output_kind is None else msgspec.structs.replace(p, output_kind=output_kind)
+        return [
+            self.make_request("", prompt, finals[id(p)], None, priority[i] if priority else 0, tokenization_kwargs)
+            for i, (prompt, p) in enumerate(zip(prompt_list, params_list))
+        ]
+
+    def check_task(self, kind: type) -> None:
+        """A clear ValueError for a request of the wrong kind (SamplingParams or PoolingParams) for
+        this engine's task."""
+        if kind is PoolingParams and self.task != "embed":
+            raise ValueError(
+                f"model {self.model!r} runs task {self.task!r}: it cannot embed; load an "
+                "embedding model (or pass task='embed') for embed() / encode()."
+            )
+        if kind is SamplingParams and self.task == "embed":
+            raise ValueError(
+                f"model {self.model!r} runs task 'embed': it cannot generate; use "
+                "embed() / encode(), or load a generation model for generate() / chat()."
+            )
+
     def check_params(self, params: SamplingParams) -> None:
-        """Everything about a request's SamplingParams this engine can refuse (once per params
-        object: a batch that shares one is checked once)."""
+        """Everything about a request's SamplingParams this engine can refuse."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
         self.verify_sampling_params(params)
@@ -278,6 +329,23 @@ class InputProcessor:
             bad_words_token_ids=self.bad_words_token_ids(params.bad_words) if params.bad_words else None,
             truncate_prompt_tokens=None,
         )
+
+
+def params_per_prompt(sampling_params: Any, num_prompts: int) -> list[SamplingParams]:
+    """One SamplingParams for all prompts, or one per prompt, as a list of one per prompt."""
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    if not isinstance(sampling_params, (list, tuple)):
+        raise TypeError(
+            f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}."
+        )
+    params = list(sampling_params)
+    if len(params) != num_prompts:
+        raise ValueError(f"sampling_params has {len(params)} entries for {num_prompts} prompts; give one or one per prompt.")
+    for p in params:
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling_params must hold SamplingParams, got {type(p).__name__}.")
+    return params
 
 
 def check_prompt_keys(prompt: dict[str, Any]) -> None:

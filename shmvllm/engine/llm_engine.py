@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterator, Optional, Union
 import msgspec
 
 from shmvllm.boundary.messages import EngineCoreOutputs, EngineCoreRequest, now
-from shmvllm.config import EngineArgs, EngineConfig
+from shmvllm.config import EngineConfig
+from shmvllm.engine.arg_utils import EngineArgs
 from shmvllm.engine.core_client import EngineCoreClient
 from shmvllm.engine.input_processor import InputProcessor, PromptType, check_priority
 from shmvllm.engine.output_processor import OutputProcessor, ParentRequest
@@ -82,8 +83,9 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             self.renderer, model_config.max_model_len, model_config.vocab_size, model_config.model_dir,
             hidden_size=model_config.embedding_size if model_config.is_embedding else model_config.hidden_size,
-            generates=not model_config.is_embedding,
+            task=model_config.task,
             max_logprobs=model_config.max_logprobs,
+            model=model_config.model,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = FrontendStats()
@@ -121,7 +123,7 @@ class LLMEngine:
 
         SamplingParams make a generation request, PoolingParams a pooling (embedding) one; each
         needs an engine of its task."""
-        self.check_task(params)
+        self.input_processor.check_task(PoolingParams if isinstance(params, PoolingParams) else SamplingParams)
         if isinstance(params, PoolingParams):
             self._add_pooling_request(request_id, prompt, params, arrival_time, priority, tokenization_kwargs)
             return
@@ -189,9 +191,8 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: Optional[float] = None,
     ) -> None:
-        """A pooling request whose prompt `tokenize_for_pooling` already tokenized, and whose params
-        the caller verified (LLM.embed tokenizes its prompts in batches)."""
-        self.check_task(params)
+        """A pooling request whose prompt `tokenize_for_pooling` already tokenized, and whose task and
+        params the caller checked (LLM.embed tokenizes its prompts in batches)."""
         check_priority(priority)
         self.input_processor.validate_pooling_prompt(prompt_ids)
         request = EngineCoreRequest(
@@ -208,20 +209,6 @@ class LLMEngine:
         with self._undone_on_failure(request.request_id) as sent:
             self.engine_core.add_request(request)
             sent.append(request.request_id)
-
-    def check_task(self, params: Any) -> None:
-        """A clear ValueError for a request of the wrong kind for this model."""
-        task = self.config.model_config.task
-        if isinstance(params, PoolingParams) and task != "embed":
-            raise ValueError(
-                f"model {self.config.model_config.model!r} runs task {task!r}: it cannot embed; load an "
-                "embedding model (or pass task='embed') for embed() / encode()."
-            )
-        if isinstance(params, SamplingParams) and task == "embed":
-            raise ValueError(
-                f"model {self.config.model_config.model!r} runs task 'embed': it cannot generate; use "
-                "embed() / encode(), or load a generation model for generate() / chat()."
-            )
 
     def set_request_timeout(self, seconds: Optional[float]) -> None:
         """How long a send may wait for room in a full input channel (step() takes its own

@@ -17,7 +17,7 @@ import dataclasses
 import math
 import re
 import typing
-from typing import Any, Literal, Union
+from typing import Any, Literal, Optional, Union
 
 _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
 _CUDA_DEVICE = re.compile(r"^cuda(?::(\d+))?$")
@@ -100,26 +100,31 @@ def kv_cache_bytes_per_block(hf_config: Any, dtype: str, block_size: int, tensor
     return 2 * block_size * rank_kv_heads * head_dim * hf_config.num_hidden_layers * _DTYPE_BYTES[dtype]
 
 
-def check_against_model(config: Any) -> None:
+def check_against_model(config: Any, source: Any) -> None:
     """ValueError naming the weights file the loader could not read, or the engine argument
-    the model rules out (`config`: an EngineConfig)."""
-    from shmvllm.model.registry import check_safetensors_header, gguf_source, weight_files
+    the model rules out (`config`: an EngineConfig; `source`: its model.registry.ModelSource)."""
+    from shmvllm.model.registry import check_safetensors_header, weight_files
 
     model, cache = config.model_config, config.cache_config
-    if gguf_source(model.model_dir) is None:
+    if source.gguf_file is None:
         for path in weight_files(model.model_dir):
             check_safetensors_header(path)
-    if model.is_embedding or cache.num_kv_blocks is not None or cache.kv_cache_memory is None:
+    if not model.is_embedding:
+        check_kv_budget(cache.kv_cache_memory, cache.num_kv_blocks, cache.block_size, model.hf_config, model.dtype,
+                        model.device, config.parallel_config.tensor_parallel_size)
+
+
+def check_kv_budget(kv_cache_memory: Optional[int], num_kv_blocks: Optional[int], block_size: int, hf_config: Any,
+                    dtype: str, device: str, tensor_parallel_size: int) -> None:
+    """ValueError where a CPU KV budget in bytes holds no block (a count of blocks, or a CUDA
+    engine's share of its device, is not checked)."""
+    if num_kv_blocks is not None or kv_cache_memory is None or not device.startswith("cpu"):
         return
-    if not model.device.startswith("cpu"):
-        return  # a CUDA engine sizes its cache from gpu_memory_utilization
-    per_block = kv_cache_bytes_per_block(
-        model.hf_config, model.dtype, cache.block_size, config.parallel_config.tensor_parallel_size
-    )
-    if cache.kv_cache_memory < per_block:
+    per_block = kv_cache_bytes_per_block(hf_config, dtype, block_size, tensor_parallel_size)
+    if kv_cache_memory < per_block:
         raise ValueError(
-            f"kv_cache_memory={cache.kv_cache_memory} bytes holds no KV-cache block: one block of "
-            f"{cache.block_size} tokens takes {per_block} bytes for this model in {model.dtype}."
+            f"kv_cache_memory={kv_cache_memory} bytes holds no KV-cache block: one block of "
+            f"{block_size} tokens takes {per_block} bytes for this model in {dtype}."
         )
 
 

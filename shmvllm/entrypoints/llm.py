@@ -13,7 +13,7 @@ import numpy as np
 
 from shmvllm.beam_search import BeamSearchOutput, beam_prompt_ids, run_beam_search
 from shmvllm.boundary.messages import EngineCoreRequest
-from shmvllm.config import EngineArgs
+from shmvllm.engine.arg_utils import EngineArgs
 from shmvllm.engine.input_processor import PromptType, check_prompt_keys, parse_tokenization_kwargs
 from shmvllm.engine.llm_engine import LLMEngine
 from shmvllm.engine.renderer import Conversation
@@ -131,13 +131,9 @@ class LLM:
         "add_special_tokens": bool}. Every prompt is validated before any is queued: a
         ValueError leaves the LLM as it was.
         """
-        self.llm_engine.check_task(SamplingParams())
-        check_no_lora(lora_request)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        prompt_list = as_prompt_list(prompts)
-        params_list = _params_per_prompt(sampling_params, len(prompt_list))
-        return self._run(self._prepare(prompt_list, params_list, tokenization_kwargs, priority), use_tqdm)
+        return self._run(self._process(prompts, sampling_params, priority, tokenization_kwargs, lora_request), use_tqdm)
 
     def chat(
         self,
@@ -158,7 +154,7 @@ class LLM:
         """Generates the next message of each conversation, rendered by the chat template
         (`chat_template` instead of the tokenizer's; `chat_template_kwargs`: extra template
         variables; `tools`: the template's tool list)."""
-        self.llm_engine.check_task(SamplingParams())
+        self.llm_engine.input_processor.check_task(SamplingParams)
         check_no_lora(lora_request)
         if mm_processor_kwargs:
             raise ValueError(f"mm_processor_kwargs={mm_processor_kwargs!r} is not supported: shmvllm serves text-only models.")
@@ -178,8 +174,7 @@ class LLM:
                 chat_template_content_format=chat_template_content_format,
             )
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        params_list = _params_per_prompt(sampling_params, len(prompts))
-        return self._run(self._prepare(prompts, params_list, tokenization_kwargs, priority), use_tqdm)
+        return self._run(self._process(prompts, sampling_params, priority, tokenization_kwargs), use_tqdm)
 
     def beam_search(
         self,
@@ -191,7 +186,7 @@ class LLM:
     ) -> list[BeamSearchOutput]:
         """vLLM's beam search (shmvllm.beam_search): the beam_width best sequences per prompt."""
         check_no_lora(lora_request)
-        self.llm_engine.check_task(SamplingParams())
+        self.llm_engine.input_processor.check_task(SamplingParams)
         prompt_ids = beam_prompt_ids(self, as_prompt_list(prompts))
         step = concurrency_limit or len(prompt_ids)
         results: list[BeamSearchOutput] = []
@@ -363,7 +358,7 @@ class LLM:
         if not prompt_list:
             raise ValueError("prompts is empty.")
         params_list = _pooling_params_per_prompt(pooling_params, len(prompt_list))
-        engine.check_task(params_list[0])
+        engine.input_processor.check_task(PoolingParams)
         engine_task = self._pooling_task(task)
         params_list = self._with_task(params_list, engine_task, task)
         tokenization_kwargs = _pooling_truncation(tokenization_kwargs, params_list)
@@ -530,34 +525,16 @@ class LLM:
         _, ids = processor.tokenize_prompt(prompt, tokenization_kwargs)  # a ValueError for anything but token ids
         processor.validate_pooling_prompt(ids)
 
-    def _prepare(
-        self,
-        prompts: list[PromptType],
-        params_list: list[SamplingParams],
-        tokenization_kwargs: Optional[dict[str, Any]] = None,
-        priority: Optional[list[int]] = None,
-    ) -> list[tuple[EngineCoreRequest, Optional[str], list[int]]]:
-        """Every prompt and its params checked (each distinct params object once) and made into
-        its engine request, so that a bad one fails before any is queued; `_run` queues them as
-        they are (their request ids are set there)."""
-        if not prompts:
-            raise ValueError("prompts is empty.")
-        if priority is not None and len(priority) != len(prompts):
-            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts.")
-        processor = self.llm_engine.input_processor
-        finals: dict[int, SamplingParams] = {}
-        for params in params_list:
-            if id(params) not in finals:
-                processor.check_params(params)
-                # The caller's params stay untouched; offline calls only need each request's end.
-                finals[id(params)] = msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-        return [
-            processor.make_request("", prompt, finals[id(params)], None, priority[i] if priority else 0, tokenization_kwargs)
-            for i, (prompt, params) in enumerate(zip(prompts, params_list))
-        ]
+    def _process(self, prompts: Any, params: Any, priority: Optional[list[int]],
+                 tokenization_kwargs: Optional[dict[str, Any]], lora_request: Any = None) -> list[Any]:
+        """The call's requests, all validated by the input processor before `_run` queues any
+        (offline calls only need each request's end: FINAL_ONLY)."""
+        return self.llm_engine.input_processor.process_batch(
+            prompts, params, priority, tokenization_kwargs, lora_request, RequestOutputKind.FINAL_ONLY
+        )
 
     def _run(self, prepared: list[tuple[EngineCoreRequest, Optional[str], list[int]]], use_tqdm: UseTqdm) -> list[RequestOutput]:
-        """Queues what `_prepare` made and waits for all of it."""
+        """Queues what `_process` made (setting the request ids) and waits for all of it."""
         request_ids: list[str] = []
         router, sink = self._router, Sink()
         add = self.llm_engine.add_processed_request
@@ -623,24 +600,6 @@ class LLM:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.shutdown()
-
-
-def _params_per_prompt(sampling_params: ParamsArg, num_prompts: int) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * num_prompts
-    if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * num_prompts
-    if not isinstance(sampling_params, (list, tuple)):
-        raise TypeError(
-            f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}."
-        )
-    params = list(sampling_params)
-    if len(params) != num_prompts:
-        raise ValueError(f"sampling_params has {len(params)} entries for {num_prompts} prompts; give one or one per prompt.")
-    for p in params:
-        if not isinstance(p, SamplingParams):
-            raise TypeError(f"sampling_params must hold SamplingParams, got {type(p).__name__}.")
-    return params
 
 
 class _PoolingTracker:

@@ -119,14 +119,31 @@ def build_attention_metadata(
     slot_mapping: np.ndarray,
     block_size: int,
     device: torch.device,
+    verify: Optional[np.ndarray] = None,
 ) -> AttentionMetadata:
     """query_lens / num_computed: per scheduled request, in batch order; block_table: their rows
-    [num_reqs, max_blocks] (int32); slot_mapping: [num_tokens] for the flat batch."""
+    [num_reqs, max_blocks] (int32); slot_mapping: [num_tokens] for the flat batch. verify: the
+    requests whose tokens (proposals being verified) each attend as a decode row of their own,
+    row i over num_computed + i + 1 tokens: every layer writes all rows' KV before attention
+    reads it, so this is causal, and a short verification takes the decode paths (the native
+    decode step among them)."""
     seq_lens = num_computed + query_lens
     starts = np.concatenate(([0], np.cumsum(query_lens)[:-1]))
     is_decode = query_lens == 1
     meta = AttentionMetadata(slot_mapping=torch.from_numpy(slot_mapping.astype(np.int64)).to(device))
-    if is_decode.any():
+    if verify is not None and verify.any():
+        is_decode = is_decode | verify
+        reqs = np.flatnonzero(is_decode)
+        widths = query_lens[reqs]
+        offsets = np.arange(int(widths.sum())) - np.repeat(np.cumsum(widths) - widths, widths)
+        meta.decodes = DecodeBatch(
+            np.ascontiguousarray(np.repeat(starts[reqs], widths) + offsets, dtype=np.int64),
+            np.ascontiguousarray(np.repeat(block_table[reqs], widths, axis=0), dtype=np.int32),
+            np.ascontiguousarray(np.repeat(num_computed[reqs], widths) + offsets + 1, dtype=np.int32),
+            block_size,
+            device,
+        )
+    elif is_decode.any():
         meta.decodes = DecodeBatch(
             np.ascontiguousarray(starts[is_decode], dtype=np.int64),
             np.ascontiguousarray(block_table[is_decode], dtype=np.int32),

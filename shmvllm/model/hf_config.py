@@ -88,9 +88,9 @@ def config_values(config: Any) -> dict[str, Any]:
     return values
 
 
-def load_hf_config(model_dir: Path) -> HFConfig:
+def load_hf_config(model_dir: Path, store: bool = True) -> HFConfig:
     """The config of an HF directory: from the cache when this config.json was read before,
-    else through transformers' AutoConfig (then cached)."""
+    else through transformers' AutoConfig (then cached, unless store=False: remember_hf_config)."""
     config_file = Path(model_dir) / "config.json"
     if not config_file.exists():
         raise ValueError(f"model directory {str(model_dir)!r} has no config.json.")
@@ -103,14 +103,16 @@ def load_hf_config(model_dir: Path) -> HFConfig:
     from transformers import AutoConfig
 
     values = config_values(AutoConfig.from_pretrained(str(model_dir)))
-    _store(cached, values)
+    if store:
+        _store(cached, values)
     return HFConfig(values)
 
 
 def remember_hf_config(model_dir: Path, values: dict[str, Any]) -> None:
-    """Caches the full values of a config.json just written (so its first load needs no transformers)."""
-    config_file = Path(model_dir) / "config.json"
-    _store(envs.SHMVLLM_CACHE() / "configs" / f"{_cache_key(config_file)}.json", values)
+    """Caches the full values of a directory's config.json, unless they are cached already."""
+    target = envs.SHMVLLM_CACHE() / "configs" / f"{_cache_key(Path(model_dir) / 'config.json')}.json"
+    if not target.exists():
+        _store(target, values)
 
 
 def _store(target: Path, values: dict[str, Any]) -> Optional[Path]:

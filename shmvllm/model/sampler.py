@@ -73,6 +73,17 @@ class Sampler(torch.nn.Module):
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: [rows, vocab] float32 (modified in place)."""
+        logits, raw_logprobs = self.process(logits, meta)
+        sampled = self._sample(logits, meta)
+        out = SamplerOutput(sampled_token_ids=sampled)
+        if raw_logprobs is not None:
+            out.logprob_token_ids, out.logprobs, out.ranks = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
+        return out
+
+    @staticmethod
+    def process(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The logits the rows sample from (request processors, min_tokens, penalties applied),
+        and the raw logprobs where any row asked for logprobs."""
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -81,23 +92,24 @@ class Sampler(torch.nn.Module):
         apply_min_tokens(logits, meta.stop_token_mask)
         if meta.repetition_penalty is not None:
             logits = apply_penalties(logits, meta)
-        sampled = self._sample(logits, meta)
-        out = SamplerOutput(sampled_token_ids=sampled)
-        if raw_logprobs is not None:
-            out.logprob_token_ids, out.logprobs, out.ranks = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
-        return out
+        return logits, raw_logprobs
 
-    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        greedy = None if meta.all_random else logits.argmax(dim=-1)
-        if meta.all_greedy:
-            return greedy
+    @staticmethod
+    def probabilities(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The distribution a random row draws from: temperature, min-p, top-k / top-p, softmax."""
         temperature = torch.where(meta.temperature < _EPS, torch.ones_like(meta.temperature), meta.temperature)
         logits = logits / temperature.unsqueeze(1)
         if meta.min_p is not None:
             logits = apply_min_p(logits, meta.min_p)
         if meta.top_k is not None or meta.top_p is not None:
             logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-        probs = torch.softmax(logits, dim=-1)
+        return torch.softmax(logits, dim=-1)
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        greedy = None if meta.all_random else logits.argmax(dim=-1)
+        if meta.all_greedy:
+            return greedy
+        probs = self.probabilities(logits, meta)
         random = race_sample(probs, meta.generators, self.generator)
         if greedy is None:
             return random

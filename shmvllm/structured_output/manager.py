@@ -67,6 +67,26 @@ class StructuredOutputManager:
         self.num_fills += 1
         return rows
 
+    def speculative_bitmask(self, entries: list[tuple[StructuredOutputRequest, list[int]]]) -> np.ndarray:
+        """With proposals: for each (request, proposals), 1 + len(proposals) rows, row j the
+        allowed tokens after the first j proposals (which the grammar allows: allowed_prefix).
+        A fresh array (its rows outnumber the reused buffer's)."""
+        started = time.perf_counter()
+        rows = np.empty((sum(len(p) + 1 for _, p in entries), -(-self.vocab_size // 32)), dtype=np.int32)
+        row = 0
+        for request, proposals in entries:
+            matcher = request.matcher
+            for j in range(len(proposals) + 1):
+                matcher.fill_next_token_bitmask(rows, row)
+                row += 1
+                if j < len(proposals) and not matcher.accept_token(proposals[j]):
+                    raise ValueError(f"proposal {proposals[j]} is not allowed by the grammar (allowed_prefix first).")
+            if proposals:
+                matcher.rollback(len(proposals))
+        self.fill_s += time.perf_counter() - started
+        self.num_fills += 1
+        return rows
+
     def accept(self, request: StructuredOutputRequest, token_id: int) -> bool:
         started = time.perf_counter()
         accepted = request.accept(token_id)

@@ -54,6 +54,18 @@ class StructuredOutputRequest:
         self.num_accepted += 1
         return True
 
+    def allowed_prefix(self, token_ids: list[int]) -> int:
+        """How many leading tokens of `token_ids` (proposals) the grammar allows in a row, up to
+        and including one that ends it; the matcher's state is left as it was."""
+        count = 0
+        for token_id in token_ids:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token_id):
+                break
+            count += 1
+        if count:
+            self.matcher.rollback(count)
+        return count
+
     @property
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()

@@ -23,8 +23,9 @@ from shmvllm.model.loader import get_model, torch_dtype
 from shmvllm.model.logits_processors import RequestLogitsProcessors
 from shmvllm.model.prompt_logprobs import prompt_logprobs
 from shmvllm.model.rotary import RotaryEmbedding
-from shmvllm.model.sampler import Sampler, SamplerOutput, SamplingMetadata, seeded_generator
+from shmvllm.model.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs, seeded_generator
 from shmvllm.sampling_params import SamplingParams
+from shmvllm.spec_decode.rejection_sampler import verify
 from shmvllm.structured_output.bitmask import TokenBitmaskApplier
 from shmvllm.worker.huge_pages import advise_huge_pages
 from shmvllm.worker.input_batch import CachedRequestState, InputBatch
@@ -122,18 +123,28 @@ class ModelRunner:
         query_lens = np.array([scheduler_output.num_scheduled_tokens[r] for r in batch.req_ids], dtype=np.int32)
         num_computed = batch.num_computed_tokens[: batch.num_reqs].copy()
         ends = num_computed + query_lens
-        overrun = np.flatnonzero(ends > batch.num_tokens[: batch.num_reqs])
+        known = batch.num_tokens[: batch.num_reqs]
+        proposals = scheduler_output.scheduled_spec_decode_tokens
+        if proposals:
+            num_proposed = self._place_proposals(proposals)
+            known = known + num_proposed
+        overrun = np.flatnonzero(ends > known)
         if len(overrun):
             row = int(overrun[0])
             raise ValueError(
                 f"request {batch.req_ids[row]!r}: num_computed_tokens {num_computed[row]} + scheduled "
-                f"{query_lens[row]} exceeds its {batch.num_tokens[row]} known tokens."
+                f"{query_lens[row]} exceeds its {known[row]} known (and proposed) tokens."
             )
-        input_ids, positions, meta = self._prepare_inputs(query_lens, num_computed)
+        input_ids, positions, meta = self._prepare_inputs(
+            query_lens, num_computed, num_proposed > 0 if proposals else None
+        )
         hidden = self.model(input_ids, positions, meta)
         cu_ends = np.cumsum(query_lens)
-        sample_rows = np.flatnonzero(ends == batch.num_tokens[: batch.num_reqs])
-        output = self._sample(hidden, cu_ends, sample_rows, scheduler_output)
+        sample_rows = np.flatnonzero(ends == known)
+        if proposals:
+            output = self._verify(hidden, cu_ends, sample_rows, num_proposed, scheduler_output)
+        else:
+            output = self._sample(hidden, cu_ends, sample_rows, scheduler_output)
         prompt_logprobs = self._prompt_logprobs(hidden, cu_ends - query_lens, query_lens, num_computed, output.errors)
         if prompt_logprobs:
             output.prompt_logprobs = prompt_logprobs
@@ -163,10 +174,15 @@ class ModelRunner:
             state = self.requests.get(req_id)
             if state is None:
                 raise ValueError(f"scheduled_cached_reqs names {req_id!r}, which the runner does not hold.")
+            row = batch.req_id_to_index.get(req_id)
+            kept = so.kept_block_ids.get(req_id) if so.kept_block_ids else None
+            if kept is not None:  # blocks freed after rejected proposals
+                del state.block_ids[kept:]
+                if row is not None:
+                    batch.num_blocks[row] = kept
             state.block_ids.extend(new_blocks)
             fresh_blocks.extend(new_blocks)
             state.num_computed_tokens = num_computed
-            row = batch.req_id_to_index.get(req_id)
             if row is not None:
                 batch.append_block_ids(row, new_blocks)
                 batch.num_computed_tokens[row] = num_computed
@@ -199,7 +215,7 @@ class ModelRunner:
         )
 
     def _prepare_inputs(
-        self, query_lens: np.ndarray, num_computed: np.ndarray
+        self, query_lens: np.ndarray, num_computed: np.ndarray, verify: Optional[np.ndarray] = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         batch = self.input_batch
         n = batch.num_reqs
@@ -211,7 +227,7 @@ class ModelRunner:
         blocks = batch.block_table[req_idx, positions // self.block_size].astype(np.int64)
         slot_mapping = blocks * self.block_size + positions % self.block_size
         meta = build_attention_metadata(
-            query_lens, num_computed, batch.block_table[:n], slot_mapping, self.block_size, self.device
+            query_lens, num_computed, batch.block_table[:n], slot_mapping, self.block_size, self.device, verify
         )
         if self.rope_lengths_needed:  # the length transformers' generate rotates each token with
             lengths = np.maximum(batch.num_prompt_tokens[req_idx], positions + 1).astype(np.int64)
@@ -256,6 +272,75 @@ class ModelRunner:
             self._record_samples(rows, result, output)
         return output
 
+    def _place_proposals(self, proposals: dict[str, list[int]]) -> np.ndarray:
+        """Writes each request's proposed tokens after its known ones (not counted as known);
+        returns the number proposed per batch row."""
+        batch = self.input_batch
+        num_proposed = np.zeros(batch.num_reqs, dtype=np.int32)
+        for req_id, tokens in proposals.items():
+            row = batch.req_id_to_index[req_id]
+            start = int(batch.num_tokens[row])
+            if start + len(tokens) > self.max_model_len:
+                raise ValueError(f"request {req_id!r}: {len(tokens)} proposed tokens pass max_model_len={self.max_model_len}.")
+            batch.token_ids[row, start : start + len(tokens)] = tokens
+            num_proposed[row] = len(tokens)
+        return num_proposed
+
+    def _verify(
+        self, hidden: torch.Tensor, cu_ends: np.ndarray, sample_rows: np.ndarray, num_proposed: np.ndarray,
+        so: SchedulerOutput,
+    ) -> ModelRunnerOutput:
+        """Samples with proposals: each sampling request's last 1 + k rows are verified (greedy
+        match or rejection sampling, spec_decode.rejection_sampler). If that raises for the
+        batch, each request is verified alone: one that still fails is that request's error."""
+        batch = self.input_batch
+        output = ModelRunnerOutput(req_ids=list(batch.req_ids), sampled_token_ids=[[] for _ in range(batch.num_reqs)])
+        if len(sample_rows) == 0:
+            return output
+        widths = num_proposed[sample_rows].astype(np.int64) + 1
+        group_starts = np.cumsum(widths) - widths
+        rows = np.repeat(sample_rows, widths)
+        offsets = np.arange(len(rows)) - np.repeat(group_starts, widths)
+        hidden_idx = np.repeat(cu_ends[sample_rows] - widths, widths) + offsets
+        logits = self.model.compute_logits(hidden.index_select(0, torch.from_numpy(hidden_idx).to(self.device)))
+        if so.grammar_bitmask is not None:
+            self._apply_grammar_bitmask(logits, sample_rows, so, group_starts, widths)
+        proposals = [so.scheduled_spec_decode_tokens.get(batch.req_ids[r], []) for r in sample_rows.tolist()]
+        try:
+            results = [(0, *verify(self.sampler, logits, self._sampling_metadata(rows, offsets), proposals))]
+        except Exception as exc:
+            if len(sample_rows) == 1:
+                output.errors[batch.req_ids[int(sample_rows[0])]] = _describe(exc)
+                return output
+            logger.warning("verifying %d requests failed (%s); verifying them one by one", len(sample_rows), _describe(exc))
+            results = []
+            for g in range(len(sample_rows)):
+                lo, hi = int(group_starts[g]), int(group_starts[g] + widths[g])
+                try:
+                    meta = self._sampling_metadata(rows[lo:hi], offsets[lo:hi])
+                    results.append((g, *verify(self.sampler, logits[lo:hi], meta, proposals[g : g + 1])))
+                except Exception as row_exc:
+                    req_id = batch.req_ids[int(sample_rows[g])]
+                    logger.warning("request %r: verification failed: %s", req_id, _describe(row_exc))
+                    output.errors[req_id] = _describe(row_exc)
+        for first, emitted, raw_logprobs in results:
+            base = int(group_starts[first])
+            for i, tokens in enumerate(emitted):
+                g = first + i
+                row = int(sample_rows[g])
+                state = batch.states[row]
+                output.sampled_token_ids[row] = tokens
+                for token in tokens:
+                    batch.append_token(row, token)
+                    state.output_token_ids.append(token)
+                num = state.sampling_params.logprobs
+                if num is not None:
+                    lo = int(group_starts[g]) - base
+                    chosen = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+                    ids, lps, ranks = (t.cpu().numpy() for t in gather_logprobs(raw_logprobs[lo : lo + len(tokens)], chosen, num))
+                    output.logprobs[batch.req_ids[row]] = Logprobs.from_arrays(ids, lps, ranks)
+        return output
+
     def _record_samples(self, sample_rows: np.ndarray, result: SamplerOutput, output: ModelRunnerOutput) -> None:
         batch = self.input_batch
         tokens = result.sampled_token_ids.tolist()
@@ -273,17 +358,25 @@ class ModelRunner:
                         ids[i : i + 1, :width], lps[i : i + 1, :width], ranks[i : i + 1]
                     )
 
-    def _apply_grammar_bitmask(self, logits: torch.Tensor, sample_rows: np.ndarray, so: SchedulerOutput) -> None:
+    def _apply_grammar_bitmask(
+        self, logits: torch.Tensor, sample_rows: np.ndarray, so: SchedulerOutput,
+        group_starts: Optional[np.ndarray] = None, widths: Optional[np.ndarray] = None,
+    ) -> None:
         """Masks each constrained request's logits row with its bitmask row (before sampling, so
-        every sampling knob chooses among allowed tokens)."""
+        every sampling knob chooses among allowed tokens). With proposals, group_starts / widths:
+        each sampling request's logits rows, which its bitmask rows cover in order."""
         batch_rows = np.fromiter((self.input_batch.req_id_to_index[r] for r in so.structured_output_request_ids),
                                  dtype=np.int64, count=len(so.structured_output_request_ids))
         logits_rows = np.searchsorted(sample_rows, batch_rows)  # sample_rows is sorted
         if not np.array_equal(sample_rows[np.minimum(logits_rows, len(sample_rows) - 1)], batch_rows):
             raise ValueError(f"grammar bitmask for requests that do not sample in this step: {so.structured_output_request_ids}.")
+        if group_starts is not None:
+            logits_rows = np.concatenate([np.arange(group_starts[g], group_starts[g] + widths[g]) for g in logits_rows])
         self.bitmask_applier.apply(logits, logits_rows, so.grammar_bitmask)
 
-    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+    def _sampling_metadata(self, rows: np.ndarray, offsets: Optional[np.ndarray] = None) -> SamplingMetadata:
+        """The metadata of logits rows for batch `rows`; offsets: each logits row's output
+        position past the request's known outputs (verified proposals), else all 0."""
         batch = self.input_batch
         device = self.device
         greedy = batch.greedy_mask(rows)
@@ -308,9 +401,10 @@ class ModelRunner:
         for i, row in enumerate(rows.tolist()):
             state = batch.states[row]
             params = state.sampling_params
+            num_outputs = len(state.output_token_ids) + (int(offsets[i]) if offsets is not None else 0)
             if params.seed is not None and not greedy[i]:
-                meta.generators[i] = seeded_generator(params.seed, len(state.output_token_ids), device)
-            if state.stop_token_ids and len(state.output_token_ids) < params.min_tokens:
+                meta.generators[i] = seeded_generator(params.seed, num_outputs, device)
+            if state.stop_token_ids and num_outputs < params.min_tokens:
                 meta.stop_token_mask.append((i, state.stop_token_ids))
             if params.logprobs is not None:
                 meta.max_num_logprobs = max(meta.max_num_logprobs or 0, params.logprobs)

@@ -55,6 +55,10 @@ class SchedulerOutput:
     structured_output_request_ids / grammar_bitmask: the constrained requests that sample in this
     step, and their allowed next tokens, row i for structured_output_request_ids[i] (int32
     [rows, ceil(vocab / 32)], a view of the scheduler's buffer, valid until the next schedule()).
+    scheduled_spec_decode_tokens[req_id]: the tokens proposed for a decoding request; they follow
+    its known tokens, are counted in its num_scheduled_tokens, and are verified this step (empty
+    unless speculative decoding is on). kept_block_ids[req_id]: how many of its blocks a request
+    keeps; the ones after were freed after rejected proposals (applied before new_block_ids).
 
     A request's num_computed_tokens may count prefix-cache blocks that another request writes in
     this same step (both share a prompt prefix and were scheduled together): the runner must
@@ -71,12 +75,14 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Optional[np.ndarray] = None
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    kept_block_ids: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
 class ModelRunnerOutput:
     """sampled_token_ids[i]: the token(s) sampled for req_ids[i] this step ([] for a partial
-    prefill chunk or a pooling request). logprobs / prompt_logprobs: per request, only for
+    prefill chunk or a pooling request; with proposals, the accepted ones and the target's next). logprobs / prompt_logprobs: per request, only for
     requests that asked. pooler_output: per finished pooling request, the float32 vector.
     errors: per request whose processing failed in this step, why (it finishes with ERROR)."""
 

@@ -14,6 +14,13 @@ never one already scheduled in this step.
 A request with structured outputs waits (WAITING_FOR_FSM, outside the waiting queue) until its
 grammar has compiled, then joins the queue at its place; each step carries the token bitmask of
 the constrained requests that sample, and their sampled tokens advance their matchers.
+
+With speculative decoding, a decoding request whose sampling does not depend on its own recent
+outputs (no penalties, no bad_words, past min_tokens) gets up to k proposed tokens (n-gram
+lookup over its tokens) scheduled after its last one, within the token budget, max_model_len
+and max_tokens; it falls back to one token when the blocks for them are not free. After the
+step, num_computed_tokens drops back past the rejected proposals and the blocks past the
+request's tokens are freed (the runner hears of it through kept_block_ids).
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ from shmvllm.core.sched.output import (
 )
 from shmvllm.core.sched.request_queue import RequestQueue
 from shmvllm.boundary.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats, now
+from shmvllm.spec_decode.config import SpeculativeConfig
+from shmvllm.spec_decode.metrics import SpecDecodingStats
+from shmvllm.spec_decode.ngram_proposer import NgramProposer
 
 if TYPE_CHECKING:
     from shmvllm.structured_output.manager import StructuredOutputManager
@@ -55,6 +65,7 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         structured_output_manager: Optional["StructuredOutputManager"] = None,
+        speculative_config: Optional[SpeculativeConfig] = None,
     ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
@@ -81,6 +92,9 @@ class Scheduler:
         self.waiting_for_grammar: list[Request] = []
         self._num_structured = 0  # unfinished requests with a grammar
         self._grammar_failures: list[EngineCoreOutput] = []  # reported by the next update_from_output
+        self.proposer = NgramProposer(speculative_config) if speculative_config is not None else None
+        self.spec_stats = SpecDecodingStats(speculative_config.num_speculative_tokens) if speculative_config else None
+        self._kept_blocks: dict[str, int] = {}  # req_id -> blocks kept after a rollback, until it is scheduled
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -136,6 +150,8 @@ class Scheduler:
         cached = CachedRequestData()
         new_reqs: list[NewRequestData] = []
         preempted: set[str] = set()
+        proposals: dict[str, list[int]] = {}
+        kept_blocks: dict[str, int] = {}
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -144,9 +160,20 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            new_blocks = self._allocate_or_preempt(request, num_new, preempted)
+            new_blocks = None
+            if self.proposer is not None and request.num_tokens - request.num_computed_tokens == 1:
+                tokens = self._propose(request, budget)
+                if tokens:  # only if their blocks are free: proposals never preempt anyone
+                    new_blocks = self.kv_cache_manager.allocate_slots(request, 1 + len(tokens))
+                    if new_blocks is not None:
+                        proposals[request.request_id] = tokens
+                        num_new = 1 + len(tokens)
+            if new_blocks is None:
+                new_blocks = self._allocate_or_preempt(request, num_new, preempted)
             if new_blocks is None:
                 break  # the request preempted itself: nothing after it is left either
+            if self._kept_blocks and request.request_id in self._kept_blocks:
+                kept_blocks[request.request_id] = self._kept_blocks.pop(request.request_id)
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append([b.block_id for b in new_blocks])
             cached.num_computed_tokens.append(request.num_computed_tokens)
@@ -166,12 +193,36 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=total,
             preempted_req_ids=preempted,
+            scheduled_spec_decode_tokens=proposals,
+            kept_block_ids=kept_blocks,
         )
         if self._num_structured:
             self._add_grammar_bitmask(output)
         if total > 0:  # a step with no tokens does not reach the runner; keep the news for later
             output.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         return output
+
+    def _propose(self, request: Request, budget: int) -> Optional[list[int]]:
+        """Proposals for a decoding request, or None where its sampling at a later position
+        depends on the outputs before it (penalties, bad_words, min_tokens, a grammar)."""
+        params = request.sampling_params
+        if (
+            params is None or params.bad_words_token_ids
+            or params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+            or request.num_output_tokens < params.min_tokens
+        ):
+            return None
+        # room for the proposals and the target's own next token
+        limit = min(budget, self.max_model_len - request.num_tokens) - 1
+        if params.max_tokens is not None:
+            limit = min(limit, params.max_tokens - request.num_output_tokens - 1)
+        if limit <= 0:
+            return None
+        tokens = self.proposer.propose(np.asarray(request.all_token_ids), limit)
+        so_request = request.structured_output_request
+        if tokens and so_request is not None:  # only what the grammar allows is worth verifying
+            del tokens[so_request.allowed_prefix(tokens):]
+        return tokens
 
     def _admit_compiled(self) -> None:
         """Moves requests whose grammar is compiled into the waiting queue (at their place in the
@@ -198,14 +249,24 @@ class Scheduler:
 
     def _add_grammar_bitmask(self, output: SchedulerOutput) -> None:
         """The bitmask rows of the constrained requests that sample in this step (their scheduled
-        tokens reach the end of their known tokens)."""
+        tokens reach the end of their known and proposed tokens): one row each, or with
+        proposals one per verified position."""
         sampling = []
+        proposals = output.scheduled_spec_decode_tokens
         for req_id in output.num_scheduled_tokens:
             request = self.requests[req_id]
-            if request.structured_output_request is not None and request.num_computed_tokens == request.num_tokens:
+            if request.structured_output_request is not None and (
+                request.num_computed_tokens == request.num_tokens + len(proposals.get(req_id, ()))
+            ):
                 sampling.append(request)
-        if sampling:
-            output.structured_output_request_ids = [r.request_id for r in sampling]
+        if not sampling:
+            return
+        output.structured_output_request_ids = [r.request_id for r in sampling]
+        if any(r.request_id in proposals for r in sampling):
+            output.grammar_bitmask = self.structured_output_manager.speculative_bitmask(
+                [(r.structured_output_request, proposals.get(r.request_id, [])) for r in sampling]
+            )
+        else:
             output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
                 [r.structured_output_request for r in sampling]
             )
@@ -228,6 +289,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self._kept_blocks.pop(request.request_id, None)  # it comes back with its whole block list
         self._num_preemptions_step += 1
         self.num_preemptions_total += 1
         self.waiting.add(request)
@@ -287,9 +349,12 @@ class Scheduler:
                 continue  # finished or preempted since it was scheduled
             error = errors.get(req_id)
             output = None
+            proposed = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if error is None:
                 i = index.get(req_id)
                 sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
+                if proposed is not None:
+                    self._roll_back(request, len(proposed), len(sampled))
                 try:
                     output = self._update_request(request, sampled, model_runner_output)
                 except Exception as exc:
@@ -304,12 +369,23 @@ class Scheduler:
                 finished.append(req_id)
                 self.running.remove(request)
                 self._free_request(request)
+            elif proposed is not None:
+                kept = self.kv_cache_manager.trim(request, request.num_tokens)
+                if kept is not None:
+                    self._kept_blocks[req_id] = kept
         return EngineCoreOutputs(
             outputs=outputs,
             finished_requests=finished or None,
             scheduler_stats=self.make_stats(),
             timestamp=now(),
         )
+
+    def _roll_back(self, request: Request, num_proposed: int, num_sampled: int) -> None:
+        """After verification: the KV of the rejected proposals (and of the last sampled token,
+        computed next step) no longer counts; the counters take the accepted ones."""
+        request.num_computed_tokens -= num_proposed + 1 - num_sampled
+        if num_sampled:
+            self.spec_stats.observe(num_proposed, num_sampled - 1)
 
     def _update_request(
         self, request: Request, sampled: list[int], runner_output: ModelRunnerOutput
@@ -375,6 +451,8 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         if request.structured_output_request is not None:
             self._num_structured -= 1
+        if self._kept_blocks:
+            self._kept_blocks.pop(request.request_id, None)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)

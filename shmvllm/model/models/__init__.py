@@ -104,13 +104,13 @@ def decoder_architecture(hf_config: Any) -> str:
     )
 
 
-# GGUF value types: scalar sizes in bytes (8 = string, 9 = array are read apart)
-_GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+# GGUF value types: scalar struct formats (8 = string, 9 = array are read apart)
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
-def gguf_file_architecture(path: Union[str, Path]) -> str:
-    """`general.architecture` of a GGUF file, read from its header alone (the tokenizer's arrays
-    are skipped, not parsed): milliseconds for any file size."""
+def gguf_header_values(path: Union[str, Path]) -> dict[str, Any]:
+    """A GGUF file's scalar and string metadata, read from its header alone (arrays, such as the
+    tokenizer's, are skipped, not parsed): milliseconds for any file size."""
     with open(path, "rb") as f:
         def read(fmt: str) -> Any:
             size = struct.calcsize(fmt)
@@ -124,13 +124,13 @@ def gguf_file_architecture(path: Union[str, Path]) -> str:
 
         def skip(kind: int) -> None:
             if kind in _GGUF_SCALARS:
-                f.seek(_GGUF_SCALARS[kind], 1)
+                f.seek(struct.calcsize(_GGUF_SCALARS[kind]), 1)
             elif kind == 8:
                 f.seek(read("<Q"), 1)
             elif kind == 9:
                 inner, count = read("<I"), read("<Q")
                 if inner in _GGUF_SCALARS:
-                    f.seek(_GGUF_SCALARS[inner] * count, 1)
+                    f.seek(struct.calcsize(_GGUF_SCALARS[inner]) * count, 1)
                 else:
                     for _ in range(count):
                         skip(inner)
@@ -141,12 +141,24 @@ def gguf_file_architecture(path: Union[str, Path]) -> str:
             raise ValueError(f"{str(path)!r} is not a GGUF file (no GGUF magic).")
         read("<I")  # version
         read("<Q")  # tensor count
+        values: dict[str, Any] = {}
         for _ in range(read("<Q")):
             key, kind = read_str(), read("<I")
-            if key == "general.architecture" and kind == 8:
-                return read_str()
-            skip(kind)
-    raise ValueError(f"GGUF file {str(path)!r} has no general.architecture.")
+            if kind in _GGUF_SCALARS:
+                values[key] = read(_GGUF_SCALARS[kind])
+            elif kind == 8:
+                values[key] = read_str()
+            else:
+                skip(kind)
+    return values
+
+
+def gguf_file_architecture(path: Union[str, Path]) -> str:
+    """`general.architecture` of a GGUF file, from its header."""
+    architecture = gguf_header_values(path).get("general.architecture")
+    if not isinstance(architecture, str):
+        raise ValueError(f"GGUF file {str(path)!r} has no general.architecture.")
+    return architecture
 
 
 def check_gguf_file(path: Union[str, Path]) -> str:
@@ -168,3 +180,18 @@ def check_causal_lm_dir(model_dir: Union[str, Path]) -> None:
     names = list(data.get("architectures") or [])
     if names and all(name.endswith("ForCausalLM") for name in names):
         decoder_architecture(data)
+
+
+def gguf_kv_config(path: Union[str, Path]) -> dict[str, int] | None:
+    """The HF config values a KV-cache block's size depends on, from a GGUF file's header (llama.cpp's
+    key names), or None where the header lacks one: enough to check a KV budget before the file's
+    full config is converted (seconds, with transformers)."""
+    values = gguf_header_values(path)
+    prefix = f"{values.get('general.architecture')}."
+    names = {"num_hidden_layers": "block_count", "num_attention_heads": "attention.head_count",
+             "hidden_size": "embedding_length", "num_key_value_heads": "attention.head_count_kv",
+             "head_dim": "attention.key_length"}
+    config = {name: values[prefix + key] for name, key in names.items() if isinstance(values.get(prefix + key), int)}
+    if not {"num_hidden_layers", "num_attention_heads", "hidden_size"} <= set(config):
+        return None
+    return config

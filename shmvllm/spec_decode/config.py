@@ -1,0 +1,84 @@
+"""SpeculativeConfig: vLLM's `speculative_config` dict, checked at the API boundary.
+
+Only the n-gram (prompt lookup) proposer is implemented; every other method vLLM knows is
+refused by name, and so is every key this engine would otherwise ignore.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+_REFUSED_METHODS = {
+    "eagle": "EAGLE heads", "eagle3": "EAGLE-3 heads", "medusa": "Medusa heads", "mlp_speculator": "MLP speculators",
+    "mtp": "multi-token-prediction layers", "deepseek_mtp": "multi-token-prediction layers",
+    "draft_model": "a draft model", "suffix": "suffix decoding",
+}
+# Keys of vLLM's SpeculativeConfig that change nothing for the n-gram method at their default.
+_DEFAULT_ONLY = {
+    "model": None, "draft_tensor_parallel_size": None, "quantization": None, "max_model_len": None,
+    "revision": None, "code_revision": None, "disable_padded_drafter_batch": False,
+}
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 5  # the longest suffix n-gram matched
+    prompt_lookup_min: int = 3  # the shortest: shorter matches mostly propose what is rejected
+
+    @classmethod
+    def from_user(cls, value: Any) -> Optional["SpeculativeConfig"]:
+        """`LLM(speculative_config=...)`: None, a dict of vLLM's keys, or a SpeculativeConfig."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise TypeError(f"speculative_config must be a dict or None, got {type(value).__name__}: {value!r}.")
+        options = dict(value)
+        method = options.pop("method", None)
+        if method is None and options.get("model") in ("ngram", "[ngram]"):
+            method = "ngram"  # vLLM's older spelling: model="[ngram]"
+            options.pop("model")
+        if method is None:
+            raise ValueError("speculative_config['method'] is required (only 'ngram' is supported).")
+        if method in _REFUSED_METHODS:
+            raise ValueError(
+                f"speculative_config['method']={method!r} is not supported: {_REFUSED_METHODS[method]} are not "
+                "implemented (only 'ngram', prompt lookup, is)."
+            )
+        if method != "ngram":
+            raise ValueError(f"speculative_config['method']={method!r} is unknown (only 'ngram' is supported).")
+        if "num_speculative_tokens" not in options:
+            raise ValueError("speculative_config['num_speculative_tokens'] is required.")
+        k = _positive_int(options.pop("num_speculative_tokens"), "num_speculative_tokens", 64)
+        n_max = options.pop("prompt_lookup_max", None)
+        n_min = options.pop("prompt_lookup_min", None)
+        n_max = _positive_int(n_max, "prompt_lookup_max", 1024) if n_max is not None else None
+        n_min = _positive_int(n_min, "prompt_lookup_min", 1024) if n_min is not None else None
+        # one bound given sets the other to it (as vLLM); neither: 3..5 (benchmarks/results/speculative.md)
+        if n_max is None and n_min is None:
+            n_max, n_min = cls.prompt_lookup_max, cls.prompt_lookup_min
+        elif n_max is None:
+            n_max = n_min
+        elif n_min is None:
+            n_min = n_max
+        if n_min > n_max:
+            raise ValueError(
+                f"speculative_config['prompt_lookup_min']={n_min} must not exceed prompt_lookup_max={n_max}."
+            )
+        for key, default in _DEFAULT_ONLY.items():
+            if key in options and options.pop(key) != default:
+                raise ValueError(f"speculative_config[{key!r}]={value[key]!r} is not supported with method 'ngram'.")
+        if options:
+            key = sorted(options)[0]
+            raise ValueError(f"speculative_config[{key!r}]={options[key]!r} is not supported.")
+        return cls(method=method, num_speculative_tokens=k, prompt_lookup_max=n_max, prompt_lookup_min=n_min)
+
+
+def _positive_int(value: Any, name: str, limit: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"speculative_config[{name!r}] must be an int, got {type(value).__name__}: {value!r}.")
+    if not 1 <= value <= limit:
+        raise ValueError(f"speculative_config[{name!r}] must be in [1, {limit}], got {value}.")
+    return value

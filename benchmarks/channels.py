@@ -46,9 +46,9 @@ class ZmqEndpoint(Endpoint):
         if not self.try_send(data):
             raise ConnectionError("no peer is connected to the zmq socket")
 
-    def try_send(self, data: bytes) -> bool:
-        try:  # unbounded queues: only a missing peer makes it block
-            self._push.send(data, self._zmq.NOBLOCK, copy=False)
+    def try_send(self, data: "bytes | bytearray") -> bool:
+        try:  # unbounded queues: only a missing peer makes it block; a reused buffer is copied
+            self._push.send(data, self._zmq.NOBLOCK, copy=type(data) is not bytes)
         except self._zmq.Again:
             return False
         return True

@@ -2,6 +2,8 @@
 with 32 and with 2,048 prompt token ids (decoded as the engine does, `decode_to_engine`) and of
 an EngineCoreOutputs of 64 one-token outputs (decoded as the frontend does,
 `decode_from_engine`): the same messages as benchmarks/ipc_latency.py's req32 / req2048 / out64.
+Encoding is timed twice: `encode` (a new bytes object) and `encode_into` (one reused bytearray,
+as the engine's outbox and `ipc.Channel` send).
 
     flock /tmp/shmvllm-cpu.lock python benchmarks/ipc_messages.py --against /path/to/other/checkout \\
         --json benchmarks/results/ipc_messages.json --plot benchmarks/results/ipc_messages.png
@@ -32,6 +34,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parents[1]
 MESSAGES = ("req32", "req2048", "out64")
+# encode_into: into one reused bytearray, as the engine's outbox sends (then one copy into the ring)
+OPS = ("encode", "encode_into", "decode")
 CALLS = 2000
 
 
@@ -51,7 +55,8 @@ def worker() -> dict:
     """One process's figures: {message: {"encode_us", "decode_us", "bytes"}}."""
     from shmvllm.boundary import messages as m
 
-    encode = m.make_encoder().encode
+    encoder = m.make_encoder()
+    encode, encode_into, reused = encoder.encode, encoder.encode_into, bytearray(4096)
     out = {}
     for name in MESSAGES:
         msg = _message(name)
@@ -59,7 +64,9 @@ def worker() -> dict:
         decode = m.decode_to_engine if name.startswith("req") else m.decode_from_engine
         assert type(decode(buf)).__name__ == type(msg).__name__, decode(buf)
         timed = {}
-        for op, fn in (("encode_us", lambda: encode(msg)), ("decode_us", lambda: decode(buf))):
+        ops = (("encode_us", lambda: encode(msg)), ("encode_into_us", lambda: encode_into(msg, reused)),
+               ("decode_us", lambda: decode(buf)))
+        for op, fn in ops:
             timed[op] = min(timeit.repeat(fn, number=CALLS, repeat=5)) / CALLS * 1e6
         out[name] = dict(timed, bytes=len(buf))
     return out
@@ -94,7 +101,7 @@ def main() -> int:
     rows = []
     for side, results in rounds.items():
         for name in MESSAGES:
-            for op in ("encode_us", "decode_us"):
+            for op in (f"{op}_us" for op in OPS):
                 values = [res[name][op] for res in results]
                 rows.append(dict(side=side, checkout=str(sides[side]), message=name, op=op[:-3],
                                  bytes=results[0][name]["bytes"], us_median=statistics.median(values), us_rounds=values))
@@ -103,7 +110,7 @@ def main() -> int:
     print("|---|---|---|---|" + ("---|---|" if args.against else ""))
     checks = []
     for name in MESSAGES:
-        for op in ("encode", "decode"):
+        for op in OPS:
             this = by[("this", name, op)]
             cells = [f"{this['us_median']:.2f} [{min(this['us_rounds']):.2f}-{max(this['us_rounds']):.2f}]"]
             if args.against:
@@ -136,13 +143,13 @@ def _plot(rows: list[dict], path: str, against: bool) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{m}\n{op}" for m in MESSAGES for op in ("encode", "decode")]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    labels = [f"{m}\n{op}" for m in MESSAGES for op in OPS]
+    fig, ax = plt.subplots(figsize=(12, 4.5))
     sides = ("other", "this") if against else ("this",)
     width = 0.8 / len(sides)
     for i, side in enumerate(sides):
         cells = [next(r for r in rows if r["side"] == side and r["message"] == m and r["op"] == op)
-                 for m in MESSAGES for op in ("encode", "decode")]
+                 for m in MESSAGES for op in OPS]
         values = [c["us_median"] for c in cells]
         spread = [[v - min(c["us_rounds"]) for v, c in zip(values, cells)], [max(c["us_rounds"]) - v for v, c in zip(values, cells)]]
         ax.bar([x + (i - (len(sides) - 1) / 2) * width for x in range(len(labels))], values, width, yerr=spread,

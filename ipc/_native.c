@@ -261,6 +261,26 @@ int ipc_commit(uint8_t *b, int n, int kind) {
     return publish(b);
 }
 
+/* memcpy for the payloads. A destination 1..63 bytes past the source modulo 4 KiB makes a long
+ * memcpy (glibc's rep movsb) stall on false store-to-load dependencies (4K aliasing): 10x slower
+ * for 64 KiB on this project's AMD EPYC (a payload in the ring is 8 bytes past an aligned record
+ * header). Such a copy goes in 2 KiB pieces, the last first: a piece that size takes glibc's
+ * vector loop, which handles the aliasing itself, and no piece's loads follow a store that
+ * aliases them. */
+#define ALIAS_PIECE 2048
+static inline void copy_payload(uint8_t *dst, const uint8_t *src, size_t n) {
+    uintptr_t d = ((uintptr_t)dst - (uintptr_t)src) & 4095;
+    if (n <= ALIAS_PIECE || d == 0 || d >= 64) {
+        memcpy(dst, src, n);
+        return;
+    }
+    for (size_t off = n; off > 0;) {
+        size_t k = off >= ALIAS_PIECE ? ALIAS_PIECE : off;
+        off -= k;
+        memcpy(dst + off, src + off, k);
+    }
+}
+
 /* Producer: reserve + copy + commit of one whole message. FULL/TOO_BIG/BAD_COUNTERS, or 1 when
  * the consumer slept and was woken, else 0.
  *
@@ -276,7 +296,7 @@ int64_t ipc_push(uint8_t *b, const uint8_t *data, int n) {
     int64_t off = ipc_reserve(b, n);
     if (off < 0) return off;
     int woken = n >= EARLY_WAKE_MIN && n <= EARLY_WAKE_MAX ? take_sleeper(b, OFF_C_SLEEPING) : 0;
-    memcpy(b + off, data, (size_t)n);
+    copy_payload(b + off, data, (size_t)n);
     return ipc_commit(b, n, KIND_MSG) | woken;
 }
 
@@ -546,6 +566,14 @@ static PyObject *py_release(PyObject *m, PyObject *const *args, Py_ssize_t nargs
  * empty it spins for up to spin_ns with the GIL released first. Returns the bytes, or the int
  * ipc_peek returned when that is not a whole message (EMPTY after the spin, a fragment, an error):
  * the caller's slow path handles it (the record, if any, is still in the ring). */
+/* A new bytes object with the record's payload (copy_payload: the new object's data may alias it). */
+static PyObject *bytes_of(uint8_t *b, int64_t r) {
+    Py_ssize_t n = (Py_ssize_t)((r >> 30) & 0x3FFFFFFF);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n);
+    if (out != NULL) copy_payload((uint8_t *)PyBytes_AS_STRING(out), b + (r & 0x3FFFFFFF), (size_t)n);
+    return out;
+}
+
 static PyObject *take(uint8_t *b, long long spin_ns) {
     int64_t r = ipc_peek(b);
     if (r == EMPTY && spin_ns > 0) {
@@ -555,7 +583,7 @@ static PyObject *take(uint8_t *b, long long spin_ns) {
         r = ipc_peek(b);
     }
     if (r < 0 || (r >> 60) != KIND_MSG) return PyLong_FromLongLong(r);
-    PyObject *data = PyBytes_FromStringAndSize((const char *)b + (r & 0x3FFFFFFF), (Py_ssize_t)((r >> 30) & 0x3FFFFFFF));
+    PyObject *data = bytes_of(b, r);
     if (data != NULL) ipc_release(b);
     return data;
 }
@@ -573,8 +601,7 @@ static PyObject *py_take(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
  * functools.partial; what they do not handle they hand to the Python method.
  * `gate` is a bytearray of the ring object: while gate[0] (gate[1]) is nonzero, push (pop) goes
  * to the Python method at once (the ring is closed, or a fragmented message is under way).
- *   push_fast(base, gate, push, ring, data[, timeout]): bytes, or a contiguous buffer, that fits
- *     in a record and in the ring now is pushed here; anything else is push(ring, data[, timeout]).
+ *   push_fast(base, gate, push, ring, data[, timeout]) and try_push_fast, consume_fast: see below.
  *   pop_fast(base, gate, spin_ns, sleep_ns, closed_off, pop, pop_rest, ring[, timeout]): without a
  *     timeout, the whole wait of the common case: peek, spin while empty (spin_ns), then sleep
  *     once (ring_sleep, at most sleep_ns: the poll interval; 0 = no sleep here) and copy out the
@@ -605,27 +632,120 @@ static int gate_open(PyObject *gate, int which) {
     return PyByteArray_CheckExact(gate) && PyByteArray_GET_SIZE(gate) == 2 && PyByteArray_AS_STRING(gate)[which] == 0;
 }
 
+/* Whether a call's keywords are at most "timeout" (which a push that fits now does not need). */
+static int only_timeout_kw(PyObject *kwnames) {
+    if (kwnames == NULL || PyTuple_GET_SIZE(kwnames) == 0) return 1;
+    return PyTuple_GET_SIZE(kwnames) == 1 && PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "timeout") == 0;
+}
+
+/* Pushes `data` (bytes, or a contiguous buffer) if it fits in a record and in the ring now:
+ * 1 pushed, 0 not (the caller's method handles it), -1 an error set. */
+static int push_now(uint8_t *b, PyObject *data) {
+    if (PyBytes_CheckExact(data) && PyBytes_GET_SIZE(data) <= INT32_MAX)
+        return ipc_push(b, (const uint8_t *)PyBytes_AS_STRING(data), (int)PyBytes_GET_SIZE(data)) >= 0;
+    if (!PyObject_CheckBuffer(data)) return 0; /* a bytearray, a memoryview (of another ring, say) */
+    Py_buffer view;
+    if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) != 0) {
+        PyErr_Clear(); /* not contiguous, released, ...: the method says what is wrong */
+        return 0;
+    }
+    int64_t r = view.len <= INT32_MAX ? ipc_push(b, (const uint8_t *)view.buf, (int)view.len) : FULL;
+    PyBuffer_Release(&view);
+    return r >= 0;
+}
+
+/* push_fast(base, gate, push, ring, data[, timeout]): a message that fits now is pushed here
+ * whatever the timeout (it only bounds a wait); anything else is push(ring, data[, timeout]). */
 static PyObject *py_push_fast(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     uint8_t *b;
     if (nargs < 4 || base_arg(args, 1, 1, &b) < 0) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "push_fast(base, gate, push, ring, ...)");
         return NULL;
     }
-    if (nargs >= 5 && gate_open(args[1], 0) && no_timeout(args, nargs, 5, kwnames)) {
-        if (PyBytes_CheckExact(args[4]) && PyBytes_GET_SIZE(args[4]) <= INT32_MAX) {
-            if (ipc_push(b, (const uint8_t *)PyBytes_AS_STRING(args[4]), (int)PyBytes_GET_SIZE(args[4])) >= 0) Py_RETURN_NONE;
-        } else if (PyObject_CheckBuffer(args[4])) { /* a bytearray, a memoryview (of another ring, say) */
-            Py_buffer view;
-            if (PyObject_GetBuffer(args[4], &view, PyBUF_SIMPLE) == 0) {
-                int64_t r = view.len <= INT32_MAX ? ipc_push(b, (const uint8_t *)view.buf, (int)view.len) : FULL;
-                PyBuffer_Release(&view);
-                if (r >= 0) Py_RETURN_NONE;
-            } else {
-                PyErr_Clear(); /* not contiguous, released, ...: the method says what is wrong */
-            }
-        }
+    if (nargs >= 5 && nargs <= 6 && gate_open(args[1], 0) && only_timeout_kw(kwnames)) {
+        int r = push_now(b, args[4]);
+        if (r < 0) return NULL;
+        if (r) Py_RETURN_NONE;
     }
     return call_with_ring(args[2], args[3], args + 4, nargs - 4, kwnames);
+}
+
+/* try_push_fast(base, gate, try_push, ring, data): True for a message pushed now; anything else
+ * is try_push(ring, data) (which may spin for room, and says False when there is none). */
+static PyObject *py_try_push_fast(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    uint8_t *b;
+    if (nargs < 4 || base_arg(args, 1, 1, &b) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "try_push_fast(base, gate, try_push, ring, ...)");
+        return NULL;
+    }
+    if (nargs == 5 && gate_open(args[1], 0) && (kwnames == NULL || PyTuple_GET_SIZE(kwnames) == 0)) {
+        int r = push_now(b, args[4]);
+        if (r < 0) return NULL;
+        if (r) Py_RETURN_TRUE;
+    }
+    return call_with_ring(args[2], args[3], args + 4, nargs - 4, kwnames);
+}
+
+/* fn(view) of the whole message `r` (ipc_peek's result), read in place, then its record freed
+ * (waking a producer that sleeps for space), also when fn raises. The view is released before
+ * the record is freed, so that a use of it afterwards raises instead of reading what the
+ * producer writes next; if fn kept an export of it (an array over it), that release raises
+ * BufferError, which is then the result (the record is freed all the same). */
+static PyObject *release_name;
+static PyObject *deliver(uint8_t *b, int64_t r, PyObject *fn) {
+    PyObject *view = PyMemoryView_FromMemory((char *)b + (r & 0x3FFFFFFF), (Py_ssize_t)((r >> 30) & 0x3FFFFFFF), PyBUF_WRITE);
+    if (view == NULL) return NULL;
+    PyObject *out = PyObject_CallOneArg(fn, view);
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb); /* fn's exception, if any, set aside during the release */
+    PyObject *done = PyObject_CallMethodNoArgs(view, release_name);
+    Py_DECREF(view);
+    ipc_release(b);
+    if (done == NULL) {
+        Py_CLEAR(out);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        return NULL;
+    }
+    Py_DECREF(done);
+    PyErr_Restore(type, value, tb);
+    return out;
+}
+
+/* consume_fast(base, gate, spin_ns, consume, consume_rest, ring, fn[, timeout]): the body of
+ * consume (spin_ns >= 0) and try_consume (spin_ns < 0) for the common case, in one call: fn(view)
+ * of the next whole message in place (deliver); from try_consume, None when the ring is empty;
+ * from consume without a timeout, an empty ring is first spun on for spin_ns with the GIL released
+ * (as pop_fast does), and what is there after the spin goes to consume_rest(ring, fn, result).
+ * Anything else (a timeout to honour, a fragment, an error, the gate closed) is
+ * consume(ring, fn[, timeout]). */
+static PyObject *py_consume_fast(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    uint8_t *b;
+    if (nargs < 7 || base_arg(args, 1, 1, &b) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "consume_fast(base, gate, spin_ns, consume, consume_rest, ring, fn, ...)");
+        return NULL;
+    }
+    long long spin_ns = PyLong_AsLongLong(args[2]);
+    if (spin_ns == -1 && PyErr_Occurred()) return NULL;
+    if (nargs <= 8 && gate_open(args[1], 1) && only_timeout_kw(kwnames)) {
+        int64_t r = ipc_peek(b);
+        if (r >= 0 && (r >> 60) == KIND_MSG) return deliver(b, r, args[6]);
+        if (r == EMPTY && spin_ns < 0) Py_RETURN_NONE;
+        if (r == EMPTY && spin_ns > 0 && no_timeout(args, nargs, 7, kwnames)) {
+            Py_BEGIN_ALLOW_THREADS
+            spin_until(b, 0, 0, spin_ns);
+            Py_END_ALLOW_THREADS
+            r = ipc_peek(b);
+            if (r >= 0 && (r >> 60) == KIND_MSG) return deliver(b, r, args[6]);
+            PyObject *rest[2] = {args[6], PyLong_FromLongLong(r)};
+            if (rest[1] == NULL) return NULL;
+            PyObject *out = call_with_ring(args[4], args[5], rest, 2, NULL);
+            Py_DECREF(rest[1]);
+            return out;
+        }
+    }
+    return call_with_ring(args[3], args[5], args + 6, nargs - 6, kwnames);
 }
 
 static PyObject *py_pop_fast(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
@@ -652,7 +772,7 @@ static PyObject *py_pop_fast(PyObject *m, PyObject *const *args, Py_ssize_t narg
     }
     PyObject *out;
     if (r >= 0 && (r >> 60) == KIND_MSG) {
-        out = PyBytes_FromStringAndSize((const char *)b + (r & 0x3FFFFFFF), (Py_ssize_t)((r >> 30) & 0x3FFFFFFF));
+        out = bytes_of(b, r);
         if (out != NULL) ipc_release(b);
         return out;
     }
@@ -676,7 +796,7 @@ static PyObject *py_take_many(PyObject *m, PyObject *const *args, Py_ssize_t nar
     for (int i = 0; i < limit; i++) {
         int64_t r = peek_at(b, head);
         if (r < 0 || (r >> 60) != KIND_MSG) break;
-        PyObject *data = PyBytes_FromStringAndSize((const char *)b + (r & 0x3FFFFFFF), (Py_ssize_t)((r >> 30) & 0x3FFFFFFF));
+        PyObject *data = bytes_of(b, r);
         if (data == NULL || PyList_Append(out, data) < 0) {
             Py_XDECREF(data);
             Py_DECREF(out);
@@ -737,7 +857,7 @@ static PyObject *py_push_many(PyObject *m, PyObject *const *args, Py_ssize_t nar
             return PyLong_FromSsize_t(~done);
         }
         if (off < 0) break;
-        memcpy(b + off, PyBytes_AS_STRING(item), (size_t)n);
+        copy_payload(b + off, (const uint8_t *)PyBytes_AS_STRING(item), (size_t)n);
         seal(b, n, KIND_MSG);
         tail = U64(b, OFF_P_PENDING);
         if (tail - published >= PUBLISH_EVERY) {
@@ -821,10 +941,15 @@ static PyMethodDef methods[] = {
     FASTCALL("take_many", py_take_many), FASTCALL("push_many", py_push_many),
     {"push_fast", (PyCFunction)(void (*)(void))py_push_fast, METH_FASTCALL | METH_KEYWORDS, NULL},
     {"pop_fast", (PyCFunction)(void (*)(void))py_pop_fast, METH_FASTCALL | METH_KEYWORDS, NULL},
+    {"try_push_fast", (PyCFunction)(void (*)(void))py_try_push_fast, METH_FASTCALL | METH_KEYWORDS, NULL},
+    {"consume_fast", (PyCFunction)(void (*)(void))py_consume_fast, METH_FASTCALL | METH_KEYWORDS, NULL},
     FASTCALL("sleep_consumer", py_sleep_consumer), FASTCALL("sleep_producer", py_sleep_producer),
     FASTCALL("futex_wait", py_futex_wait), FASTCALL("futex_wake", py_futex_wake), {NULL, NULL, 0, NULL},
 };
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ipc_fast", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__ipc_fast(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__ipc_fast(void) {
+    release_name = PyUnicode_InternFromString("release");
+    return release_name == NULL ? NULL : PyModule_Create(&module);
+}
 #endif

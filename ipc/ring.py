@@ -254,6 +254,13 @@ class RingBuffer:
             # kept a reference to them.
             me, cls = weakref.proxy(self), type(self)
             self.push = functools.partial(ops.ext.push_fast, ops.base, self._gate, cls.push, me)  # type: ignore[method-assign]
+            self.try_push = functools.partial(ops.ext.try_push_fast, ops.base, self._gate, cls.try_push, me)  # type: ignore[method-assign]
+            self.consume = functools.partial(  # type: ignore[method-assign]
+                ops.ext.consume_fast, ops.base, self._gate, self._take_spin_ns, cls.consume, cls._consume_rest, me
+            )
+            self.try_consume = functools.partial(  # type: ignore[method-assign]
+                ops.ext.consume_fast, ops.base, self._gate, -1, cls.try_consume, None, me
+            )
             self.pop = functools.partial(  # type: ignore[method-assign]
                 ops.ext.pop_fast, ops.base, self._gate, self._take_spin_ns,
                 0 if self._nap_window_s > 0 else int(self._poll_interval * 1e9),  # naps: the Waiter's
@@ -485,6 +492,16 @@ class RingBuffer:
                         self._ring_data()
                     return
         self._push_slow(data, timeout)
+
+    def try_push(self, data: "bytes | bytearray | memoryview") -> bool:
+        """`push(data, timeout=0)`: True if the message went in (after the short spin for room a
+        full ring gets), False if there was no room; never sleeps. For a producer that must not
+        block (it keeps what did not go for later)."""
+        try:
+            self.push(data, 0.0)
+        except RingTimeoutError:
+            return False
+        return True
 
     def push_many(self, messages: "list[bytes]", timeout: Optional[float] = None) -> None:
         """Pushes several messages in order, publishing the tail once for as many of them as fit
@@ -757,9 +774,11 @@ class RingBuffer:
         try:
             return fn(view)
         finally:
-            view.release()
-            if self._op_release():
-                self._ring_space()
+            try:
+                view.release()  # a BufferError if fn kept an export of it; the record is freed all the same
+            finally:
+                if self._op_release():
+                    self._ring_space()
 
     def _consume_slow(self, fn: Callable[[memoryview], T], r: int, deadline: Optional[float], spun: bool = False) -> T:
         """The rest of pop/consume after a first look (`r`); `spun`: that look spun already."""
@@ -794,6 +813,10 @@ class RingBuffer:
                 if message is not None:
                     return message
             r = self._op_peek()
+
+    def _consume_rest(self, fn: Callable[[memoryview], T], r: int) -> T:
+        """consume after the C fast path spun on an empty ring and then found `r`."""
+        return self._consume_slow(fn, r, None, spun=True)
 
     def _pop_rest(self, r: int, slept: bool) -> bytes:
         """pop after the C fast path's look found `r`, not a whole message: it spun already,

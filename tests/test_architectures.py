@@ -48,11 +48,28 @@ def assert_engine_matches(model_dir: Path, engine, prompts: list[list[int]], ref
     return outputs
 
 
-def test_alone_and_in_a_mixed_batch(family_dir):
+# the tiny families that decode layer by layer, and the reason the native step gives
+LAYER_BY_LAYER = {"phi3": "partial rotary"}  # test_architectures_more's Phi-4-mini options
+
+
+def assert_native_step_ran(engine, family: str) -> None:
+    """A single request's decode ran the native decode step, unless the family is one the step
+    leaves to the layer path (then it says why): a silent fallback fails."""
+    from shmvllm.model.decode_step import fallback_reasons
+
+    model = engine.executor.worker.model_runner.model.model
+    if family in LAYER_BY_LAYER:
+        assert model.decode_step is None and any(LAYER_BY_LAYER[family] in r for r in fallback_reasons(model))
+    else:
+        assert model.decode_step is not None and model.decode_step.steps > 0, fallback_reasons(model)
+
+
+def test_alone_and_in_a_mixed_batch(family_dir, request):
     prompts = prompts_of(MIXED_LENGTHS)
     engine = make_engine(family_dir, num_kv_blocks=64)
     try:
         assert_engine_matches(family_dir, engine, prompts[:1])
+        assert_native_step_ran(engine, request.node.callspec.params["family_dir"])
         assert_engine_matches(family_dir, engine, prompts[1:2])
         assert_engine_matches(family_dir, engine, prompts)
         assert engine.get_stats()["num_free_blocks"] == engine.num_kv_blocks
@@ -196,9 +213,11 @@ def test_gemma3_270m_q4_k_m_matches_transformers_on_the_file(gemma3_270m):
     file (its own dequantized weights); the file has no chat template, so chat() needs one."""
     from shmvllm import LLM
 
-    llm = LLM(model=str(gemma3_270m), quantization="gguf", max_model_len=256, dtype="float32")  # its own blocks
+    # its own blocks; in this process, to see that the native decode step ran
+    llm = LLM(model=str(gemma3_270m), quantization="gguf", max_model_len=256, dtype="float32", multiprocess=False)
     try:
         outputs = llm.generate(GEMMA3_PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+        assert llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.model.model.decode_step.steps > 0
         tokenizer = llm.get_tokenizer()
         for prompt, output in zip(GEMMA3_PROMPTS, outputs):
             ids = tuple(tokenizer(prompt).input_ids)

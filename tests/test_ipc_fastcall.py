@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import pickle
 import random
 import sysconfig
 import warnings
@@ -12,7 +13,7 @@ import warnings
 import pytest
 
 import ipc.ring as ring_module
-from ipc import RingBuffer, native_available
+from ipc import RingBuffer, RingTimeoutError, native_available
 from ipc import _native
 from ipc import layout as L
 
@@ -105,3 +106,68 @@ def test_a_failing_extension_build_falls_back_to_ctypes(tmp_path, monkeypatch):
         warnings.simplefilter("error")  # no "pure-Python fallback" warning: ctypes still works
         lib = _native.load()
     assert lib is not None and lib.ext is None
+
+
+def _fast_pair(capacity: int = 4096):
+    ring = RingBuffer.create(capacity)
+    peer = RingBuffer.attach(ring.name)
+    if ring_module._native_lib() is None or ring_module._native_lib().ext is None:
+        peer.close()
+        ring.close()
+        pytest.skip("no extension module: the methods are the Python ones")
+    return ring, peer
+
+
+def test_consume_and_try_consume_in_one_call():
+    """consume / try_consume of a whole message run fn on the record in place and free it, also
+    when fn raises; the view is released after; an empty ring is None without a wait."""
+    tx, rx = _fast_pair()
+    try:
+        assert rx.try_consume(bytes) is None
+        tx.push(b"abc")
+        kept = []
+        assert rx.try_consume(lambda view: kept.append(view) or bytes(view)) == b"abc"
+        with pytest.raises(ValueError, match="released"):
+            kept[0][0]
+        tx.push(b"boom")
+        with pytest.raises(ZeroDivisionError):
+            rx.consume(lambda view: 1 / 0, timeout=1)
+        assert rx.try_consume(bytes) is None  # the message that raised was consumed
+        tx.push(b"x" * 100)
+        assert rx.consume(len, timeout=0) == 100 and rx.consume.func is ring_module._native_lib().ext.consume_fast
+        tx.push(b"kept")
+        with pytest.raises(BufferError):  # fn kept an export of the view: the record is freed all the same
+            rx.consume(lambda view: kept.append(pickle.PickleBuffer(view)))
+        kept.clear()
+        tx.push(b"next")
+        assert rx.consume(bytes, timeout=1) == b"next"
+        tx.push(b"late")
+        with pytest.raises(TypeError):
+            rx.consume(bytes, 1.0, bogus=1)  # what the C path does not take goes to the method
+        assert rx.consume(bytes, timeout=1) == b"late"
+        with pytest.raises(RingTimeoutError):  # empty: consume waits (the method), try_consume does not
+            rx.consume(bytes, timeout=0.01)
+    finally:
+        rx.close()
+        tx.close()
+
+
+def test_try_push_and_push_with_a_timeout_in_one_call():
+    """try_push says True for a message that fits now and False for one that does not (after the
+    method's spin); push with a timeout takes the C path when the message fits."""
+    tx, rx = _fast_pair(256)
+    try:
+        assert tx.try_push(b"a" * 24) is True and tx.try_push(bytearray(b"b" * 24)) is True
+        tx.push(b"c" * 24, 0.0)
+        tx.push(memoryview(b"d" * 24), timeout=0.5)
+        while tx.try_push(b"e" * 24):
+            pass
+        assert tx.try_push(b"f") is False
+        got = rx.pop_many()
+        assert got[:4] == [b"a" * 24, b"b" * 24, b"c" * 24, b"d" * 24] and set(got[4:]) == {b"e" * 24}
+        with pytest.raises(ValueError, match="timeout"):  # a full ring reaches the method, which checks it
+            while True:
+                tx.push(b"g" * 24, -1.0)
+    finally:
+        rx.close()
+        tx.close()

@@ -110,6 +110,39 @@ def test_native_decode_step_at_any_thread_count_and_long_context(tiny_llama_dir,
         assert torch.equal(a, b)
 
 
+# every family's options as the native step's layer table carries them: (1 + w) norms and norms
+# after the blocks, q/k norms per head and over the projection, GeGLU, soft-capping, windows and
+# Gemma 3's two rope bases, Granite's scales, SmolLM3's layers without rope
+FAMILY_OPTIONS = {
+    "qwen3": {}, "gemma2": {}, "gemma3": {}, "phi3": {}, "olmo2": {}, "smollm3": {"no_rope_layers": [1, 0]},
+    "granite": {"embedding_multiplier": 4.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2, "logits_scaling": 2.0},
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_OPTIONS))
+def test_native_decode_step_equals_the_layer_path_for_every_family(family, tmp_path):
+    """One and three requests, contexts shorter and longer than the tiny Gemmas' window (8) and
+    than one attention run (512): the native step's hidden states are the layer path's bit for bit."""
+    from tiny_models import VOCAB, build_tiny
+
+    paged = PagedModel(build_tiny(family, tmp_path / family, **FAMILY_OPTIONS[family]), num_blocks=220, max_model_len=1024)
+    step = paged.model.model.decode_step
+    assert step is not None
+    for lengths in ([5], [9, 700, 21]):
+        prompts = [np.random.default_rng(n).integers(4, VOCAB, size=n).tolist() for n in lengths]
+        tables = [paged.blocks_for(len(p) + 3) for p in prompts]
+        paged.step([(p, 0, len(p), t) for p, t in zip(prompts, tables)])
+        seqs = [(p + [7], len(p), 1, t) for p, t in zip(prompts, tables)]
+        paged.model.model.decode_step = step
+        ran = step.steps
+        fused = paged.step(seqs)
+        assert step.steps == ran + 1
+        paged.model.model.decode_step = None
+        layered = paged.step(seqs)
+        for a, b in zip(fused, layered):
+            assert torch.equal(a, b), (family, lengths)
+
+
 def test_native_decode_step_skips_mixed_steps(tiny_llama_dir):
     """A step with a prefill in it, or more than 4 decodes, runs the layer path."""
     from shmvllm.model.attention import build_attention_metadata

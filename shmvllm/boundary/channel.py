@@ -104,8 +104,9 @@ class Endpoint(ABC):
         (ipc.PeerGoneError for the rings)."""
 
     @abstractmethod
-    def try_send(self, data: bytes) -> bool:
-        """Sends one message of at most `max_message` bytes if there is room now; never blocks."""
+    def try_send(self, data: "bytes | bytearray") -> bool:
+        """Sends one message of at most `max_message` bytes if there is room now; never blocks.
+        `data` may be a buffer its owner reuses after the call: an endpoint copies what it keeps."""
 
     @abstractmethod
     def recv(self, decode: Decode, timeout: Optional[float]) -> Any:
@@ -125,28 +126,30 @@ class Endpoint(ABC):
 
 
 class ShmEndpoint(Endpoint):
+    """The rings' methods themselves, bound per instance: the engine sends and polls after every
+    step, when a Python frame of ours around each call would be slow (the step has evicted the
+    caches); the common case of each is one call into the ring's C helper (the message copied in,
+    or decoded in place from the ring's memory and freed)."""
+
     def __init__(self, send_ring: Any, recv_ring: Any) -> None:
         self._send_ring, self._recv_ring = send_ring, recv_ring
-        self._push, self._consume = send_ring.push, recv_ring.consume
         self.max_message = send_ring.max_payload
-        # The engine polls this after every step: the ring's own method, without a Python frame
-        # of ours around it (each is slow when a step has just evicted the caches).
+        self.send = send_ring.push  # type: ignore[method-assign]
+        self.try_send = send_ring.try_push  # type: ignore[method-assign]
+        self.recv = recv_ring.consume  # type: ignore[method-assign]
         self.try_recv = recv_ring.try_consume  # type: ignore[method-assign]
 
+    # The methods below are replaced per instance in __init__.
     def send(self, data: bytes, timeout: Optional[float] = None) -> None:
-        self._push(data, timeout)
+        self._send_ring.push(data, timeout)
 
-    def try_send(self, data: bytes) -> bool:
-        try:
-            self._push(data, 0.0)
-        except ChannelTimeout:
-            return False
-        return True
+    def try_send(self, data: "bytes | bytearray") -> bool:
+        return self._send_ring.try_push(data)
 
     def recv(self, decode: Decode, timeout: Optional[float]) -> Any:
-        return self._consume(decode, timeout)
+        return self._recv_ring.consume(decode, timeout)
 
-    def try_recv(self, decode: Decode) -> Any:  # replaced per instance in __init__
+    def try_recv(self, decode: Decode) -> Any:
         return self._recv_ring.try_consume(decode)
 
     def close(self) -> None:
@@ -165,17 +168,22 @@ class EngineOutbox:
     def __init__(self, endpoint: Endpoint, limit_bytes: int) -> None:
         self.endpoint = endpoint
         self.limit_bytes = limit_bytes
-        self._encode = make_encoder().encode
+        self._encode_into = make_encoder().encode_into
+        # Encoded into one reused buffer (msgspec's encode_into writes only into a bytearray, so
+        # not straight into the ring): no allocation per message, one copy into the ring.
+        self._buf = bytearray(4096)
         self._queue: collections.deque[bytes] = collections.deque()
         self._queued_bytes = 0
 
     def send(self, msg: Any) -> None:
-        data = self._encode(msg)
-        if len(data) > self.endpoint.max_message:
-            self._queue_pieces(data)
-        elif self._queue or not self.endpoint.try_send(data):
-            self._queue.append(data)
-            self._queued_bytes += len(data)
+        buf = self._buf
+        self._encode_into(msg, buf)
+        if len(buf) > self.endpoint.max_message:
+            self._queue_pieces(bytes(buf))
+            self._buf = bytearray(4096)  # not the largest message's memory for good
+        elif self._queue or not self.endpoint.try_send(buf):
+            self._queue.append(bytes(buf))
+            self._queued_bytes += len(buf)
         if self._queue:
             self.flush()
 

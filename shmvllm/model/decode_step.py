@@ -1,9 +1,12 @@
-"""A Llama-family decode step as one native call (kernels/decode_step.c).
+"""A decoder's decode step as one native call (kernels/decode_step.c).
 
 On the CPU with fp32 activations, a step whose tokens are all decodes of at most FEW_ROWS
 requests (the GEMV regime: single-request latency) runs every layer in C: Python embeds the
 tokens, then makes one call, in which one OpenMP team runs the whole step (one parallel region a
-token; see decode_step.c). The C driver calls the same kernels as the layer-by-layer modules, each
+token; see decode_step.c). The families' options (where the norms sit, (1 + w) norms, q/k
+norms, activation, residual scale, per layer the rotary table, score scale, window and
+soft-capping) are data in the table; `fallback_reasons` names what still decodes layer by
+layer. The C driver calls the same kernels as the layer-by-layer modules, each
 output value computed the same way whatever the threads' split (so the hidden states are
 identical bit for bit, see tests/test_quant_model.py); this module lays out, once, a table of
 every layer's weights (GGML block parts or plain fp32 rows), norms and KV-cache pointers, and
@@ -37,9 +40,11 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [
-        ("input_norm", _ptr), ("post_norm", _ptr),
+        ("attn_in_norm", _ptr), ("attn_out_norm", _ptr), ("mlp_in_norm", _ptr), ("mlp_out_norm", _ptr),
+        ("q_norm", _ptr), ("k_norm", _ptr),
         ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-        ("k_cache", _ptr), ("v_cache", _ptr),
+        ("k_cache", _ptr), ("v_cache", _ptr), ("cos_table", _ptr), ("sin_table", _ptr),
+        ("scale", _f32), ("softcap", _f32), ("window", _i64),
     ]
 
 
@@ -47,11 +52,16 @@ class _Model(ctypes.Structure):
     _fields_ = [
         ("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
         ("intermediate", _i64), ("num_slots", _i64), ("block_size", _i64),
-        ("eps", _f32), ("scale", _f32), ("max_len", _i64), ("threads", _i64),
-        ("layers", ctypes.POINTER(_Layer)), ("final_norm", _ptr), ("cos_table", _ptr), ("sin_table", _ptr),
+        ("eps", _f32), ("residual_scale", _f32), ("fused_residual", _i64), ("qk_norm_width", _i64),
+        ("max_len", _i64), ("threads", _i64),
+        ("layers", ctypes.POINTER(_Layer)), ("final_norm", _ptr),
         ("rms_norm", _ptr), ("rotary", _ptr), ("write_kv", _ptr), ("attention_task", _ptr),
-        ("attention_combine", _ptr), ("silu_mul", _ptr), ("linear_rows", _ptr),
+        ("attention_combine", _ptr), ("glu", _ptr), ("linear_rows", _ptr),
     ]
+
+
+# the GLU kernel of each activation option (cpu_kernels.c)
+_GLU = {"silu": "shm_silu_and_mul", "gelu_tanh": "shm_gelu_tanh_and_mul"}
 
 
 def enabled() -> bool:
@@ -62,8 +72,43 @@ def _fn(lib: ctypes.CDLL, name: str) -> int:
     return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
 
 
+def _norm_weight(norm: Any) -> Optional[torch.Tensor]:
+    """The fp32 factor an RMSNorm scales by: (offset + weight) where it has an offset."""
+    if norm is None:
+        return None
+    return norm.scale if norm.offset else norm.weight
+
+
+def fallback_reasons(model: Any) -> list[str]:
+    """Why the native step cannot run `model` (a DecoderModel); empty: it can (on a CPU with the
+    kernels). What the step leaves to the layer-by-layer path: rotary tables that depend on the
+    sequence's length (dynamic NTK, LongRoPE past its threshold) or rotate part of each head
+    (partial rotary), and non-fp32 weights or norms."""
+    reasons = []
+    for key, table in model.rotary.items():
+        if table.length_dependent:
+            reasons.append(f"rope {key!r} depends on the sequence length ({table.rope_type})")
+        if table.rotary_dim != table.head_dim:
+            reasons.append(f"rope {key!r} rotates {table.rotary_dim} of {table.head_dim} features (partial rotary)")
+    for layer in model.layers:
+        attn = layer.self_attn
+        for linear in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            if linear.blocks is None and (linear.weight.dtype != torch.float32 or linear.weight.device.type != "cpu"):
+                reasons.append(f"weights of dtype {linear.weight.dtype} on {linear.weight.device.type}")
+                break
+        norms = [getattr(layer, name) for name in layer.norm_names if name is not None]
+        if attn.qk_norm is not None:
+            norms += [attn.q_norm, attn.k_norm]
+        if any(_norm_weight(norm).dtype != torch.float32 for norm in norms):
+            reasons.append("norm weights that are not fp32")
+        if reasons:
+            break
+    return sorted(set(reasons))
+
+
 class DecodeStep:
-    """The native decode step of one LlamaModel; `run` returns None where it does not apply."""
+    """The native decode step of one DecoderModel; `run` returns None where it does not apply.
+    `steps`: how many steps it ran (what tests check to see that a model did not fall back)."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -73,18 +118,10 @@ class DecodeStep:
         self._keep: list[Any] = []  # the ctypes arrays the table points into
         self._cache_ptr = None
         self._scratch: Optional[torch.Tensor] = None
+        self.steps = 0
 
     def usable(self) -> bool:
-        if self.quant is None or self.cpu is None or not self.model.rotary_emb.by_position_only:
-            return False
-        for layer in self.model.layers:
-            attn = layer.self_attn
-            for linear in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                if linear.blocks is None and (linear.weight.dtype != torch.float32 or linear.weight.device.type != "cpu"):
-                    return False
-            if layer.input_layernorm.weight.dtype != torch.float32:
-                return False
-        return True
+        return self.quant is not None and self.cpu is not None and not fallback_reasons(self.model)
 
     def _linear(self, linear: Linear) -> _Linear:
         if linear.blocks is not None:
@@ -102,33 +139,43 @@ class DecodeStep:
     def _build(self) -> _Model:
         model = self.model
         self._keep = []
-        first = model.layers[0].self_attn
-        attn = first.attn
+        first = model.layers[0]
         layers = (_Layer * len(model.layers))()
+        eps = {model.norm.eps}
         for i, layer in enumerate(model.layers):
             a = layer.self_attn
             cache_k, cache_v = a.attn.k_cache, a.attn.v_cache
             if not (cache_k.is_contiguous() and cache_v.is_contiguous() and cache_k.dtype == torch.float32):
                 raise ValueError("the fused decode step needs contiguous fp32 KV caches.")
+            norms = [getattr(layer, name) if name is not None else None for name in layer.norm_names]
+            qk = (a.q_norm, a.k_norm) if a.qk_norm is not None else (None, None)
+            eps |= {norm.eps for norm in (*norms, *qk) if norm is not None}
+            pointers = [w.data_ptr() if w is not None else None for w in map(_norm_weight, (*norms, *qk))]
+            rope = model.rotary[a.rope] if a.rope is not None else None
             layers[i] = _Layer(
-                layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                self._linear(a.qkv_proj), self._linear(a.o_proj), self._linear(layer.mlp.gate_up_proj),
+                *pointers, self._linear(a.qkv_proj), self._linear(a.o_proj), self._linear(layer.mlp.gate_up_proj),
                 self._linear(layer.mlp.down_proj), cache_k.data_ptr(), cache_v.data_ptr(),
+                rope.cos_cache.data_ptr() if rope is not None else None,
+                rope.sin_cache.data_ptr() if rope is not None else None,
+                a.attn.scale, a.attn.softcap or 0.0, a.attn.sliding_window or 0,
             )
         self._keep.append(layers)
-        k_cache = attn.k_cache
-        norm = model.norm
-        if len({layer.input_layernorm.eps for layer in model.layers} | {norm.eps}) != 1:
+        if len(eps) != 1:
             raise ValueError("the fused decode step needs one rms_norm eps for all norms.")
+        attn = first.self_attn.attn
+        k_cache = attn.k_cache
+        max_len = k_cache.shape[1] * k_cache.shape[2]
+        for table in model.rotary.values():
+            max_len = min(max_len, table.cos_cache.shape[0])
         cpu = self.cpu
-        cos = model.rotary_emb.cos_cache
         return _Model(
-            len(model.layers), norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            model.layers[0].mlp.intermediate_size, k_cache.shape[1] * k_cache.shape[2], k_cache.shape[2],
-            norm.eps, attn.scale, min(cos.shape[0], k_cache.shape[1] * k_cache.shape[2]), torch.get_num_threads(),
-            layers, norm.weight.data_ptr(), cos.data_ptr(), model.rotary_emb.sin_cache.data_ptr(),
+            len(model.layers), model.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            first.mlp.intermediate_size, k_cache.shape[1] * k_cache.shape[2], k_cache.shape[2],
+            model.norm.eps, first.residual_scale, int(first.fused_residual),
+            attn.head_dim if first.self_attn.qk_norm == "head" else 0, max_len, torch.get_num_threads(),
+            layers, _norm_weight(model.norm).data_ptr(),
             _fn(cpu, "shm_rms_norm"), _fn(cpu, "shm_rotary"), _fn(cpu, "shm_write_kv_cache"),
-            _fn(cpu, "shm_attention_task"), _fn(cpu, "shm_attention_combine"), _fn(cpu, "shm_silu_and_mul"),
+            _fn(cpu, "shm_attention_task"), _fn(cpu, "shm_attention_combine"), _fn(cpu, _GLU[first.mlp.activation]),
             _fn(cpu, "shm_linear_rows"),
         )
 
@@ -162,4 +209,5 @@ class DecodeStep:
         )
         if rc != 0:
             raise RuntimeError(f"the native decode step failed (status {rc}).")
+        self.steps += 1
         return out

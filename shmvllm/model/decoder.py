@@ -13,14 +13,16 @@ that ships them fused, as Phi-3 does, loads straight into them).
 The forward pass takes a flat batch of tokens ([num_tokens]) from many requests and returns
 hidden states; `compute_logits` runs the lm_head only on the rows that are sampled.
 
-Plain options (`DecoderOptions.plain`: Llama, Mistral without a window, Qwen2) keep the fast
-path: the residual add fused into o_proj / down_proj, and the native all-layer decode step
-(decode_step.py). Any other option makes that step step aside: those models decode layer by
-layer (the same kernels, called from Python).
+Norms before the blocks only and no residual scale (Llama, Mistral, Qwen2/3, Phi-3, SmolLM3)
+fuse the residual add into o_proj / down_proj. A single request's decode (and a few requests'
+at once) runs the native all-layer decode step (decode_step.py), whose layer table carries
+every option; `decode_step.fallback_reasons` names the few that keep a model on the
+layer-by-layer path (the same kernels, called from Python).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
@@ -32,9 +34,12 @@ from torch import nn
 from shmvllm.model.attention import AttentionMetadata, PagedAttention
 from shmvllm.model.decode_step import DecodeStep
 from shmvllm.model.decode_step import enabled as decode_step_enabled
+from shmvllm.model.decode_step import fallback_reasons as decode_fallback_reasons
 from shmvllm.model.kernels import kernels_for
 from shmvllm.model.linear import Linear, VocabEmbedding
 from shmvllm.model.rotary import RotaryEmbedding, RotaryStep
+
+logger = logging.getLogger(__name__)
 
 NORM_PLACEMENTS = ("pre", "sandwich", "post")
 QK_NORMS = (None, "head", "proj")
@@ -86,29 +91,6 @@ class DecoderOptions:
         for index, layer in enumerate(self.layers):
             if layer.rope is not None and layer.rope not in self.rope:
                 raise ValueError(f"layer {index} uses rope {layer.rope!r}, which is not one of {sorted(self.rope)}.")
-
-    @property
-    def plain(self) -> bool:
-        """The Llama options, which the native decode step runs."""
-        return (
-            self.norm == "pre" and self.norm_offset == 0.0 and self.qk_norm is None and self.activation == "silu"
-            and self.embed_scale == 1.0 and self.residual_scale == 1.0 and self.attn_softcap is None
-            and self.final_softcap is None and self.logits_scale == 1.0
-            and all(layer == LayerOptions() for layer in self.layers)
-        )
-
-    def fallback_reasons(self) -> list[str]:
-        """The options that keep a model off the native decode step (for the log)."""
-        checks = {
-            f"norm={self.norm!r}": self.norm != "pre", "norm_offset": self.norm_offset != 0.0,
-            f"qk_norm={self.qk_norm!r}": self.qk_norm is not None, f"activation={self.activation!r}": self.activation != "silu",
-            "embed_scale": self.embed_scale != 1.0, "residual_scale": self.residual_scale != 1.0,
-            "attn_softcap": self.attn_softcap is not None, "final_softcap": self.final_softcap is not None,
-            "logits_scale": self.logits_scale != 1.0,
-            "sliding_window": any(layer.sliding_window is not None for layer in self.layers),
-            "per-layer rope": any(layer.rope != "global" for layer in self.layers),
-        }
-        return [name for name, differs in checks.items() if differs]
 
 
 def head_dim_of(config: Any) -> int:
@@ -221,7 +203,9 @@ class Attention(nn.Module):
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             if self.qk_norm == "head":
-                q, k = self.q_norm(q.reshape(rows, heads, d)), self.k_norm(k.reshape(rows, kv_heads, d))
+                # contiguous rows: the C norm the native decode step runs, for any number of rows
+                q = self.q_norm(q.contiguous().view(rows, heads, d))
+                k = self.k_norm(k.contiguous().view(rows, kv_heads, d))
             else:
                 q = self.q_norm(q.contiguous()).view(rows, heads, d)
                 k = self.k_norm(k.contiguous()).view(rows, kv_heads, d)
@@ -243,10 +227,11 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
         """Returns MLP(x) (+ residual when given)."""
         gate_up = self.gate_up_proj(x)
-        kernels = kernels_for(gate_up) if self.activation == "silu" else None
-        if kernels is not None:
+        kernels = kernels_for(gate_up)
+        if kernels is not None:  # the kernel the native decode step calls too
             act = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
-            kernels.shm_silu_and_mul(act.data_ptr(), gate_up.data_ptr(), gate_up.shape[0], self.intermediate_size)
+            glu = kernels.shm_silu_and_mul if self.activation == "silu" else kernels.shm_gelu_tanh_and_mul
+            glu(act.data_ptr(), gate_up.data_ptr(), gate_up.shape[0], self.intermediate_size)
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             if self.activation == "silu":
@@ -297,11 +282,6 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, options.norm_offset)
         self.embed_scale = options.embed_scale
         self.decode_step: Optional[DecodeStep] = None  # set by process_weights_after_loading
-
-    @property
-    def rotary_emb(self) -> RotaryEmbedding:
-        """The one table of a plain model (what the native decode step reads)."""
-        return self.rotary["global"]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
@@ -365,8 +345,11 @@ class DecoderForCausalLM(nn.Module):
                 module.pack()
             elif isinstance(module, RMSNorm):
                 module.fold_offset()
-        step = DecodeStep(self.model) if decode_step_enabled() and self.options.plain else None
+        step = DecodeStep(self.model) if decode_step_enabled() else None
         self.model.decode_step = step if step is not None and step.usable() else None
+        if step is not None and self.model.decode_step is None:
+            logger.info("single-request decode runs layer by layer: %s", "; ".join(decode_fallback_reasons(self.model))
+                        or "no C kernels")
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -56,6 +56,7 @@ _SIGNATURES = {
     ),
     "shm_rms_norm": (None, [_ptr, _ptr, _ptr, _i64, _i64, _f32]),
     "shm_silu_and_mul": (None, [_ptr, _ptr, _i64, _i64]),
+    "shm_gelu_tanh_and_mul": (None, [_ptr, _ptr, _i64, _i64]),
     "shm_rotary": (None, [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr]),
     "shm_linear_few_rows": (None, [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]),
 }

@@ -308,6 +308,22 @@ void shm_silu_and_mul(act_t *out, const act_t *x, int64_t rows, int64_t width) {
     }
 }
 
+/* out[t] = gelu_tanh(gate) * up, where x[t] = [gate | up], each `width` wide: GeGLU with
+ * torch's tanh approximation, 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) (Gemma). */
+void shm_gelu_tanh_and_mul(act_t *out, const act_t *x, int64_t rows, int64_t width) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f;
+#pragma omp parallel for if (rows * width >= PARALLEL_MIN_FLOATS)
+    for (int64_t t = 0; t < rows; t++) {
+        const act_t *gate = x + t * 2 * width, *up = gate + width;
+        act_t *dst = out + t * width;
+#pragma omp simd
+        for (int64_t i = 0; i < width; i++) {
+            const float g = LD(gate[i]);
+            dst[i] = ST(RB(0.5f * g * (1.0f + tanhf(beta * (g + kappa * g * g * g)))) * LD(up[i]));
+        }
+    }
+}
+
 /* Neox rotary embedding in place on `heads` heads of each row of x (rows `row_stride` apart):
  * x * cos + swap_halves(x) * sin, with the tables of RotaryEmbedding ([max_position, head_dim],
  * sin with its first half negated) looked up at positions[t]. */

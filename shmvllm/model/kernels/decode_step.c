@@ -1,17 +1,27 @@
-/* A whole decode step of a Llama-family model in one call: every layer's norm, qkv GEMV,
- * rotary, KV-cache write, paged attention, o-proj + residual, norm, gate-up GEMV, silu-and-mul,
- * down + residual, then the final norm, for the few rows (<= 4 requests) of a pure-decode step.
+/* A whole decode step of a decoder model in one call: every layer's norms, qkv GEMV, q/k norms,
+ * rotary, KV-cache write, paged attention, o-proj + residual, norms, gate-up GEMV, GLU
+ * activation, down + residual, then the final norm, for the few rows (<= 4 requests) of a
+ * pure-decode step.
+ *
+ * The families' options are data in the layer table, not code paths of their own: each of a
+ * layer's four norms (before / after attention, before / after the MLP) is there or NULL, its
+ * weight already (1 + w) where the family scales so (Gemma); q/k norms over each head (Qwen3,
+ * Gemma 3) or over the whole projection (OLMo 2); a rotary table per layer or none (Gemma 3's
+ * local base, SmolLM3's NoPE layers); per layer the score scale, sliding window and
+ * soft-capping; the GLU activation (SiLU or tanh GELU) and a residual scale (Granite) per model.
  *
  * One OpenMP team runs the whole step (one parallel region a token, not one per GEMV): a GEMV's
  * output rows are handed out in chunks through an atomic counter per phase (so a thread the
  * machine delays takes fewer chunks), attention in the (request, kv head, run of positions)
  * tasks of attention.h, and `omp barrier` separates the dependent phases. What is cheap and
- * read by every thread (the rms norms, silu-and-mul) each thread computes into its own buffer
- * instead of waiting for one thread to do it. The arithmetic is the layer-by-layer path's own:
- * the same GEMV row kernels (quant_kernels.c's NAME##_range), and cpu_kernels.c's norm, rotary,
- * KV write, attention tasks, silu-and-mul and fp32 rows through the function pointers the model
- * hands over; each output value is computed by one thread in the same order whatever the split,
- * so the result is identical bit for bit.
+ * read by every thread (the rms norms, the activation, and where the residual add is not fused
+ * into a GEMV, the residual stream itself) each thread computes into its own buffer instead of
+ * waiting for one thread to do it. The arithmetic is the layer-by-layer path's own: the same
+ * GEMV row kernels (quant_kernels.c's NAME##_range), and cpu_kernels.c's norm, rotary, KV
+ * write, attention tasks, activations and fp32 rows through the function pointers the model
+ * hands over; the residual add is torch's (one rounding for the product by the residual
+ * scale, one for the sum); each output value is computed by one thread in the same order
+ * whatever the split, so the result is identical bit for bit.
  *
  * Built into each ISA build of quant_kernels.c (it includes that file), so the GEMVs are the
  * chosen ISA's. Nothing here allocates: buffers are the caller's scratch
@@ -33,32 +43,38 @@ typedef struct {
 } shm_linear;
 
 typedef struct {
-    const float *input_norm, *post_norm;
+    /* before attention, after it, before the MLP, after it; NULL: the layer has no such norm */
+    const float *attn_in_norm, *attn_out_norm, *mlp_in_norm, *mlp_out_norm;
+    const float *q_norm, *k_norm; /* NULL: no q/k norm; else over m->qk_norm_width features at a time */
     shm_linear qkv, o, gate_up, down;
     float *k_cache, *v_cache; /* [kv_heads, num_slots, head_dim] */
+    const float *cos_table, *sin_table; /* NULL: no rotary on this layer */
+    float scale, softcap; /* scores times scale; softcap > 0: cap * tanh(score / cap) */
+    int64_t window;       /* > 0: the layer attends to the last `window` positions */
 } shm_layer;
 
 typedef void (*rms_norm_fn)(float *, const float *, const float *, int64_t, int64_t, float);
 typedef void (*rotary_fn)(float *, int64_t, int64_t, int64_t, int64_t, const int64_t *, const float *, const float *);
 typedef void (*write_kv_fn)(const float *, int64_t, const float *, int64_t, const int64_t *, int64_t, float *, float *,
                             int64_t, int64_t, int64_t);
-typedef void (*silu_mul_fn)(float *, const float *, int64_t, int64_t);
+typedef void (*glu_fn)(float *, const float *, int64_t, int64_t);
 typedef void (*linear_rows_fn)(float *, const float *, const float *, const float *, const float *, int64_t, int64_t,
                                int64_t, int64_t, int64_t);
 
 typedef struct {
     int64_t num_layers, hidden, num_heads, kv_heads, head_dim, intermediate, num_slots, block_size;
-    float eps, scale;
+    float eps, residual_scale;
+    int64_t fused_residual; /* 1: o and down add the residual in their GEMV (pre norms only, residual scale 1) */
+    int64_t qk_norm_width;  /* head_dim: q/k norms per head; 0: over the whole projection */
     int64_t max_len, threads; /* the scratch holds contexts up to max_len for up to `threads` threads */
     const shm_layer *layers;
     const float *final_norm;
-    const float *cos_table, *sin_table;
     rms_norm_fn rms_norm;
     rotary_fn rotary;
     write_kv_fn write_kv;
     attention_task_fn attention_task;
     attention_combine_fn attention_combine;
-    silu_mul_fn silu_mul;
+    glu_fn glu; /* silu-and-mul or gelu-tanh-and-mul */
     linear_rows_fn linear_rows;
 } shm_model;
 
@@ -115,18 +131,77 @@ static int check_linear(const shm_linear *lin) {
 
 static int64_t counter_floats(const shm_model *m) { return 2 * (PHASES_PER_LAYER * m->num_layers + 16); }
 
+/* A thread's own floats: normed input, activation, attention work, and (unfused residual) the
+ * residual stream and a normed block output. */
+static int64_t own_floats(const shm_model *m, int64_t rows) {
+    return rows * (3 * m->hidden + m->intermediate) + attention_work_floats(m->num_heads / m->kv_heads, m->head_dim) + 16;
+}
+
 int64_t shm_decode_scratch_floats(const shm_model *m, int64_t rows) {
     const int64_t q = m->num_heads * m->head_dim, kv = m->kv_heads * m->head_dim, group = m->num_heads / m->kv_heads;
-    const int64_t shared = rows * ((q + 2 * kv) + q + 2 * m->intermediate) +
+    const int64_t shared = rows * ((q + 2 * kv) + q + 2 * m->intermediate + m->hidden) +
                            attention_partial_floats(rows, m->kv_heads, attention_chunks(m->max_len), group, m->head_dim);
-    const int64_t own = rows * (m->hidden + m->intermediate) + attention_work_floats(group, m->head_dim);
-    return counter_floats(m) + shared + m->threads * (own + 16) + 16;
+    return counter_floats(m) + shared + m->threads * own_floats(m, rows) + 16;
+}
+
+/* The norm of `x` with `weight` into `buf`, or x itself where the layer has no such norm. */
+static inline const float *norm_or_same(const shm_model *m, float *buf, const float *x, const float *weight,
+                                        int64_t rows) {
+    if (weight == NULL) return x;
+    m->rms_norm(buf, x, weight, rows, m->hidden, m->eps);
+    return buf;
+}
+
+/* residual += norm(block) (times the residual scale), as torch adds them in the layer path:
+ * the product rounded, then the sum (no fused multiply-add). */
+__attribute__((optimize("fp-contract=off"))) static void add_block(const shm_model *m, float *residual,
+                                                                   const float *block, const float *norm, float *buf,
+                                                                   int64_t rows) {
+    const float *out = norm_or_same(m, buf, block, norm, rows);
+    const float scale = m->residual_scale;
+    if (scale == 1.0f) {
+        for (int64_t i = 0; i < rows * m->hidden; i++) residual[i] = residual[i] + out[i];
+    } else {
+        for (int64_t i = 0; i < rows * m->hidden; i++) residual[i] = residual[i] + out[i] * scale;
+    }
+}
+
+/* One thread's q/k norms, rotary and KV write for the step's rows (run by one thread). */
+static void attention_inputs(const shm_model *m, const shm_layer *layer, float *qkv, int64_t rows,
+                             const int64_t *positions, const int64_t *slot_mapping) {
+    const int64_t D = m->head_dim, q_size = m->num_heads * D, kv_size = m->kv_heads * D, width = q_size + 2 * kv_size;
+    if (layer->q_norm != NULL) {
+        const int64_t w = m->qk_norm_width;
+        for (int64_t t = 0; t < rows; t++) {
+            float *q = qkv + t * width, *k = q + q_size;
+            m->rms_norm(q, q, layer->q_norm, w ? q_size / w : 1, w ? w : q_size, m->eps);
+            m->rms_norm(k, k, layer->k_norm, w ? kv_size / w : 1, w ? w : kv_size, m->eps);
+        }
+    }
+    if (layer->cos_table != NULL)
+        m->rotary(qkv, width, rows, m->num_heads + m->kv_heads, D, positions, layer->cos_table, layer->sin_table);
+    m->write_kv(qkv + q_size, width, qkv + q_size + kv_size, width, slot_mapping, rows, layer->k_cache, layer->v_cache,
+                m->num_slots, m->kv_heads, D);
+}
+
+/* Each layer's norm weights and GEMVs can run; -1 / -3 for a weight the kernels cannot run. */
+static int check_model(const shm_model *m) {
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const shm_layer *layer = &m->layers[l];
+        int rc;
+        if ((rc = check_linear(&layer->qkv)) || (rc = check_linear(&layer->o)) || (rc = check_linear(&layer->gate_up)) ||
+            (rc = check_linear(&layer->down)))
+            return rc;
+        if (m->fused_residual && (layer->attn_out_norm != NULL || layer->mlp_out_norm != NULL)) return -5;
+    }
+    if (m->fused_residual && m->residual_scale != 1.0f) return -5;
+    return 0;
 }
 
 /* hidden [rows, hidden] in: the embedded tokens; out: the final-normed hidden states (written to
- * `out`, hidden is the residual stream and is overwritten). Every row is a decode row
- * (decode_rows[i] = i). Returns 0; -1 / -3 for a weight the kernels cannot run; -4 for a context
- * longer than m->max_len. */
+ * `out`; hidden is overwritten). Every row is a decode row (decode_rows[i] = i). Returns 0;
+ * -1 / -3 for a weight the kernels cannot run; -4 for a context longer than m->max_len; -5 for
+ * a residual fused into the GEMVs of a model with norms after the blocks or a residual scale. */
 int shm_decode_step(const shm_model *m, float *hidden, float *out, int64_t rows, const int64_t *positions,
                     const int64_t *slot_mapping, const int64_t *decode_rows, const int32_t *block_table,
                     int64_t block_table_stride, const int32_t *seq_lens, float *scratch) {
@@ -135,63 +210,79 @@ int shm_decode_step(const shm_model *m, float *hidden, float *out, int64_t rows,
     int64_t max_len = 1;
     for (int64_t i = 0; i < rows; i++) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
     if (max_len > m->max_len) return -4;
-    for (int64_t l = 0; l < m->num_layers; l++) {
-        const shm_layer *layer = &m->layers[l];
-        int rc;
-        if ((rc = check_linear(&layer->qkv)) || (rc = check_linear(&layer->o)) || (rc = check_linear(&layer->gate_up)) ||
-            (rc = check_linear(&layer->down)))
-            return rc;
-    }
-    const int64_t max_chunks = attention_chunks(max_len), pairs = rows * m->kv_heads;
-    const int64_t tasks = pairs * max_chunks;
+    int rc = check_model(m);
+    if (rc != 0) return rc;
+    const int64_t pairs = rows * m->kv_heads;
     int64_t *counters = (int64_t *)scratch;
     memset(counters, 0, (size_t)counter_floats(m) * sizeof(float));
     float *qkv = scratch + counter_floats(m), *attn = qkv + rows * qkv_width, *gate_up = attn + rows * q_size;
-    float *partials = gate_up + rows * 2 * I;
-    float *own_base = partials + attention_partial_floats(rows, m->kv_heads, max_chunks, group, D);
-    const int64_t own_floats = rows * (H + I) + attention_work_floats(group, D) + 16;
+    float *block = gate_up + rows * 2 * I; /* o's and down's outputs where the residual is not fused */
+    float *partials = block + rows * H;
+    float *own_base = partials + attention_partial_floats(rows, m->kv_heads, attention_chunks(max_len), group, D);
+    const int64_t own = own_floats(m, rows);
     const shm_attention_args args = {attn, q_size, qkv, qkv_width, decode_rows, rows, NULL, NULL, m->num_slots,
                                      block_table, block_table_stride, seq_lens, m->block_size, m->num_heads,
-                                     m->kv_heads, D, m->scale, max_chunks};
+                                     m->kv_heads, D, 0.0f, 1, 0, 0.0f};
     int threads = omp_get_max_threads();
     threads = threads < m->threads ? threads : (int)m->threads;
 #pragma omp parallel num_threads(threads)
     {
         const int tid = omp_get_thread_num(), team = omp_get_num_threads();
-        float *normed = own_base + tid * own_floats, *act = normed + rows * H, *work = act + rows * I;
+        float *normed = own_base + tid * own, *act = normed + rows * H, *residual = act + rows * I;
+        float *block_normed = residual + rows * H, *work = block_normed + rows * H;
+        /* the residual stream: the shared `hidden` where the GEMVs add into it, else this thread's copy */
+        float *stream = hidden;
+        if (!m->fused_residual) {
+            memcpy(residual, hidden, (size_t)(rows * H) * sizeof(float));
+            stream = residual;
+        }
         int64_t *counter = counters;
         shm_attention_args a = args;
         for (int64_t l = 0; l < m->num_layers; l++, counter += PHASES_PER_LAYER) {
             const shm_layer *layer = &m->layers[l];
+            const int64_t span = layer->window > 0 && max_len > layer->window ? layer->window : max_len;
             a.k_cache = layer->k_cache;
             a.v_cache = layer->v_cache;
-            m->rms_norm(normed, hidden, layer->input_norm, rows, H, m->eps);
-            team_linear(m, &layer->qkv, qkv, normed, NULL, rows, team, &counter[0]);
+            a.scale = layer->scale;
+            a.softcap = layer->softcap;
+            a.window = layer->window;
+            a.max_chunks = attention_chunks(span);
+            const int64_t tasks = pairs * a.max_chunks;
+            team_linear(m, &layer->qkv, qkv, norm_or_same(m, normed, stream, layer->attn_in_norm, rows), NULL, rows, team,
+                        &counter[0]);
 #pragma omp barrier
-            if (tid == 0) {
-                m->rotary(qkv, qkv_width, rows, m->num_heads + m->kv_heads, D, positions, m->cos_table, m->sin_table);
-                m->write_kv(qkv + q_size, qkv_width, qkv + q_size + kv_size, qkv_width, slot_mapping, rows,
-                            layer->k_cache, layer->v_cache, m->num_slots, m->kv_heads, D);
-            }
+            if (tid == 0) attention_inputs(m, layer, qkv, rows, positions, slot_mapping);
 #pragma omp barrier
             for (int64_t t; (t = __atomic_fetch_add(&counter[1], 1, __ATOMIC_RELAXED)) < tasks;)
                 m->attention_task(&a, t, work, partials);
-            if (max_chunks > 1) {
+            if (a.max_chunks > 1) {
 #pragma omp barrier
                 for (int64_t p; (p = __atomic_fetch_add(&counter[2], 1, __ATOMIC_RELAXED)) < pairs;)
                     m->attention_combine(&a, p, partials);
             }
 #pragma omp barrier
-            team_linear(m, &layer->o, hidden, attn, hidden, rows, team, &counter[3]);
+            if (m->fused_residual) {
+                team_linear(m, &layer->o, hidden, attn, hidden, rows, team, &counter[3]);
 #pragma omp barrier
-            m->rms_norm(normed, hidden, layer->post_norm, rows, H, m->eps);
-            team_linear(m, &layer->gate_up, gate_up, normed, NULL, rows, team, &counter[4]);
+            } else {
+                team_linear(m, &layer->o, block, attn, NULL, rows, team, &counter[3]);
 #pragma omp barrier
-            m->silu_mul(act, gate_up, rows, I);
-            team_linear(m, &layer->down, hidden, act, hidden, rows, team, &counter[5]);
+                add_block(m, stream, block, layer->attn_out_norm, block_normed, rows);
+            }
+            team_linear(m, &layer->gate_up, gate_up, norm_or_same(m, normed, stream, layer->mlp_in_norm, rows), NULL, rows,
+                        team, &counter[4]);
 #pragma omp barrier
+            m->glu(act, gate_up, rows, I);
+            if (m->fused_residual) {
+                team_linear(m, &layer->down, hidden, act, hidden, rows, team, &counter[5]);
+#pragma omp barrier
+            } else {
+                team_linear(m, &layer->down, block, act, NULL, rows, team, &counter[5]);
+#pragma omp barrier
+                add_block(m, stream, block, layer->mlp_out_norm, block_normed, rows);
+            }
         }
-        if (tid == 0) m->rms_norm(out, hidden, m->final_norm, rows, H, m->eps);
+        if (tid == 0) m->rms_norm(out, stream, m->final_norm, rows, H, m->eps);
     }
     return 0;
 }

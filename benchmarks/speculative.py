@@ -11,15 +11,20 @@ Two workloads of chat-templated prompts, greedy, each request stopping at EOS (o
 
 Each engine lives in a worker process of its own for the whole run; the parent asks the workers
 for one repetition at a time (every prompt of both workloads once), in a rotating order, so that
-the machine's noise falls on every engine alike. Reported per engine and workload: tokens per
-second of the requests' wall time (prefill included; generated tokens over wall seconds, summed
-over the workload's prompts), median and spread over the repetitions, and, for shmvllm with
-speculation, its acceptance counters (vllm:spec_decode_*).
+the machine's noise falls on every engine alike. Reported per engine and workload, median and
+spread over the repetitions, summed over the workload's prompts:
+
+- decode tok/s: (tokens - 1) over (wall time - TTFT), as benchmarks/latency.py: what speculation
+  changes (TTFT: a 1-token request's wall time for shmvllm, the first token's time for llama.cpp);
+- request tok/s: tokens over the requests' whole wall time, prefill included;
+
+and, for shmvllm with speculation, its acceptance counters (vllm:spec_decode_*).
 
     flock /tmp/shmvllm-cpu.lock python benchmarks/speculative.py --llama-python .venv-llamacpp/bin/python \\
         --repeats 5 --json benchmarks/results/speculative.json --plot benchmarks/results/speculative.png
 
-`--k N` sets shmvllm's num_speculative_tokens; `--lookup-tokens N` llama.cpp's num_pred_tokens.
+`--k N` / `--lookup-min N` set shmvllm's num_speculative_tokens / prompt_lookup_min; `--lookup-tokens N`
+llama.cpp's num_pred_tokens.
 """
 
 from __future__ import annotations
@@ -60,21 +65,25 @@ def median(values):
     if len(ordered) % 2 == 0:
         return (ordered[middle - 1] + ordered[middle]) / 2
     return ordered[middle]'''
-_PASSAGE = (
-    "Honey bees live in colonies of up to sixty thousand workers. A worker bee lives about six weeks in summer. "
-    "The queen can lay two thousand eggs in a single day. Bees communicate the direction of flowers with a "
-    "waggle dance. Drones do not collect nectar and have no sting. In winter the colony forms a tight cluster "
-    "to keep the queen warm. Honey is made from nectar that bees store and dry in wax cells."
+_EMAIL = (
+    "Hi Anna,\n\nThank you for sending the quarterly report on Tuesday. I read it carefully and I have two "
+    "questions about the travel budget. First, why did the cost of train tickets rise by ten percent? Second, "
+    "can we move the team meeting from Thursday to Friday morning? Please let me know by the end of the week.\n\n"
+    "Best regards,\nTom"
+)
+_TYPOS = (
+    "Honey bees live in colonys of up to sixty thousand workers. A worker bee lives about six weeks in sumer. "
+    "The queen can lay two thousand eggs in a singel day. Bees communicate the direction of flowers with a "
+    "waggle dance."
 )
 
 WORKLOADS: dict[str, list[str]] = {
     "grounded": [
         "Rewrite the following paragraph exactly as it is, changing only the day from Saturday to Sunday. "
         f"Output only the rewritten paragraph.\n\n{_PARAGRAPH}",
-        f"The function `average` below has a bug. Give back the whole code with the bug fixed, and nothing "
-        f"else.\n\n```python\n{_CODE}\n```",
-        "Copy, word for word, every sentence of this passage that mentions the queen or the colony.\n\n"
-        f"{_PASSAGE}",
+        f"Rewrite this email, replacing the name Anna with Maria. Output only the email.\n\n{_EMAIL}",
+        f"Rename the function `average` to `mean` in this code. Output the whole code.\n\n```python\n{_CODE}\n```",
+        f"Fix the spelling mistakes in this text and output the corrected text only.\n\n{_TYPOS}",
     ],
     "free": [
         "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -86,16 +95,21 @@ WORKLOADS: dict[str, list[str]] = {
 # ---------------------------------------------------------------- workers (one engine each)
 
 class _Shmvllm:
-    def __init__(self, k: int, speculate: bool) -> None:
+    def __init__(self, k: int, lookup_min: int, speculate: bool) -> None:
         from shmvllm import LLM, SamplingParams
 
-        spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+        spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": max(lookup_min, 4),
+                "prompt_lookup_min": lookup_min}
         self.params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+        self.first = SamplingParams(temperature=0.0, max_tokens=1)
         self.llm = LLM(model=MODEL, enable_prefix_caching=False, speculative_config=spec if speculate else None)
 
-    def one(self, prompt: list[int]) -> list[int]:
+    def one(self, prompt: list[int]) -> tuple[list[int], float]:
+        started = time.perf_counter()
+        self.llm.generate([{"prompt_token_ids": prompt}], self.first, use_tqdm=False)
+        ttft = time.perf_counter() - started
         out = self.llm.generate([{"prompt_token_ids": prompt}], self.params, use_tqdm=False)
-        return list(out[0].outputs[0].token_ids)
+        return list(out[0].outputs[0].token_ids), ttft
 
     def counters(self) -> dict[str, Any]:
         return {m.name: getattr(m, "value", getattr(m, "values", None))
@@ -112,16 +126,20 @@ class _LlamaCpp:
                          verbose=False, seed=0, draft_model=draft)
         self.eos = self.llm.token_eos()
 
-    def one(self, prompt: list[int]) -> list[int]:
+    def one(self, prompt: list[int]) -> tuple[list[int], float]:
         self.llm.reset()
         tokens: list[int] = []
+        started = time.perf_counter()
+        ttft = 0.0
         for token in self.llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            if not ttft:
+                ttft = time.perf_counter() - started
             if token == self.eos:
                 break
             tokens.append(token)
             if len(tokens) == MAX_TOKENS:
                 break
-        return tokens
+        return tokens, ttft
 
     def counters(self) -> dict[str, Any]:
         return {}
@@ -129,11 +147,11 @@ class _LlamaCpp:
 
 def _worker(kind: str, spec: dict[str, Any]) -> None:
     """Loads one engine, then answers each "rep" line on stdin with one JSON line: per workload,
-    the wall seconds and the tokens of each of its prompts."""
+    the wall seconds (the whole request, and to its first token) and the tokens of each prompt."""
     speculate = kind.endswith("+lookup")
     if kind.startswith("shmvllm"):
         os.environ.setdefault("OMP_NUM_THREADS", str(spec["threads"]))
-        engine: Any = _Shmvllm(spec["k"], speculate)
+        engine: Any = _Shmvllm(spec["k"], spec["lookup_min"], speculate)
     else:
         engine = _LlamaCpp(spec["gguf"], spec["threads"], spec["lookup_tokens"], speculate)
     prompts: dict[str, list[list[int]]] = spec["prompts"]
@@ -144,12 +162,14 @@ def _worker(kind: str, spec: dict[str, Any]) -> None:
             break
         result: dict[str, Any] = {}
         for workload, items in prompts.items():
-            walls, outputs = [], []
+            walls, ttfts, outputs = [], [], []
             for prompt in items:
                 started = time.perf_counter()
-                outputs.append(engine.one(prompt))
-                walls.append(time.perf_counter() - started)
-            result[workload] = {"wall_s": walls, "tokens": outputs}
+                tokens, ttft = engine.one(prompt)
+                walls.append(time.perf_counter() - started - (ttft if kind.startswith("shmvllm") else 0.0))
+                ttfts.append(ttft)
+                outputs.append(tokens)
+            result[workload] = {"wall_s": walls, "ttft_s": ttfts, "tokens": outputs}
         result["counters"] = engine.counters()
         print(json.dumps(result), flush=True)
 
@@ -206,31 +226,40 @@ def prompt_ids(gguf: str) -> dict[str, list[list[int]]]:
 def summarize(name: str, reps: list[dict[str, Any]]) -> dict[str, Any]:
     row: dict[str, Any] = {"engine": name, "repetitions": len(reps)}
     for workload in WORKLOADS:
-        rates = [sum(map(len, r[workload]["tokens"])) / sum(r[workload]["wall_s"]) for r in reps]
-        row[workload] = {"tok_per_s": {"median": statistics.median(rates), "min": min(rates), "max": max(rates)},
-                         "tok_per_s_each": rates, "tokens": reps[-1][workload]["tokens"],
-                         "num_tokens": sum(map(len, reps[-1][workload]["tokens"]))}
+        def rate(r: dict[str, Any], decode: bool) -> float:
+            w = r[workload]
+            if decode:
+                return sum(len(t) - 1 for t in w["tokens"]) / sum(a - b for a, b in zip(w["wall_s"], w["ttft_s"]))
+            return sum(map(len, w["tokens"])) / sum(w["wall_s"])
+
+        row[workload] = {"tokens": reps[-1][workload]["tokens"], "num_tokens": sum(map(len, reps[-1][workload]["tokens"]))}
+        for key, decode in (("tok_per_s", True), ("request_tok_per_s", False)):
+            rates = [rate(r, decode) for r in reps]
+            row[workload][key] = {"median": statistics.median(rates), "min": min(rates), "max": max(rates)}
+            row[workload][key + "_each"] = rates
     row["counters"] = reps[-1]["counters"]
     return row
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
-    print(f"one request at a time, greedy, <= {MAX_TOKENS} tokens, {args.threads} threads; shmvllm k={args.k}, "
+    print(f"one request at a time, greedy, <= {MAX_TOKENS} tokens, {args.threads} threads; shmvllm k={args.k} "
+          f"prompt_lookup_min={args.lookup_min}, "
           f"llama.cpp num_pred_tokens={args.lookup_tokens}; median [min, max] tok/s over {rows[0]['repetitions']} "
           "interleaved repetitions")
-    print(f"{'engine':<18}" + "".join(f"{w + ' tok/s':>30}" for w in WORKLOADS))
+    print(f"{'engine':<18}" + "".join(f"{w + ' decode tok/s':>32}{'request tok/s':>15}" for w in WORKLOADS))
     for r in rows:
         cells = []
         for w in WORKLOADS:
             t = r[w]["tok_per_s"]
-            cells.append(f"{t['median']:8.1f} [{t['min']:6.1f}, {t['max']:6.1f}] ({r[w]['num_tokens']:4d} tok)")
-        print(f"{r['engine']:<18}" + "".join(f"{c:>30}" for c in cells))
+            cells.append(f"{t['median']:8.1f} [{t['min']:6.1f}, {t['max']:6.1f}] ({r[w]['num_tokens']:4d} tok)"
+                         f"{r[w]['request_tok_per_s']['median']:15.1f}")
+        print(f"{r['engine']:<18}" + "".join(f"{c:>47}" for c in cells))
     by = {r["engine"]: r for r in rows}
     spec = by.get("shmvllm+lookup")
     if spec and spec["counters"]:
         c = spec["counters"]
         drafts = max(c.get("vllm:spec_decode_num_draft_tokens", 0), 1)
-        print(f"shmvllm+lookup (last repetition, both workloads): {c.get('vllm:spec_decode_num_drafts')} verify steps, "
+        print(f"shmvllm+lookup (warm-up and all repetitions, both workloads): {c.get('vllm:spec_decode_num_drafts')} verify steps, "
               f"{c.get('vllm:spec_decode_num_accepted_tokens')} of {drafts} proposals accepted "
               f"({c.get('vllm:spec_decode_num_accepted_tokens', 0) / drafts:.0%}), per position "
               f"{c.get('vllm:spec_decode_num_accepted_tokens_per_pos')}")
@@ -239,7 +268,9 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
                  ("shmvllm", "llama.cpp")):
         if a in by and b in by:
             print(f"{a}/{b}: " + ", ".join(
-                f"{w} {by[a][w]['tok_per_s']['median'] / by[b][w]['tok_per_s']['median']:.2f}x" for w in WORKLOADS))
+                f"{w} decode {by[a][w]['tok_per_s']['median'] / by[b][w]['tok_per_s']['median']:.2f}x "
+                f"(request {by[a][w]['request_tok_per_s']['median'] / by[b][w]['request_tok_per_s']['median']:.2f}x)"
+                for w in WORKLOADS))
     for w in WORKLOADS:
         if base and spec:
             same = all(x == y for x, y in zip(base[w]["tokens"], spec[w]["tokens"]))
@@ -247,15 +278,15 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
     checks = []
     if spec and base:
         ratio = spec["grounded"]["tok_per_s"]["median"] / base["grounded"]["tok_per_s"]["median"]
-        checks.append(f"CHECK grounded tok/s shmvllm+lookup/shmvllm = {ratio:.2f}x (>= 1.5x): "
+        checks.append(f"CHECK grounded decode tok/s shmvllm+lookup/shmvllm = {ratio:.2f}x (>= 1.5x): "
                       f"{'holds' if ratio >= 1.5 else 'FAILS'}")
     if spec and peer:
         ratio = spec["grounded"]["tok_per_s"]["median"] / peer["grounded"]["tok_per_s"]["median"]
-        checks.append(f"CHECK grounded tok/s shmvllm+lookup/llama.cpp+lookup = {ratio:.2f}x (>= 1.0x): "
+        checks.append(f"CHECK grounded decode tok/s shmvllm+lookup/llama.cpp+lookup = {ratio:.2f}x (>= 1.0x): "
                       f"{'holds' if ratio >= 1.0 else 'FAILS'}")
     if spec and base:
         ratio = spec["free"]["tok_per_s"]["median"] / base["free"]["tok_per_s"]["median"]
-        checks.append(f"CHECK free-form tok/s shmvllm+lookup/shmvllm = {ratio:.2f}x (>= 0.95x, cost <= 5%): "
+        checks.append(f"CHECK free-form decode tok/s shmvllm+lookup/shmvllm = {ratio:.2f}x (>= 0.95x, cost <= 5%): "
                       f"{'holds' if ratio >= 0.95 else 'FAILS'}")
     for line in checks:
         print(line)
@@ -278,7 +309,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         high = [r[workload]["tok_per_s"]["max"] - m for m, r in zip(med, rows)]
         bars = ax.bar(names, med, yerr=[low, high], capsize=4, color=[colors.get(n, "tab:blue") for n in names])
         ax.bar_label(bars, fmt="%.1f")
-        ax.set_title(f"{workload}: tok/s of one request (higher is better)")
+        ax.set_title(f"{workload}: decode tok/s of one request (higher is better)")
         ax.tick_params(axis="x", rotation=15)
     fig.suptitle("SmolLM2-135M-Instruct Q4_1 GGUF, n-gram speculative decoding vs none, shmvllm vs llama.cpp")
     fig.tight_layout()
@@ -290,7 +321,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-python", help="a Python with llama-cpp-python; llama.cpp is skipped without it")
     parser.add_argument("--engines", default="shmvllm,shmvllm+lookup,llama.cpp,llama.cpp+lookup")
-    parser.add_argument("--k", type=int, default=8, help="shmvllm's num_speculative_tokens")
+    parser.add_argument("--k", type=int, default=3, help="shmvllm's num_speculative_tokens (<= 3: the native decode step verifies)")
+    parser.add_argument("--lookup-min", type=int, default=3, help="shmvllm's prompt_lookup_min")
     parser.add_argument("--lookup-tokens", type=int, default=10, help="llama.cpp's num_pred_tokens (its default: 10)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--repeats", type=int, default=5)
@@ -303,7 +335,7 @@ def main() -> None:
         _worker(args.worker, json.loads(args.spec))
         return
     gguf = shipped_gguf()
-    spec = {"gguf": gguf, "threads": args.threads, "k": args.k, "lookup_tokens": args.lookup_tokens,
+    spec = {"gguf": gguf, "threads": args.threads, "k": args.k, "lookup_min": args.lookup_min, "lookup_tokens": args.lookup_tokens,
             "prompts": prompt_ids(gguf)}
     names = [n for n in args.engines.split(",") if n]
     if not args.llama_python:
@@ -325,7 +357,8 @@ def main() -> None:
     checks = report(rows, args)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"threads": args.threads, "k": args.k, "lookup_tokens": args.lookup_tokens,
+        Path(args.json).write_text(json.dumps({"threads": args.threads, "k": args.k, "lookup_min": args.lookup_min,
+                                               "lookup_tokens": args.lookup_tokens,
                                                "max_tokens": MAX_TOKENS, "rows": rows, "checks": checks}, indent=1))
     if args.plot:
         plot(rows, args.plot)

@@ -57,6 +57,8 @@ def test_config_types_and_defaults():
         SpeculativeConfig.from_user("ngram")
     config = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
     assert (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (3, 4, 4)
+    config = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 2})
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (3, 5)
 
 
 def test_llm_refuses_before_the_engine_starts(tiny_llama_dir):
@@ -205,19 +207,28 @@ def test_tiny_model_greedy_equal_with_and_without(tiny_llama_dir, engine_args, p
 
 
 def test_tiny_model_logprobs_and_stops_with_speculation(tiny_llama_dir):
+    """The target's logprobs for every accepted token; max_tokens and a stop string that falls
+    inside an accepted run end the output where they would without speculation."""
     params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2),
               SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)]
-    with LLM(model=str(tiny_llama_dir), multiprocess=False, max_model_len=512, num_kv_blocks=128) as llm:
+    engine_args = dict(model=str(tiny_llama_dir), multiprocess=False, max_model_len=512, num_kv_blocks=128)
+    with LLM(**engine_args) as llm:
         base = llm.generate(PROMPTS[:2], params, use_tqdm=False)
-    with LLM(model=str(tiny_llama_dir), multiprocess=False, max_model_len=512, num_kv_blocks=128,
-             speculative_config=NGRAM) as llm:
+        text = base[0].outputs[0].text
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        with_stop = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop])
+        base_stop = llm.generate(PROMPTS[:1], with_stop, use_tqdm=False)[0].outputs[0]
+    with LLM(**engine_args, speculative_config=NGRAM) as llm:
         spec = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+        spec_stop = llm.generate(PROMPTS[:1], with_stop, use_tqdm=False)[0].outputs[0]
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
     assert len(spec[1].outputs[0].token_ids) == 7
     for got, want in zip(spec[0].outputs[0].logprobs, base[0].outputs[0].logprobs):
         assert got.keys() == want.keys()
         for token in got:
             assert got[token].logprob == pytest.approx(want[token].logprob, abs=1e-4)
+    assert (spec_stop.text, spec_stop.finish_reason, spec_stop.stop_reason) == (base_stop.text, "stop", stop)
+    assert list(spec_stop.token_ids) == list(base_stop.token_ids)
 
 
 def test_smollm2_greedy_equal_with_and_without():

@@ -26,7 +26,7 @@ class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 5  # the longest suffix n-gram matched
-    prompt_lookup_min: int = 2  # the shortest
+    prompt_lookup_min: int = 3  # the shortest: shorter matches mostly propose what is rejected
 
     @classmethod
     def from_user(cls, value: Any) -> Optional["SpeculativeConfig"]:
@@ -56,7 +56,7 @@ class SpeculativeConfig:
         n_min = options.pop("prompt_lookup_min", None)
         n_max = _positive_int(n_max, "prompt_lookup_max", 1024) if n_max is not None else None
         n_min = _positive_int(n_min, "prompt_lookup_min", 1024) if n_min is not None else None
-        # one bound given sets the other to it (as vLLM); neither: 2..5 (short matches still pay on CPU)
+        # one bound given sets the other to it (as vLLM); neither: 3..5 (benchmarks/results/speculative.md)
         if n_max is None and n_min is None:
             n_max, n_min = cls.prompt_lookup_max, cls.prompt_lookup_min
         elif n_max is None:

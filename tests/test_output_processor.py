@@ -280,6 +280,20 @@ def test_flat_logprobs_hold_what_the_dicts_hold(tokenizer, input_processor, deto
     assert flat.outputs[0].cumulative_logprob == listed.outputs[0].cumulative_logprob
 
 
+@pytest.mark.parametrize("flat", [False, True])
+def test_tied_top_k_carry_ranks_one_to_k(tokenizer, input_processor, flat):
+    """The row's own token ties with the token above it: its rank by count is 1, its top-k
+    position 2; the top k still carry ranks 1..k (vLLM's rule: a top-k token's rank is its position)."""
+    processor = OutputProcessor(tokenizer)
+    add(processor, input_processor, "r", SamplingParams(logprobs=2, flat_logprobs=flat), prompt="Hello world")
+    rows = Logprobs.from_arrays(np.array([[31, 30, 31]]), np.array([[-1.0, -1.0, -1.0]]), np.array([1]))
+    out = processor.process_outputs(
+        [EngineCoreOutput(request_id="r", new_token_ids=[31], new_logprobs=rows, finish_reason=FinishReason.LENGTH)]
+    ).request_outputs[0]
+    (row,) = list(out.outputs[0].logprobs)
+    assert {token: lp.rank for token, lp in row.items()} == {30: 1, 31: 2}
+
+
 def test_child_error_reaches_the_parent_output(tokenizer, input_processor):
     import msgspec
 

@@ -431,7 +431,7 @@ class OutputProcessor:
     def _extend_flat(self, flat: FlatLogprobs, logprobs: Logprobs, detokenize: bool) -> None:
         """The rows straight into FlatLogprobs' lists, with no dict or Logprob per row: what
         `flat.extend(self._logprob_rows(...))` would hold (a top-k token that is the row's own
-        token is left out; top-k tokens are distinct)."""
+        token is left out, its position kept as the token's rank; top-k tokens are distinct)."""
         ids, lps, ranks = logprobs.arrays()
         texts = self._texts_of(ids) if detokenize and self.tokenizer is not None else _NO_TEXTS
         starts, ends, tokens, values, token_ranks, decoded = (
@@ -450,6 +450,8 @@ class OutputProcessor:
                     values.append(row_lps[j])
                     token_ranks.append(j)
                     decoded.append(texts[row_ids[j]])
+                else:
+                    token_ranks[starts[-1]] = j  # as in _logprob_rows
             ends.append(len(tokens))
 
     def _logprob_rows(self, logprobs: Logprobs, detokenize: bool = True) -> list[dict[int, Logprob]]:
@@ -462,9 +464,9 @@ class OutputProcessor:
             token = row_ids[0]
             row = {token: Logprob(row_lps[0], rank, texts[token])}
             for j in range(1, len(row_ids)):
-                token = row_ids[j]
-                if token not in row:
-                    row[token] = Logprob(row_lps[j], j, texts[token])
+                # a top-k token's rank is its position, also where it is the row's own token, so
+                # the top k carry ranks 1..k even where logprobs tie (vLLM's rule)
+                row[row_ids[j]] = Logprob(row_lps[j], j, texts[row_ids[j]])
             rows.append(row)
         return rows
 

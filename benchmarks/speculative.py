@@ -40,8 +40,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from latency import MODEL, shipped_gguf  # noqa: E402  (the shipped GGUF file's path)
+from latency import shipped_gguf  # noqa: E402  (a shipped model's GGUF file)
 
+MODEL = "smollm2-135m-instruct"
 MAX_TOKENS = 256
 
 _PARAGRAPH = (
@@ -334,7 +335,7 @@ def main() -> None:
     if args.worker:
         _worker(args.worker, json.loads(args.spec))
         return
-    gguf = shipped_gguf()
+    gguf = shipped_gguf(MODEL)
     spec = {"gguf": gguf, "threads": args.threads, "k": args.k, "lookup_min": args.lookup_min, "lookup_tokens": args.lookup_tokens,
             "prompts": prompt_ids(gguf)}
     names = [n for n in args.engines.split(",") if n]

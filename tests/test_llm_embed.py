@@ -175,3 +175,21 @@ def test_cli_embed_prints_json_lines(tmp_path, reference):
     assert [r["index"] for r in records] == [0, 1, 2] and [r["text"] for r in records] == texts
     got = np.array([r["embedding"] for r in records], dtype=np.float32)
     assert cosine(got, reference.encode(texts, convert_to_numpy=True)).min() >= 0.9999
+
+
+@pytest.mark.parametrize("bad", ["priority", "prompt"])
+def test_a_bad_fifth_of_eight_embeds_queues_nothing(embed_llm, monkeypatch, bad):
+    """The whole pooling call is checked before the first chunk is tokenized and queued."""
+    prompts: list = [f"sentence {i}" for i in range(8)]
+    priority = [0] * 8
+    if bad == "priority":
+        priority[4] = "high"
+    else:
+        prompts[4] = {"prompt_token_ids": [1, 10**6]}
+    queued = []
+    monkeypatch.setattr(embed_llm.llm_engine.engine_core, "add_request", lambda *a, **k: queued.append(a))
+    with pytest.raises((ValueError, TypeError)):
+        embed_llm.embed(prompts, priority=priority, use_tqdm=False)
+    assert queued == []
+    monkeypatch.undo()
+    assert len(embed_llm.embed(["still serving"], use_tqdm=False)[0].outputs.embedding) == 384

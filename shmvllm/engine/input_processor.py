@@ -295,6 +295,24 @@ class InputProcessor:
                 results[i] = (text, ids)
         return [(text, self.truncate(ids, truncate)) for text, ids in results]  # type: ignore[misc]
 
+    def check_pooling_batch(self, prompts: list[PromptType], priority: Optional[list[int]],
+                            tokenization_kwargs: Optional[dict[str, Any]] = None) -> None:
+        """What a pooling call's chunked tokenizing and queueing would refuse (priorities, prompt
+        shapes and keys, given token ids), found before anything is queued."""
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts.")
+            for value in priority:
+                check_priority(value)
+        for prompt in prompts:
+            if isinstance(prompt, str) or (isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str)
+                                           and "prompt_token_ids" not in prompt):
+                if isinstance(prompt, dict):
+                    check_prompt_keys(prompt)
+                continue
+            _, ids = self.tokenize_prompt(prompt, tokenization_kwargs)  # a ValueError for anything but token ids
+            self.validate_pooling_prompt(ids)
+
     def validate_pooling_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
             raise ValueError("The decoder prompt cannot be empty: it has no tokens.")

@@ -362,11 +362,8 @@ class LLM:
         engine_task = self._pooling_task(task)
         params_list = self._with_task(params_list, engine_task, task)
         tokenization_kwargs = _pooling_truncation(tokenization_kwargs, params_list)
-        if priority is not None and len(priority) != len(prompt_list):
-            raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts.")
         prompt_list = self._with_st_prompt(prompt_list, prompt_name, engine_task)
-        for prompt in prompt_list:
-            self._check_pooling_prompt(prompt, tokenization_kwargs)
+        engine.input_processor.check_pooling_batch(prompt_list, priority, tokenization_kwargs)
 
         def tokenize(start: int, chunk: list[PromptType]) -> list[tuple[Optional[str], list[int], PoolingParams]]:
             pairs = engine.input_processor.tokenize_for_pooling(chunk, tokenization_kwargs)
@@ -513,17 +510,6 @@ class LLM:
         if missing:
             raise RuntimeError(f"the engine finished without outputs for requests {missing[:10]}.")
         return [tracker.finished[rid] for rid in request_ids]
-
-    def _check_pooling_prompt(self, prompt: PromptType, tokenization_kwargs: Optional[dict[str, Any]]) -> None:
-        """What `tokenize_for_pooling` would refuse, found before anything is queued."""
-        if isinstance(prompt, str) or (isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str)
-                                       and "prompt_token_ids" not in prompt):
-            if isinstance(prompt, dict):
-                check_prompt_keys(prompt)
-            return
-        processor = self.llm_engine.input_processor
-        _, ids = processor.tokenize_prompt(prompt, tokenization_kwargs)  # a ValueError for anything but token ids
-        processor.validate_pooling_prompt(ids)
 
     def _process(self, prompts: Any, params: Any, priority: Optional[list[int]],
                  tokenization_kwargs: Optional[dict[str, Any]], lora_request: Any = None) -> list[Any]:

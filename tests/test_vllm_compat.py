@@ -169,7 +169,7 @@ def test_ignored_arguments_are_accepted_at_any_value_and_change_nothing(llm, tin
         enforce_eager=True, trust_remote_code=True, download_dir="/nowhere", disable_log_stats=False, swap_space=0,
         compilation_config={"level": 3}, attention_config={"backend": "FLASH_ATTN"}, tokenizer_mode="auto",
         revision=None, hf_token="x", served_model_name="alias", max_seq_len_to_capture=1, use_tqdm_on_load=False,
-        limit_mm_per_prompt={"image": 0}, max_lora_rank=64, async_scheduling=True,
+        limit_mm_per_prompt={"image": 0}, max_lora_rank=64,
     )
     assert all(not arg.ignored or arg.name in EngineArgs.field_names() for arg in VLLM_ARGS)
     with LLM(model=str(tiny_llama_dir), multiprocess=False, max_model_len=256, num_kv_blocks=64, **ignored) as other:
@@ -181,7 +181,7 @@ def test_ignored_arguments_are_accepted_at_any_value_and_change_nothing(llm, tin
     ("tensor_parallel_size", 4), ("pipeline_parallel_size", 2), ("kv_cache_dtype", "fp8"), ("revision", "main"),
     ("hf_overrides", {"num_hidden_layers": 1}), ("runner", "draft"), ("convert", "classify"),
     ("tokenizer_mode", "mistral"), ("logits_processors", ["my.Processor"]), ("cpu_offload_gb", 4),
-    ("enable_sleep_mode", True), ("distributed_executor_backend", "ray"), ("dtype", "int8"),
+    ("enable_sleep_mode", True), ("async_scheduling", True), ("distributed_executor_backend", "ray"), ("dtype", "int8"),
 ])
 def test_unsupported_arguments_raise_value_error_naming_them(tiny_llama_dir, name, value):
     with pytest.raises(ValueError, match=name):

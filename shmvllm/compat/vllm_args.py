@@ -71,8 +71,6 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     _ignored("max_parallel_loading_workers", None, "each rank loads its own share once", int),
     _ignored("disable_custom_all_reduce", False, "tensor-parallel all-reduces are chosen by SHMVLLM_TP_ALLREDUCE (shm or gloo)", bool),
     _ignored("ray_workers_use_nsight", False, "no Nsight profiling of workers: tensor-parallel workers are CPU processes", bool),
-    _ignored("async_scheduling", False, "results are the same either way; shmvllm's frontend already "
-             "overlaps detokenizing with the engine's next step", bool),
     _ignored("prefix_caching_hash_algo", "sha256", "block hashes are internal; results do not depend on them"),
     _ignored("disable_hybrid_kv_cache_manager", False, "shmvllm's models have one KV cache kind", bool),
     _ignored("limit_mm_per_prompt", None, _NO_MM),
@@ -165,6 +163,7 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     _only("otlp_traces_endpoint", None, "tracing is not supported"),
     _only("collect_detailed_traces", None, "tracing is not supported"),
     _only("enable_sleep_mode", False, "sleep mode is not supported", cli_type=bool),
+    _only("async_scheduling", False, "the scheduler does not schedule step N+1 while step N runs", None, cli_type=bool),
     _only("disable_sliding_window", False, "attention follows the model's config", cli_type=bool),
     _only("num_lookahead_slots", 0, "speculative decoding is not supported", cli_type=int),
     _only("max_num_partial_prefills", 1, "one partial prefill at a time", cli_type=int),

@@ -299,10 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     configs = [("inproc", "none")] + [("multiprocess", t) for t in ("shm", "zmq")]
     with tempfile.TemporaryDirectory(prefix="e2e-overhead-") as tmp:
         model_dir = build_tiny_llama(Path(tmp) / "tiny-llama")
-        load_before = os.getloadavg()[0]
         rows = measure(model_dir, configs, args.repeats, args.stat)
     print_report(rows)
-    print(f"(load average before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f}; {args.repeats} repetitions, {args.stat})")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.plot:

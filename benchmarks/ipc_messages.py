@@ -92,7 +92,7 @@ def main() -> int:
         return 0
     sides = {"this": HERE} | ({"other": Path(args.against).resolve()} if args.against else {})
     rounds: dict[str, list[dict]] = {side: [] for side in sides}
-    started, load = time.monotonic(), os.getloadavg()[0]
+    started = time.monotonic()
     for r in range(args.rounds):
         order = list(sides) if r % 2 == 0 else list(sides)[::-1]
         for side in order:
@@ -129,7 +129,6 @@ def main() -> int:
     print()
     for line, _ in checks:
         print(line)
-    print(f"\n(load average before / after: {load:.2f} / {os.getloadavg()[0]:.2f}; {args.rounds} rounds)")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.plot:

@@ -217,14 +217,17 @@ def _probe_worker(probe: _Probe) -> None:
 
 # ---------------------------------------------------------------- the parent
 
-class _Worker:
-    def __init__(self, name: str, kind: str, python: str, spec: dict[str, Any]) -> None:
+class Worker:
+    """One engine in a process of its own, started as `python script --worker kind --spec JSON`:
+    it answers one JSON line when loaded (kept as `ready`) and one per "rep" line it is sent."""
+
+    def __init__(self, name: str, kind: str, python: str, spec: dict[str, Any], script: str = __file__) -> None:
         self.name = name
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        print(f"[latency] loading {name} ...", file=sys.stderr, flush=True)
-        self.proc = subprocess.Popen([python, __file__, "--worker", kind, "--spec", json.dumps(spec)],
+        print(f"[{Path(script).stem}] loading {name} ...", file=sys.stderr, flush=True)
+        self.proc = subprocess.Popen([python, script, "--worker", kind, "--spec", json.dumps(spec)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self.load_s = self._read()["load_s"]
+        self.ready = self._read()
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -458,7 +461,7 @@ def main() -> None:
                 plan.append((name, kind, python, dict(spec, extra=json.loads(extra))))
         if long_spec is not None and kind in ("shmvllm", "llama.cpp"):
             plan.append((f"{kind}@4k", kind, python, long_spec))
-    workers = [_Worker(name, kind, python, s) for name, kind, python, s in plan]
+    workers = [Worker(name, kind, python, s) for name, kind, python, s in plan]
     reps: dict[str, list[dict[str, Any]]] = {w.name: [] for w in workers}
     try:
         for i in range(args.repeats):
@@ -472,7 +475,7 @@ def main() -> None:
     read = [r["read_gb_per_s"] for r in reps.pop("read probe")]
     probe = {"median": statistics.median(read), "min": min(read), "max": max(read), "each": read}
     weights = weight_bytes(gguf)
-    rows = [summarize(w.name, w.load_s, reps[w.name], weights, probe["median"]) for w in workers if w.name in reps]
+    rows = [summarize(w.name, w.ready["load_s"], reps[w.name], weights, probe["median"]) for w in workers if w.name in reps]
     checks = report(rows, args.threads, probe, args.long_context, model)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -33,14 +33,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from latency import shipped_gguf  # noqa: E402  (a shipped model's GGUF file)
+from latency import Worker, shipped_gguf  # noqa: E402  (an engine's worker process; a shipped model's GGUF file)
 
 MODEL = "smollm2-135m-instruct"
 MAX_TOKENS = 256
@@ -177,39 +176,6 @@ def _worker(kind: str, spec: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------- the parent
 
-class _Worker:
-    def __init__(self, name: str, python: str, spec: dict[str, Any]) -> None:
-        self.name = name
-        print(f"[speculative] loading {name} ...", file=sys.stderr, flush=True)
-        self.proc = subprocess.Popen([python, __file__, "--worker", name, "--spec", json.dumps(spec)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        self._read()
-
-    def _read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                return json.loads(line)
-        raise RuntimeError(f"{self.name} exited (code {self.proc.wait()}) without a result")
-
-    def rep(self) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("rep\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
 def prompt_ids(gguf: str) -> dict[str, list[list[int]]]:
     from transformers import AutoTokenizer
 
@@ -344,7 +310,7 @@ def main() -> None:
     workers = []
     try:
         for name in names:
-            workers.append(_Worker(name, args.llama_python if name.startswith("llama.cpp") else sys.executable, spec))
+            workers.append(Worker(name, name, args.llama_python if name.startswith("llama.cpp") else sys.executable, spec, __file__))
         reps: dict[str, list[dict[str, Any]]] = {w.name: [] for w in workers}
         for i in range(args.repeats):
             order = workers[i % len(workers):] + workers[: i % len(workers)]

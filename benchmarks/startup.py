@@ -285,11 +285,9 @@ def main() -> None:
               f"process start -> first vector {ours:.2f} s vs {peer:.2f} s = {ours / peer:.2f}x (<= 1.0x)")
     if (cli := median(CLI, "exit")) is not None:
         check("CLI generate", cli, 3.0, f"`shmvllm generate \"{PROMPT}\"` exited after {cli:.2f} s (< 3 s)")
-    load = os.getloadavg()
-    print(f"load average at the end: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} CPUs")
     if args.json:
         Path(args.json).write_text(json.dumps({"results": results, "checks": checks, "rounds": args.rounds,
-                                               "load_average": load, "cpus": os.cpu_count()}, indent=2) + "\n")
+                                               "load_average": os.getloadavg(), "cpus": os.cpu_count()}, indent=2) + "\n")
     if args.plot:
         plot(results, args.plot)
 

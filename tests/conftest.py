@@ -304,3 +304,13 @@ def no_engine_left_behind():
         time.sleep(0.05)
     assert not engine_children(), "an engine process outlived its test"
     assert not leaked_shm_entries() - before
+
+
+@pytest.fixture(params=[pytest.param(False, id="native"), pytest.param(True, id="python")])
+def pure_python(request) -> bool:
+    """A ring test runs on both backends: the C helper and the pure-Python one."""
+    from ipc import native_available
+
+    if not request.param and not native_available():
+        pytest.fail("the C helper did not build (cc is expected on this machine)")
+    return request.param

@@ -13,15 +13,6 @@ import pytest
 
 from ipc import LoanError, RingBuffer, RingTimeoutError, native_available
 
-BACKENDS = [pytest.param(False, id="native"), pytest.param(True, id="python")]
-
-
-@pytest.fixture(params=BACKENDS)
-def pure_python(request) -> bool:
-    if not request.param and not native_available():
-        pytest.fail("the C helper did not build (cc is expected on this machine)")
-    return request.param
-
 
 @pytest.fixture
 def pair(pure_python):

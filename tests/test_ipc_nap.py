@@ -17,21 +17,12 @@ from typing import Any
 import pytest
 
 import ipc.ring as ring_module
-from ipc import PeerClosedError, PeerDeadError, RingBuffer, native_available
+from ipc import PeerClosedError, PeerDeadError, RingBuffer
 from ipc.wait import NAP_FIRST_US, NAP_MAX_US, RECENT_WAITS, Waiter
 
 ROOT = Path(__file__).resolve().parents[1]
-BACKENDS = [pytest.param(False, id="native"), pytest.param(True, id="python")]
-
 # A child that attaches to the ring named in argv[1], says so, and idles until killed.
 ATTACH_AND_IDLE = "import sys, time\nfrom ipc import RingBuffer\nr = RingBuffer.attach(sys.argv[1])\nprint('ready', flush=True)\ntime.sleep(600)\n"
-
-
-@pytest.fixture(params=BACKENDS)
-def pure_python(request) -> bool:
-    if not request.param and not native_available():
-        pytest.fail("the C helper did not build (cc is expected on this machine)")
-    return request.param
 
 
 def _count_posts(side: RingBuffer, kind: str = "data") -> Any:

@@ -20,18 +20,9 @@ from ipc import Channel, PeerClosedError, RingBuffer, RingCorruptedError, native
 from ipc import layout as L
 from ipc.wait import Waiter
 
-BACKENDS = [pytest.param(False, id="native"), pytest.param(True, id="python")]
-
 
 def _u64(ring: RingBuffer, off: int) -> int:
     return struct.unpack_from("=Q", ring._mv, off)[0]
-
-
-@pytest.fixture(params=BACKENDS)
-def pure_python(request) -> bool:
-    if not request.param and not native_available():
-        pytest.fail("the C helper did not build (cc is expected on this machine)")
-    return request.param
 
 
 @pytest.fixture

@@ -120,24 +120,29 @@ static inline void deq_q2_k(const uint8_t *blk, vf *w) {
         }
 }
 
-/* Q3_K: 32 bytes of high bits (value 128 h + 32 s + i: bit 4 h + s of hmask[i]; q is 4 lower
- * when it is clear), 64 bytes of 2-bit low parts laid out as Q2_K's, sixteen 6-bit signed scales
- * packed in 12 bytes, d. */
-static inline void deq_q3_k(const uint8_t *blk, vf *w) {
-    const uint8_t *hmask = blk, *qs = blk + 32, *packed = blk + 96;
-    const vf d = splat(fp16_to_fp32(load_u16(blk + 108)));
-    /* scale j: its low 4 bits are nibble j % 8 (low nibbles first) of bytes 0-7, its high 2 bits
-     * bits 2 (j / 4) of byte 8 + j % 4; assembled 8 at a time in a uint64 */
+/* Q3_K's sixteen 6-bit scales (biased by 32) from their 12 packed bytes: scale j's low 4 bits are
+ * nibble j / 8 of byte j % 8, its high 2 bits bits 2 (j / 4) of byte 8 + j % 4; assembled 8 at a
+ * time in a uint64. */
+static inline void q3_k_scales(const uint8_t *packed, uint8_t scales[16]) {
     uint64_t low;
     uint32_t high;
     memcpy(&low, packed, 8);
     memcpy(&high, packed + 8, 4);
     const uint64_t m2 = 0x03030303u;
-    uint8_t bytes16[16];
     const uint64_t s0 = (low & 0x0f0f0f0f0f0f0f0full) | (((high & m2) | ((high >> 2) & m2) << 32) << 4);
     const uint64_t s1 = ((low >> 4) & 0x0f0f0f0f0f0f0f0full) | ((((high >> 4) & m2) | ((uint64_t)(high >> 6) & m2) << 32) << 4);
-    memcpy(bytes16, &s0, 8);
-    memcpy(bytes16 + 8, &s1, 8);
+    memcpy(scales, &s0, 8);
+    memcpy(scales + 8, &s1, 8);
+}
+
+/* Q3_K: 32 bytes of high bits (value 128 h + 32 s + i: bit 4 h + s of hmask[i]; q is 4 lower
+ * when it is clear), 64 bytes of 2-bit low parts laid out as Q2_K's, sixteen 6-bit signed scales
+ * packed in 12 bytes, d. */
+static inline void deq_q3_k(const uint8_t *blk, vf *w) {
+    const uint8_t *hmask = blk, *qs = blk + 32;
+    const vf d = splat(fp16_to_fp32(load_u16(blk + 108)));
+    uint8_t bytes16[16];
+    q3_k_scales(blk + 96, bytes16);
     vf dl[16 / VW];
     for (int c = 0; c < 16 / VW; c++) {
         vb b;

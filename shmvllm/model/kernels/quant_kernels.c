@@ -646,20 +646,10 @@ static inline __attribute__((always_inline)) void q3_k_row(const int M, float *o
     for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = (f8){0};
     const f8 pat = {-4, -3, -2, -1, 0, 1, 2, 3};
     for (int64_t b = 0; b < k / 256; b++) {
-        const uint8_t *blk = row + b * 110, *qs = blk + 32, *packed = blk + 96;
+        const uint8_t *blk = row + b * 110, *qs = blk + 32;
         const f8 d = splat8(fp16_to_fp32(load_u16(blk + 108)));
-        /* scale j: its low 4 bits are nibble j / 8 of byte j % 8, its high 2 bits bits 2 (j / 4)
-         * of byte 8 + j % 4; assembled 8 at a time in a uint64 */
-        uint64_t low;
-        uint32_t high;
-        memcpy(&low, packed, 8);
-        memcpy(&high, packed + 8, 4);
-        const uint64_t m2 = 0x03030303u;
         uint8_t bytes16[16];
-        const uint64_t s0 = (low & 0x0f0f0f0f0f0f0f0full) | (((high & m2) | ((high >> 2) & m2) << 32) << 4);
-        const uint64_t s1 = ((low >> 4) & 0x0f0f0f0f0f0f0f0full) | ((((high >> 4) & m2) | ((uint64_t)(high >> 6) & m2) << 32) << 4);
-        memcpy(bytes16, &s0, 8);
-        memcpy(bytes16 + 8, &s1, 8);
+        q3_k_scales(blk + 96, bytes16);
         float dl[16];
         for (int c = 0; c < 2; c++) {
             const f8 v = d * __builtin_convertvector(load_8_bytes(bytes16 + 8 * c) - 32, f8);

@@ -103,6 +103,8 @@ def test_dimensions_beyond_the_model_are_refused_before_queueing(embed_llm):
 def test_invalid_embed_inputs_queue_nothing(embed_llm):
     with pytest.raises(ValueError, match="pooling_params has 1 entries for 2 prompts"):
         embed_llm.embed(["a", "b"], [PoolingParams()], use_tqdm=False)
+    with pytest.raises(TypeError, match="pooling_params must be a PoolingParams or a list of them, got int"):
+        embed_llm.embed(["a", "b"], 5, use_tqdm=False)
     with pytest.raises(ValueError, match="vocabulary"):
         embed_llm.embed(["fine", {"prompt_token_ids": [101, 10**9, 102]}], use_tqdm=False)
     with pytest.raises(ValueError, match="max_model_len=256"):

@@ -349,21 +349,20 @@ class InputProcessor:
         )
 
 
-def params_per_prompt(sampling_params: Any, num_prompts: int) -> list[SamplingParams]:
-    """One SamplingParams for all prompts, or one per prompt, as a list of one per prompt."""
-    if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * num_prompts
-    if not isinstance(sampling_params, (list, tuple)):
-        raise TypeError(
-            f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}."
-        )
-    params = list(sampling_params)
+def params_per_prompt(params: Any, num_prompts: int, kind: type = SamplingParams,
+                      field: str = "sampling_params") -> list[Any]:
+    """One `kind` (SamplingParams or PoolingParams) for all prompts, or one per prompt, as a list
+    of one per prompt; anything else a TypeError naming `field`."""
+    if isinstance(params, kind):
+        return [params] * num_prompts
+    if not isinstance(params, (list, tuple)):
+        raise TypeError(f"{field} must be a {kind.__name__} or a list of them, got {type(params).__name__}.")
     if len(params) != num_prompts:
-        raise ValueError(f"sampling_params has {len(params)} entries for {num_prompts} prompts; give one or one per prompt.")
+        raise ValueError(f"{field} has {len(params)} entries for {num_prompts} prompts; give one or one per prompt.")
     for p in params:
-        if not isinstance(p, SamplingParams):
-            raise TypeError(f"sampling_params must hold SamplingParams, got {type(p).__name__}.")
-    return params
+        if not isinstance(p, kind):
+            raise TypeError(f"{field} must hold {kind.__name__}, got {type(p).__name__}.")
+    return list(params)
 
 
 def check_prompt_keys(prompt: dict[str, Any]) -> None:

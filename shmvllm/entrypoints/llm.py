@@ -14,7 +14,7 @@ import numpy as np
 from shmvllm.beam_search import BeamSearchOutput, beam_prompt_ids, run_beam_search
 from shmvllm.boundary.messages import EngineCoreRequest
 from shmvllm.engine.arg_utils import EngineArgs
-from shmvllm.engine.input_processor import PromptType, check_prompt_keys, parse_tokenization_kwargs
+from shmvllm.engine.input_processor import PromptType, check_prompt_keys, params_per_prompt, parse_tokenization_kwargs
 from shmvllm.engine.llm_engine import LLMEngine
 from shmvllm.engine.renderer import Conversation
 from shmvllm.entrypoints.output_router import OutputRouter, Sink
@@ -633,17 +633,9 @@ class _PoolingTracker:
 def _pooling_params_per_prompt(pooling_params: PoolingParamsArg, num_prompts: int) -> list[PoolingParams]:
     if pooling_params is None:
         return [PoolingParams()] * num_prompts
-    if isinstance(pooling_params, PoolingParams):
-        return [pooling_params] * num_prompts
     if isinstance(pooling_params, SamplingParams):
         raise TypeError("pooling_params must be a PoolingParams, got SamplingParams; use generate() to generate.")
-    params = list(pooling_params)
-    if len(params) != num_prompts:
-        raise ValueError(f"pooling_params has {len(params)} entries for {num_prompts} prompts; give one or one per prompt.")
-    for p in params:
-        if not isinstance(p, PoolingParams):
-            raise TypeError(f"pooling_params must hold PoolingParams, got {type(p).__name__}.")
-    return params
+    return params_per_prompt(pooling_params, num_prompts, PoolingParams, "pooling_params")
 
 
 def _progress_bar(total: int, use_tqdm: UseTqdm = True) -> Any:

@@ -286,7 +286,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         ax.bar_label(bars, fmt="%.1f")
         ax.set_title(f"{workload}: decode tok/s of one request (higher is better)")
         ax.tick_params(axis="x", rotation=15)
-    fig.suptitle("SmolLM2-135M-Instruct Q4_1 GGUF, n-gram speculative decoding vs none, shmvllm vs llama.cpp")
+    fig.suptitle("SmolLM2-135M-Instruct Q4_1 GGUF: " + ", ".join(names))
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -37,6 +37,7 @@ from shmvllm.model.decode_step import enabled as decode_step_enabled
 from shmvllm.model.decode_step import fallback_reasons as decode_fallback_reasons
 from shmvllm.model.kernels import kernels_for
 from shmvllm.model.linear import Linear, VocabEmbedding
+from shmvllm.model.moe import MoEMLP, MoEOptions
 from shmvllm.model.rotary import RotaryEmbedding, RotaryStep
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ _NORM_NAMES = {
 class LayerOptions:
     sliding_window: Optional[int] = None  # the query sees the last `sliding_window` positions; None: all
     rope: Optional[str] = "global"  # which rotary table (one of DecoderOptions.rope); None: no rotary
+    moe: bool = False  # the MLP is DecoderOptions.moe's mixture of experts
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,9 @@ class DecoderOptions:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    moe: Optional[MoEOptions] = None  # the experts of the layers whose LayerOptions.moe is set
+    # checkpoint name fragments renamed on load, in order (Mixtral's block_sparse_moe.experts.N.w1 -> mlp.experts.N.gate_proj)
+    renames: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.norm not in NORM_PLACEMENTS:
@@ -91,6 +96,8 @@ class DecoderOptions:
         for index, layer in enumerate(self.layers):
             if layer.rope is not None and layer.rope not in self.rope:
                 raise ValueError(f"layer {index} uses rope {layer.rope!r}, which is not one of {sorted(self.rope)}.")
+            if layer.moe and self.moe is None:
+                raise ValueError(f"layer {index} is a mixture-of-experts layer but DecoderOptions.moe is not set.")
 
 
 def head_dim_of(config: Any) -> int:
@@ -245,7 +252,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: Any, options: DecoderOptions, layer: LayerOptions) -> None:
         super().__init__()
         self.self_attn = Attention(config, options, layer)
-        self.mlp = MLP(config, options)
+        if layer.moe:
+            if options.mlp_bias:
+                raise ValueError("mlp_bias is not supported in mixture-of-experts layers.")
+            self.mlp: nn.Module = MoEMLP(config.hidden_size, options.moe, options.activation)
+        else:
+            self.mlp = MLP(config, options)
         self.norm_names = _NORM_NAMES[options.norm]
         for name in self.norm_names:
             if name is not None:
@@ -354,6 +366,12 @@ class DecoderForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name in this model's terms (the family's renames applied)."""
+        for old, new in self.options.renames:
+            name = name.replace(old, new)
+        return name
+
     def shard_for(self, param_name: str) -> tuple[str, int, int] | None:
         """A checkpoint name of a fused shard -> (our parameter, row offset, row count)."""
         for packed, shards in self.packed_modules.items():
@@ -362,15 +380,19 @@ class DecoderForCausalLM(nn.Module):
                 if marker not in param_name:
                     continue
                 target = param_name.replace(marker, f".{packed}.")
-                sizes = self._shard_sizes(packed)
+                try:
+                    sizes = self._shard_sizes(packed, target)
+                except AttributeError:  # no such module: the loader names the tensor as unexpected
+                    return None
                 return target, sum(sizes[:index]), sizes[index]
         return None
 
-    def _shard_sizes(self, packed: str) -> list[int]:
+    def _shard_sizes(self, packed: str, target: str) -> list[int]:
         attn = self.model.layers[0].self_attn
         if packed == "qkv_proj":
             return [attn.q_size, attn.kv_size, attn.kv_size]
-        size = self.model.layers[0].mlp.intermediate_size
+        # the module's own size: a dense layer's and an expert's intermediate sizes differ
+        size = self.get_submodule(target.rpartition(".")[0]).out_features // 2
         return [size, size]
 
 

@@ -280,6 +280,9 @@ def read_gguf(path: Path, hf_config: Any, family: Any, dequantize: bool = False)
     permute = arch in family.gguf_permute_qk
     for tensor in reader.tensors:
         name = checkpoint_name(tensor.name, family.gguf_names)
+        if len(tensor.shape) == 3:  # stacked experts [n_expert, rows, k]
+            yield from _experts(tensor, name, mapped, dequantize)
+            continue
         qtype = tensor.tensor_type
         data = np.asarray(tensor.data)
         permuted = False
@@ -303,6 +306,26 @@ def read_gguf(path: Path, hf_config: Any, family: Any, dequantize: bool = False)
             else:
                 rows = mapped[tensor.offset : tensor.offset + data.nbytes].view(data.shape[0], -1)
             yield name, QuantizedWeight(rows, qtype, k)
+
+
+def _experts(tensor: Any, name: str, mapped: torch.Tensor, dequantize: bool) -> Iterator[tuple[str, Tensor]]:
+    """One (checkpoint name, weight) per expert of a stacked expert tensor: `name` holds "*" where
+    the expert's index goes; blocks stay views of the mapped file."""
+    if "*" not in name:
+        raise ValueError(f"GGUF tensor {tensor.name!r} is 3-D, but {name!r} is not an expert tensor of this family.")
+    qtype, k = tensor.tensor_type, int(tensor.shape[0])
+    data = np.asarray(tensor.data)
+    for expert in range(data.shape[0]):
+        rows = data[expert]
+        expert_name = name.replace("*", str(expert))
+        if qtype == FORMAT_IDS["F32"]:
+            yield expert_name, torch.from_numpy(np.array(rows, dtype=np.float32))
+        elif dequantize:
+            values = _dequantize_np(np.ascontiguousarray(rows).view(np.uint8).reshape(rows.shape[0], -1), qtype)
+            yield expert_name, torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(-1, k)
+        else:
+            begin = tensor.offset + expert * rows.nbytes
+            yield expert_name, QuantizedWeight(mapped[begin : begin + rows.nbytes].view(rows.shape[0], -1), qtype, k)
 
 
 def _dequantize_np(data: np.ndarray, qtype: int) -> np.ndarray:

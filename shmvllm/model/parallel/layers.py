@@ -10,6 +10,8 @@ Megatron's split, per decoder layer:
   over the whole projection (OLMo 2) sums its squares over the ranks;
 - MLP: `gate_up_proj` keeps one slice of the intermediate rows of gate and of up
   (column-parallel), `down_proj` the same input columns (row-parallel);
+- a mixture-of-experts MLP keeps every expert's share of its intermediate rows, split as the MLP's
+  (`shard_moe_`: the router whole on every rank, one all-reduce per layer);
 - the embedding keeps one slice of the vocabulary (a token outside it looks up zeros, and the
   sum over the ranks is the one rank's row, exactly), and the lm_head the same rows; its
   logits are gathered on every rank, so that every rank samples the same tokens (with the
@@ -48,6 +50,7 @@ from shmvllm.model.attention import PagedAttention
 from shmvllm.model.kernels import quant_kernels
 from shmvllm.model.linear import Linear, VocabEmbedding
 from shmvllm.model.loader import return_freed_memory
+from shmvllm.model.moe import MoEMLP
 from shmvllm.model.parallel.group import TPGroup
 from shmvllm.model.parallel.split import split_in_units, split_range, split_sizes
 from shmvllm.model.quant import FORMATS, QuantizedWeight, format_name
@@ -282,6 +285,9 @@ def shard_decoder_(model: nn.Module, group: TPGroup) -> nn.Module:
         full = attn.attn
         attn.attn = PagedAttention(attn.num_heads, attn.num_kv_heads, hd, full.scale, full.sliding_window, full.softcap)
 
+        if isinstance(mlp, MoEMLP):
+            shard_moe_(mlp, group)
+            continue
         size = mlp.intermediate_size
         unit = block_unit(mlp.down_proj)
         cuts = [split_in_units(size, unit, world, r) for r in range(world)]
@@ -311,6 +317,35 @@ def shard_decoder_(model: nn.Module, group: TPGroup) -> nn.Module:
     logger.info("rank %d of %d holds its shard: %.1f MiB in GGML blocks, %.1f MiB dense", rank, world,
                 blocks / 2**20, dense / 2**20)
     return model
+
+
+def shard_moe_(mlp: MoEMLP, group: TPGroup) -> None:
+    """Cuts a loaded MoE MLP into `group.rank`'s share of every expert, in place; its forward then
+    all-reduces the partial sums (the router stays whole on every rank).
+
+    Every rank holds every expert's share of the intermediate rows (the dense MLP's split, applied to
+    each expert) rather than whole experts: no routing change and no token exchange; every rank runs
+    the same router, reads its share of each chosen expert (1/world of the step's expert bytes), sums
+    the experts' partial outputs locally, and one all-reduce per layer adds the ranks' sums. Whole
+    experts per rank would leave a rank idle whenever a step's tokens choose the other rank's experts
+    (a single request's top-k often does). The split is drawn in whole blocks of `down_proj`; a rank
+    whose share of an expert is empty skips it."""
+    world, rank = group.world_size, group.rank
+    for expert in mlp.experts:
+        size = expert.intermediate_size
+        unit = block_unit(expert.down_proj)
+        u0, u1 = split_range(-(-size // unit), world, rank)  # whole blocks; a rank may get none
+        i0, i1 = min(u0 * unit, size), min(u1 * unit, size)
+        down = expert.down_proj
+        expert.gate_up_proj = _rows(expert.gate_up_proj, [(i0, i1), (size + i0, size + i1)]) if i1 > i0 else None
+        if i1 <= i0:
+            expert.down_proj = None
+        elif down.blocks is not None:
+            expert.down_proj = _blocks_linear([block_columns(part, i0, i1) for _, part in down.blocks], None)
+        else:
+            expert.down_proj = _dense_linear(down.weight[:, i0:i1], None)
+        expert.intermediate_size = i1 - i0
+    mlp.group = group
 
 
 def shard_bytes(model: nn.Module) -> tuple[int, int]:

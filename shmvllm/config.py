@@ -129,3 +129,4 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     speculative_config: Optional[SpeculativeConfig] = None
+    draft_model_config: Optional[ModelConfig] = None  # speculative_config's draft model (method 'draft_model')

@@ -72,7 +72,8 @@ def test_gguf_files_transformers_cannot_read_are_refused(arch):
 ALL_FAMILIES = {"llama": {}, "qwen3": {}, "gemma2": {}, "gemma3": {}, **FAMILY_OVERRIDES}
 
 
-@pytest.mark.parametrize("family, source", [(f, "hf") for f in ALL_FAMILIES] + [(f, "gguf") for f in GGUF_ARCH])
+# (the mixture-of-experts families' own tests, tests/test_moe.py, run them at TP 2 and from GGUF)
+@pytest.mark.parametrize("family, source", [(f, "hf") for f in ALL_FAMILIES] + [(f, "gguf") for f in GGUF_ARCH if f in ALL_FAMILIES])
 def test_tensor_parallel_2_gives_transformers_tokens(family, source, tmp_path):
     """tensor_parallel_size=2 (rank 1 a worker program, the all-reduces through the shared-memory
     arena), each rank loading its share: a mixed batch under preemption, greedy tokens equal to

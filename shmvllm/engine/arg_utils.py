@@ -138,6 +138,9 @@ class EngineArgs(VllmArgs):
         _verify_quantization(self.quantization, source, task)
         if speculative is not None and task != "generate":
             raise ValueError(f"speculative_config={self.speculative_config!r} applies to generation only, not to task {task!r}.")
+        draft_config, draft_source = None, None
+        if speculative is not None and speculative.uses_draft_model:
+            draft_config, draft_source = self._draft_model_config(speculative, model_config)
         _verify_tensor_parallel(self.tensor_parallel_size, task, hf_config, device)
         chunked_prefill = self.enable_chunked_prefill is not False
         max_batched, max_num_seqs = _scheduler_limits(
@@ -170,10 +173,48 @@ class EngineArgs(VllmArgs):
                 tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size
             ),
             speculative_config=speculative,
+            draft_model_config=draft_config,
         )
         check_against_model(config, source)
+        if draft_source is not None:
+            check_against_model(dataclasses.replace(config, model_config=draft_config), draft_source)
+            draft_source.store()
         source.store()  # only now: a refused start leaves the cache as it was
         return config
+
+    def _draft_model_config(self, speculative: SpeculativeConfig, target: ModelConfig) -> tuple[ModelConfig, ModelSource]:
+        """The draft model's config from speculative_config's `model`, checked against the target: a decoder
+        of the same vocabulary, positions for the target's max_model_len, one rank."""
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"speculative_config['method']='draft_model' with tensor_parallel_size={self.tensor_parallel_size} "
+                "is not supported (the draft and the target run on one rank)."
+            )
+        if speculative.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"speculative_config['quantization'] must be one of {QUANTIZATIONS}, got {speculative.quantization!r}."
+            )
+        source = locate_model(speculative.model)
+        check_causal_lm_dir(source.model_dir)
+        hf_config = source.hf_config()
+        decoder_architecture(hf_config)
+        if hf_config.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"speculative_config['model']={speculative.model!r} has vocab_size {hf_config.vocab_size}, the target "
+                f"{target.model!r} has {target.vocab_size}: a draft model must share the target's tokenizer."
+            )
+        draft_len = _resolve_max_model_len(None, hf_config, source.model_dir)
+        if draft_len < target.max_model_len:
+            raise ValueError(
+                f"speculative_config['model']={speculative.model!r} holds {draft_len} positions, fewer than the "
+                f"target's max_model_len={target.max_model_len}: lower max_model_len or pick a longer draft."
+            )
+        _verify_quantization(speculative.quantization, source, "generate")
+        draft = dataclasses.replace(
+            target, model=speculative.model, model_dir=source.model_dir, hf_config=hf_config,
+            tokenizer_dir=source.model_dir, quantization=speculative.quantization, dense_out_features=None,
+        )
+        return draft, source
 
     def _task(self, model_dir: Path, hf_config: Any) -> Task:
         """The task from task / runner / convert, checked against what the model is."""

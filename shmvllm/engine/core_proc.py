@@ -100,6 +100,7 @@ class EngineProcArgs(msgspec.Struct, kw_only=True):
     config: EngineConfig
     hf_config: dict[str, Any]
     addresses: Addresses
+    draft_hf_config: Optional[dict[str, Any]] = None  # speculative_config's draft model's, as hf_config
     parent_pid: int
     executor_class: Optional[str] = None
     log_level: int = logging.WARNING
@@ -111,13 +112,19 @@ class EngineProcArgs(msgspec.Struct, kw_only=True):
     def build(cls, config: EngineConfig, addresses: Addresses, **kwargs: Any) -> "EngineProcArgs":
         hf = config.model_config.hf_config
         bare = dataclasses.replace(config, model_config=dataclasses.replace(config.model_config, hf_config=None))
+        if config.draft_model_config is not None:
+            kwargs["draft_hf_config"] = config.draft_model_config.hf_config.to_dict()
+            bare.draft_model_config = dataclasses.replace(config.draft_model_config, hf_config=None)
         return cls(config=bare, hf_config=hf.to_dict(), addresses=addresses, **kwargs)
 
     def engine_config(self) -> EngineConfig:
         from shmvllm.model.hf_config import HFConfig
 
         hf = HFConfig(self.hf_config)
-        return dataclasses.replace(self.config, model_config=dataclasses.replace(self.config.model_config, hf_config=hf))
+        config = dataclasses.replace(self.config, model_config=dataclasses.replace(self.config.model_config, hf_config=hf))
+        if self.draft_hf_config is not None and config.draft_model_config is not None:
+            config.draft_model_config = dataclasses.replace(config.draft_model_config, hf_config=HFConfig(self.draft_hf_config))
+        return config
 
 
 def _encode_path(obj: Any) -> Any:

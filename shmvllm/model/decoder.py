@@ -40,6 +40,7 @@ from shmvllm.model.decode_step import enabled as decode_step_enabled
 from shmvllm.model.decode_step import fallback_reasons as decode_fallback_reasons
 from shmvllm.model.kernels import kernels_for
 from shmvllm.model.linear import Linear
+from shmvllm.model.moe import MoEMLP, MoEOptions
 from shmvllm.model.parallel.group import TPGroup
 from shmvllm.model.parallel.layers import (
     ColumnParallelLinear,
@@ -71,6 +72,7 @@ _NORM_NAMES = {
 class LayerOptions:
     sliding_window: Optional[int] = None  # the query sees the last `sliding_window` positions; None: all
     rope: Optional[str] = "global"  # which rotary table (one of DecoderOptions.rope); None: no rotary
+    moe: bool = False  # the MLP is DecoderOptions.moe's mixture of experts
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,9 @@ class DecoderOptions:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    moe: Optional[MoEOptions] = None  # the experts of the layers whose LayerOptions.moe is set
+    # checkpoint name fragments renamed on load, in order (Mixtral's block_sparse_moe.experts.N.w1 -> mlp.experts.N.gate_proj)
+    renames: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.norm not in NORM_PLACEMENTS:
@@ -105,6 +110,8 @@ class DecoderOptions:
         for index, layer in enumerate(self.layers):
             if layer.rope is not None and layer.rope not in self.rope:
                 raise ValueError(f"layer {index} uses rope {layer.rope!r}, which is not one of {sorted(self.rope)}.")
+            if layer.moe and self.moe is None:
+                raise ValueError(f"layer {index} is a mixture-of-experts layer but DecoderOptions.moe is not set.")
 
 
 def head_dim_of(config: Any) -> int:
@@ -300,7 +307,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: Any, options: DecoderOptions, layer: LayerOptions, placement: Placement, prefix: str) -> None:
         super().__init__()
         self.self_attn = Attention(config, options, layer, placement, f"{prefix}.self_attn")
-        self.mlp = MLP(config, options, placement, f"{prefix}.mlp")
+        if layer.moe:
+            if options.mlp_bias:
+                raise ValueError("mlp_bias is not supported in mixture-of-experts layers.")
+            self.mlp: nn.Module = MoEMLP(config.hidden_size, options.moe, options.activation, placement, f"{prefix}.mlp")
+        else:
+            self.mlp = MLP(config, options, placement, f"{prefix}.mlp")
         self.norm_names = _NORM_NAMES[options.norm]
         for name in self.norm_names:
             if name is not None:
@@ -413,6 +425,12 @@ class DecoderForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name in this model's terms (the family's renames applied)."""
+        for old, new in self.options.renames:
+            name = name.replace(old, new)
+        return name
 
     def shard_for(self, param_name: str) -> tuple[str, int] | None:
         """A checkpoint name of a fused part -> (our parameter, the part's index)."""

@@ -188,9 +188,11 @@ def load_weights(model: nn.Module, tensors: Checkpoint) -> None:
     loaded: set[str] = set()
     unexpected: list[str] = []
     shard_for = getattr(model, "shard_for", lambda name: None)
+    rename = getattr(model, "checkpoint_name", lambda name: name)
     for name, tensor in tensors:
         if "rotary_emb.inv_freq" in name:
             continue
+        name = rename(name)
         shard = shard_for(name)
         target, part = shard if shard is not None and shard[0] in params else (name, None)
         if target not in params:

@@ -268,11 +268,10 @@ class GGUFTensorRef(CheckpointTensor):
     `heads`: llama.cpp interleaved these q/k rows within each of this many heads; a rows read
     takes whole heads and undoes it on them. `minus_one`: Gemma's norms, stored as 1 + w."""
 
-    def __init__(self, path: Path, mapped: torch.Tensor, name: str, info: Any, dequantize: bool,
-                 heads: int = 0, minus_one: bool = False) -> None:
-        self.path, self.mapped, self.name, self.info = path, mapped, name, info
-        self.qtype = info.tensor_type
-        self.shape = tuple(int(d) for d in reversed(info.shape))
+    def __init__(self, path: Path, mapped: torch.Tensor, name: str, qtype: int, shape: tuple[int, ...], data: np.ndarray,
+                 offset: int, dequantize: bool, heads: int = 0, minus_one: bool = False) -> None:
+        self.path, self.mapped, self.name, self.qtype, self.shape = path, mapped, name, qtype, shape
+        self.data, self.offset = data, offset  # a view of the mapped file, and where it starts
         self.dequantize, self.heads, self.minus_one = dequantize, heads, minus_one
         self.dense = self.qtype == FORMAT_IDS["F32"] or len(self.shape) == 1
         self.block_values = 1 if (self.dense or dequantize) else FORMATS[self.qtype][1]
@@ -282,7 +281,7 @@ class GGUFTensorRef(CheckpointTensor):
         return self.shape[-1]
 
     def _row_bytes(self) -> int:
-        return self.info.data.shape[-1] * self.info.data.itemsize if self.info.data.ndim else self.info.data.itemsize
+        return self.data.shape[-1] * self.data.itemsize
 
     def _values(self, data: np.ndarray) -> torch.Tensor:
         """fp32 values of raw rows of this tensor's type."""
@@ -293,7 +292,7 @@ class GGUFTensorRef(CheckpointTensor):
 
     def rows(self, start: int, stop: int, out: Optional[torch.Tensor] = None) -> Tensor:
         self._check_rows(start, stop)
-        data = self.info.data
+        data = self.data
         if len(self.shape) == 1:
             values = data if self.qtype == FORMAT_IDS["F32"] else _dequantize_np(data, self.qtype)
             values = np.array(values[start:stop], dtype=np.float32)
@@ -315,7 +314,7 @@ class GGUFTensorRef(CheckpointTensor):
                                          self.qtype, self.k)
             else:
                 row_bytes = self._row_bytes()
-                begin = self.info.offset + start * row_bytes
+                begin = self.offset + start * row_bytes
                 result = QuantizedWeight(self.mapped[begin : begin + (stop - start) * row_bytes].view(stop - start, row_bytes),
                                          self.qtype, self.k)
         if out is not None and isinstance(result, torch.Tensor):
@@ -332,7 +331,7 @@ class GGUFTensorRef(CheckpointTensor):
         if (lo, hi) != (start, stop) and not (self.dense or self.dequantize):
             raise ValueError(f"{self.name!r} columns [{start}, {stop}) do not fall on {values}-value block boundaries.")
         with open(self.path, "rb") as f:
-            data = read_byte_columns(f.fileno(), self.info.offset, self.shape[0], self._row_bytes(),
+            data = read_byte_columns(f.fileno(), self.offset, self.shape[0], self._row_bytes(),
                                      lo // values * nbytes, hi // values * nbytes)
         if self.dense or self.dequantize:
             if self.qtype == FORMAT_IDS["F32"]:
@@ -359,9 +358,26 @@ def read_gguf(path: Path, hf_config: Any, family: Any, dequantize: bool = False)
     permute = reader.architecture in family.gguf_permute_qk
     for tensor in reader.tensors:
         name = checkpoint_name(tensor.name, family.gguf_names)
+        if len(tensor.shape) == 3:  # stacked experts [n_expert, rows, k]
+            yield from _experts(Path(path), mapped, tensor, name, dequantize)
+            continue
         permuted = heads if permute and ".attn_q." in tensor.name else kv_heads if permute and ".attn_k." in tensor.name else 0
         minus_one = family.gguf_norms_minus_one and tensor.name.endswith("norm.weight")
-        yield name, GGUFTensorRef(Path(path), mapped, name, tensor, dequantize, permuted, minus_one)
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        yield name, GGUFTensorRef(Path(path), mapped, name, tensor.tensor_type, shape, tensor.data, tensor.offset,
+                                  dequantize, permuted, minus_one)
+
+
+def _experts(path: Path, mapped: torch.Tensor, tensor: Any, name: str, dequantize: bool) -> Iterator[tuple[str, GGUFTensorRef]]:
+    """One (checkpoint name, handle) per expert of a stacked expert tensor: `name` holds "*" where
+    the expert's index goes; each expert's rows a view of the mapped file."""
+    if "*" not in name:
+        raise ValueError(f"GGUF tensor {tensor.name!r} is 3-D, but {name!r} is not an expert tensor of this family.")
+    shape = (int(tensor.shape[1]), int(tensor.shape[0]))
+    for expert in range(tensor.data.shape[0]):
+        rows = tensor.data[expert]
+        yield name.replace("*", str(expert)), GGUFTensorRef(path, mapped, name.replace("*", str(expert)), tensor.tensor_type,
+                                                            shape, rows, tensor.offset + expert * rows.nbytes, dequantize)
 
 
 def _dequantize_np(data: np.ndarray, qtype: int) -> np.ndarray:

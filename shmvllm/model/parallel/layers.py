@@ -12,7 +12,8 @@ Megatron's split, per decoder layer (model/decoder.py builds every family from t
   (q/k norm per head, window, soft-capping, rotary) need nothing more, and a q/k norm over the
   whole projection (OLMo 2, decoder.ProjRMSNorm) sums its squares over the ranks;
 - MLP: `gate_up_proj` holds one slice of the intermediate rows of gate and of up, `down_proj`
-  the same input columns;
+  the same input columns; a mixture-of-experts MLP (model/moe.py) the same slice of every expert,
+  its router whole, one all-reduce per layer;
 - the embedding holds one slice of the vocabulary (`VocabParallelEmbedding`: a token outside it
   looks up zeros, and the sum over the ranks is the one rank's row, exactly), and the lm_head
   the same rows (`ParallelLMHead`, tied to the embedding's slice where the model ties them); its
@@ -138,6 +139,8 @@ class ColumnParallelLinear(Linear):
             base = sum(self.sizes[:i]) if part is None else 0
             local = sum(b - a for a, b in self.ranges[:i])
             a, b = self.ranges[i]
+            if a == b:  # an expert of which this rank holds nothing
+                continue
             read_rows(param, tensor, base + a, base + b, local, self.pending_blocks if param is self.weight else [])
 
 
@@ -147,10 +150,10 @@ class RowParallelLinear(Linear):
     around it, [lo, hi), and pads its input with zeros to that width (`pad`)."""
 
     def __init__(self, in_features: int, out_features: int, start: int, stop: int, unit: int, bias: bool,
-                 group: TPGroup) -> None:
+                 group: TPGroup, reduce: bool = True) -> None:
         lo, hi = block_bounds(in_features, unit, start, stop)
         super().__init__(hi - lo, out_features, bias=bias)
-        self.group, self.full_in_features, self.unit = group, in_features, unit
+        self.group, self.full_in_features, self.unit, self.reduce = group, in_features, unit, reduce
         self.start, self.stop, self.lo, self.hi = start, stop, lo, hi
         self.pad: Optional[tuple[int, int]] = None if (lo, hi) == (start, stop) else (start - lo, hi - stop)
         self.pending_blocks: list[tuple[int, QuantizedWeight]] = []
@@ -160,6 +163,8 @@ class RowParallelLinear(Linear):
 
     def load_columns(self, param: nn.Parameter, tensor: CheckpointTensor, part: Optional[int] = None) -> None:
         _check_shape(tensor, (self.out_features, self.full_in_features))
+        if self.hi == self.lo:  # an expert of which this rank holds nothing
+            return
         values = tensor.columns(self.lo, self.hi)
         if isinstance(values, QuantizedWeight):
             self.pending_blocks.append((0, values))
@@ -178,7 +183,7 @@ class RowParallelLinear(Linear):
             x = F.pad(x, self.pad)  # zeros in the columns of the straddled blocks outside this share
         group = self.group
         out = super().forward(x, residual if group.rank == 0 else None)
-        return out if group.world_size == 1 else group.all_reduce_(out)
+        return group.all_reduce_(out) if self.reduce and group.world_size > 1 else out
 
     def straddle_note(self, name: str) -> Optional[str]:
         """What holding the straddled block columns costs, where this share falls inside a block."""

@@ -21,6 +21,7 @@ from shmvllm.boundary.messages import Logprobs
 from shmvllm.model.attention import AttentionMetadata, PrefillSeq, build_attention_metadata
 from shmvllm.model.loader import get_model, torch_dtype
 from shmvllm.model.logits_processors import RequestLogitsProcessors
+from shmvllm.model.parallel.group import TPGroup
 from shmvllm.model.prompt_logprobs import prompt_logprobs
 from shmvllm.model.rotary import RotaryEmbedding
 from shmvllm.model.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs, seeded_generator
@@ -70,8 +71,9 @@ class ModelRunner:
             )
 
     # ---- set-up -------------------------------------------------------------------------
-    def load_model(self) -> None:
-        self.model = get_model(self.model_config)
+    def load_model(self, group: Optional[TPGroup] = None) -> None:
+        """Loads the model, or this tensor-parallel rank's share of it (`group`)."""
+        self.model = get_model(self.model_config, group)
         self.rope_lengths_needed = any(
             isinstance(m, RotaryEmbedding) and m.length_dependent for m in self.model.modules()
         )

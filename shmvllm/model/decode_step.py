@@ -26,6 +26,7 @@ from shmvllm import envs
 from shmvllm.model.attention import AttentionMetadata
 from shmvllm.model.kernels import cpu_kernels, quant_kernels
 from shmvllm.model.linear import FEW_ROWS, Linear
+from shmvllm.model.moe import MoEMLP
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -83,13 +84,16 @@ def fallback_reasons(model: Any) -> list[str]:
     """Why the native step cannot run `model` (a DecoderModel); empty: it can (on a CPU with the
     kernels). What the step leaves to the layer-by-layer path: rotary tables that depend on the
     sequence's length (dynamic NTK, LongRoPE past its threshold) or rotate part of each head
-    (partial rotary), and non-fp32 weights or norms."""
+    (partial rotary), non-fp32 weights or norms, and mixture-of-experts layers."""
     reasons = []
     for key, table in model.rotary.items():
         if table.length_dependent:
             reasons.append(f"rope {key!r} depends on the sequence length ({table.rope_type})")
         if table.rotary_dim != table.head_dim:
             reasons.append(f"rope {key!r} rotates {table.rotary_dim} of {table.head_dim} features (partial rotary)")
+    if any(isinstance(layer.mlp, MoEMLP) for layer in model.layers):
+        reasons.append("mixture-of-experts layers")
+        return reasons
     for layer in model.layers:
         attn = layer.self_attn
         for linear in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):

@@ -19,6 +19,8 @@ streamer's first put after the prompt); `done`: the 8 tokens are back. llama.cpp
 machine's cores (n_threads = all, as shmvllm's engine does). Embedding (all-minilm-l6-v2):
 `LLM(model=...)` + the first `embed` against `SentenceTransformer(...)` + the first `encode`, of
 one sentence. CLI: `shmvllm generate "The capital of France is"` as a command, to its exit.
+`shmvllm-program` / `shmvllm-fork`: the `shmvllm` child with SHMVLLM_ENGINE_START set to each
+start method (`shmvllm` itself takes the default); select them with --engines.
 
 Checks: shmvllm's process start -> first token <= 2.0x llama.cpp's; `LLM()` itself (the call,
 imports before it excluded) <= 1.5 s; embedding process start -> first vector <= 1.0x
@@ -147,23 +149,29 @@ def child_sentence_transformers() -> dict[str, float]:
 
 CHILDREN = {
     "shmvllm": child_shmvllm,
+    "shmvllm-program": child_shmvllm,
+    "shmvllm-fork": child_shmvllm,
     "llama.cpp": child_llama_cpp,
     "transformers": child_transformers,
     "shmvllm-embed": child_shmvllm_embed,
     "sentence-transformers": child_sentence_transformers,
 }
-GENERATE = ["shmvllm", "llama.cpp", "transformers"]
+GENERATE = ["shmvllm", "shmvllm-program", "shmvllm-fork", "llama.cpp", "transformers"]
+# the same child with its engine started each way (SHMVLLM_ENGINE_START); "shmvllm" takes the default
+ENGINE_START = {"shmvllm-program": "program", "shmvllm-fork": "fork"}
 EMBED = ["shmvllm-embed", "sentence-transformers"]
 CLI = "shmvllm-cli"
 
 
 # ---- the parent ------------------------------------------------------------------------------
 
-def _env() -> dict[str, str]:
+def _env(engine: str) -> dict[str, str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     for name in ("smollm2", "minilm"):
         env[f"STARTUP_BENCH_{name.upper()}"] = str(_shipped(name))
+    if engine in ENGINE_START:
+        env["SHMVLLM_ENGINE_START"] = ENGINE_START[engine]
     return env
 
 
@@ -174,7 +182,7 @@ def sample(engine: str, python: str, timeout: float) -> dict[str, Any]:
     else:
         command = [python, str(Path(__file__).resolve()), "--child", engine]
     started = time.monotonic()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=str(ROOT))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=_env(engine), cwd=str(ROOT))
     ended = time.monotonic()
     if done.returncode != 0:
         raise RuntimeError(f"{engine} failed ({done.returncode}):\n{done.stderr[-3000:]}")

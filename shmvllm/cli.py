@@ -35,9 +35,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("-v", "--verbose", action="store_true", help="log loading, progress and throughput to stderr")
 
 
-def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int, max_tokens_why: str = "") -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, default=max_tokens, help="most tokens to generate (default: %(default)s)")
+    group.add_argument("--max-tokens", type=int, default=max_tokens,
+                       help=f"most tokens to generate (default: %(default)s{max_tokens_why})")
     group.add_argument("--temperature", type=float, default=0.0,
                        help="sampling temperature; 0 is greedy, which makes the output deterministic (default: %(default)s)")
     group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
@@ -93,7 +94,7 @@ def add_generate_parser(subparsers: Any) -> None:
                         help="send the prompt as raw text, without the model's chat template")
     parser.add_argument("--stream", action="store_true",
                         help="print the text as it is generated, prompt after prompt (needs --n 1)")
-    add_sampling_args(parser, max_tokens=256)
+    add_sampling_args(parser, max_tokens=16, max_tokens_why=", vLLM's default for a completion")
     add_engine_args(parser)
     parser.set_defaults(func=run_generate)
 

@@ -30,10 +30,10 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "`shm` (the shared-memory arena, where its C helper builds) or `gloo`: how tensor-parallel ranks all-reduce",
     ),
     "SHMVLLM_ENGINE_START": (
-        "`program`",
+        "`fork`",
         "how engine processes start: `program` (a fresh `python -m shmvllm.engine.core_proc`) or `fork` (a fork of "
-        "the caller, as vLLM's: it sees the caller's monkeypatches); unset: `VLLM_WORKER_MULTIPROC_METHOD`'s, else `program` "
-        "(`fork` after `install_as_vllm()`)",
+        "the caller, as vLLM's: it sees the caller's monkeypatches, and is ready sooner, having no interpreter to "
+        "start); unset: `VLLM_WORKER_MULTIPROC_METHOD`'s, else `fork` (`program` where CUDA is initialized in the caller)",
     ),
     "VLLM_WORKER_MULTIPROC_METHOD": ("unset", "vLLM's: `fork` or `spawn` (= `program`), read when `SHMVLLM_ENGINE_START` is unset"),
     "OMP_NUM_THREADS": (
@@ -110,12 +110,12 @@ def SHMVLLM_TP_ALLREDUCE() -> str:
 
 
 _ENGINE_STARTS = {"program": "program", "fork": "fork", "spawn": "program"}
-_default_engine_start = "program"  # "fork" after install_as_vllm(): vLLM's default on Linux
+_default_engine_start = "fork"  # vLLM's default on Linux; no second interpreter start (startup.md)
 
 
 def SHMVLLM_ENGINE_START() -> str:
     """"program" or "fork": SHMVLLM_ENGINE_START, else VLLM_WORKER_MULTIPROC_METHOD ("spawn" is
-    "program": a fresh interpreter either way), else "program" ("fork" after install_as_vllm())."""
+    "program": a fresh interpreter either way), else "fork"."""
     for name, raw, accepted in (
         ("SHMVLLM_ENGINE_START", _raw("SHMVLLM_ENGINE_START"), ("program", "fork")),
         ("VLLM_WORKER_MULTIPROC_METHOD", _raw("VLLM_WORKER_MULTIPROC_METHOD"), ("fork", "spawn")),

@@ -58,14 +58,19 @@ def test_help_explains_every_flag():
 
 
 def test_generate_on_tiny_model_equals_llm_generate(tiny_llama_dir):
+    """Without --max-tokens: 16 tokens, vLLM's default for a completion."""
     from shmvllm import LLM, SamplingParams
 
     prompt = "The capital of France is"
     result = run([sys.executable, "-m", "shmvllm", "generate", prompt, "--no-chat-template", "--model", str(tiny_llama_dir),
-                  "--max-tokens", "12", "--inproc"])
+                  "--inproc"])
     assert result.returncode == 0, result.stderr
     with LLM(model=str(tiny_llama_dir), multiprocess=False, num_kv_blocks=64) as llm:
-        expected = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0].text
+        expected, shorter, longer = (
+            llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)[0].outputs[0].text
+            for n in (16, 15, 17)
+        )
+    assert shorter != expected != longer
     assert result.stdout == expected + "\n"
 
 

@@ -1,6 +1,6 @@
-"""How an engine process starts: a program of its own (the default) or a fork of the caller
-(SHMVLLM_ENGINE_START=fork, vLLM's VLLM_WORKER_MULTIPROC_METHOD=fork, and the default after
-install_as_vllm()), which sees the caller's modules as they are, monkeypatches included."""
+"""How an engine process starts: a fork of the caller (the default, as vLLM's on Linux) or a
+program of its own (SHMVLLM_ENGINE_START=program, vLLM's VLLM_WORKER_MULTIPROC_METHOD=spawn); a
+fork sees the caller's modules as they are, monkeypatches included."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def start(monkeypatch):
 
 
 @pytest.mark.parametrize("shmvllm_start, vllm_method, expected", [
-    (None, None, "program"), (None, "fork", "fork"), (None, "spawn", "program"),
+    (None, None, "fork"), (None, "fork", "fork"), (None, "spawn", "program"),
     ("program", "fork", "program"), ("fork", "spawn", "fork"),
 ])
 def test_the_start_method_comes_from_the_environment(start, shmvllm_start, vllm_method, expected):

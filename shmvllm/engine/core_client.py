@@ -32,10 +32,12 @@ logger = logging.getLogger(__name__)
 
 class EngineCoreClient(ABC):
     @staticmethod
-    def make_client(config: EngineConfig, multiprocess: bool = True) -> "EngineCoreClient":
-        """MPClient (one engine process per data-parallel rank) when multiprocess, else InprocClient."""
+    def make_client(config: EngineConfig, multiprocess: bool = True,
+                    started: Optional[Callable[[], None]] = None) -> "EngineCoreClient":
+        """MPClient (one engine process per data-parallel rank) when multiprocess, else InprocClient.
+        started: MPClient's (called once the engine processes exist, before the wait for READY)."""
         if multiprocess:
-            return MPClient(config)
+            return MPClient(config, started=started)
         if (n := config.parallel_config.data_parallel_size) > 1:
             raise ValueError(f"data_parallel_size={n} needs the engines in processes of their own (multiprocess=True).")
         return InprocClient(config)
@@ -186,10 +188,12 @@ class MPClient(EngineCoreClient):
     combined); the client sleeps on a doorbell that every engine rings (boundary/doorbell.py).
 
     executor_class: every engine's (tests inject faults with it). channel: what opens a single
-    engine's channel (default: the shared-memory rings; benchmarks/ passes its own)."""
+    engine's channel (default: the shared-memory rings; benchmarks/ passes its own). started: called
+    once every engine process exists, before the wait for READY."""
 
     def __init__(self, config: EngineConfig, *, executor_class: Optional[type] = None,
-                 ready_timeout: float = DEFAULT_READY_TIMEOUT_S, channel: Optional[ChannelFactory] = None) -> None:
+                 ready_timeout: float = DEFAULT_READY_TIMEOUT_S, channel: Optional[ChannelFactory] = None,
+                 started: Optional[Callable[[], None]] = None) -> None:
         self.num_engines = n = config.parallel_config.data_parallel_size
         if n > 1 and channel is not None:
             raise ValueError(f"channel= opens one engine's channel; data_parallel_size={n} uses the doorbell rings.")
@@ -211,6 +215,8 @@ class MPClient(EngineCoreClient):
             for handle, (cpus, threads) in zip(self.handles, self.cpu_plan):
                 handle.manager = CoreEngineProcManager(config, handle.addresses, executor_class, engine_index=handle.index,
                                                        cpus=cpus, num_threads=threads)
+            if started is not None:  # the caller's own set-up, overlapping the engines' load
+                started()
             readies = self._wait_for_ready(ready_timeout)
         except BaseException:
             self._finalizer()

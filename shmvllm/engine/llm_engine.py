@@ -64,17 +64,25 @@ class LLMEngine:
         model_config = config.model_config
         # The engine process loads while this one loads the tokenizer (a thread: imports and file
         # parsing here, a wait with the GIL released there); the engine's failure comes first.
-        # A forked engine is forked before the thread starts: a fork while it imports would leave
-        # the engine's copy of an import lock held by a thread the engine does not have.
+        # A forked engine is forked before the thread starts (`started`, called between the fork
+        # and the wait for READY): a fork while it imports would leave the engine's copy of an
+        # import lock held by a thread the engine does not have.
         fork = multiprocess and envs.SHMVLLM_ENGINE_START() == "fork"
         load = (load_tokenizer, model_config.tokenizer_dir or model_config.model_dir, model_config.tokenizer_mode)
-        tokenizer = None if model_config.skip_tokenizer_init or fork else _Background(*load)
+        loading: list[_Background] = []
+
+        def start_tokenizer() -> None:
+            if not model_config.skip_tokenizer_init:
+                loading.append(_Background(*load))
+
+        if not fork:
+            start_tokenizer()
         started = time.perf_counter()
         # a failure here leaves the tokenizer's thread (a daemon) to end on its own
-        self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess)
+        self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess,
+                                                        started=start_tokenizer if fork else None)
         engine_ready = time.perf_counter()
-        if fork and not model_config.skip_tokenizer_init:
-            tokenizer = _Background(*load)
+        tokenizer = loading[0] if loading else None
         try:
             self.tokenizer = None if tokenizer is None else tokenizer.result()
         except BaseException:

@@ -197,6 +197,11 @@ def test_structured_outputs_equal_with_and_without(tiny_llama_dir, tiny_draft_di
                                      speculative_config=draft(model))
         assert spec == base
         assert metrics["vllm:spec_decode_num_draft_tokens"] > 0
+    # random sampling under a grammar proposes nothing (a cut that depends on the draws would bias it)
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=12, structured_outputs=StructuredOutputsParams(regex=pattern))
+    _, metrics, _ = _generate(tiny_llama_dir, PROMPTS[:1], sampled, num_kv_blocks=128,
+                              speculative_config=draft(tiny_llama_dir))
+    assert metrics["vllm:spec_decode_num_draft_tokens"] == 0
 
 
 def test_seeded_sampling_is_reproducible_and_a_same_draft_is_accepted(tiny_llama_dir):

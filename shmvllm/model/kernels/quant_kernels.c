@@ -512,8 +512,7 @@ static inline void block_sums(float *xs, int M, const float *x, int64_t ldx, int
 }
 
 /* Q5_0 / Q5_1: the 16 nibble bytes at qs (values i and 16 + i) with the fifth bits of all 32
- * values in qh (little-endian uint32). AVX-512 ORs the fifth bits in as a lane mask; AVX2 looks
- * each byte of them up in a table of 8 lanes (8 KiB, L1-resident), one load per 8 values. */
+ * values in qh (little-endian uint32). AVX-512 ORs the fifth bits in as a lane mask. */
 #if VW == 16 && defined(__AVX512F__)
 static inline void q5_to_float(const uint8_t *qs, uint32_t qh, vf q[32 / VW]) {
     const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs)), sixteen = _mm512_set1_epi32(16);
@@ -522,21 +521,18 @@ static inline void q5_to_float(const uint8_t *qs, uint32_t qh, vf q[32 / VW]) {
     q[1] = (vf)_mm512_cvtepi32_ps(_mm512_mask_or_epi32(hi, (__mmask16)(qh >> 16), hi, sixteen));
 }
 #elif VW == 8 && defined(__AVX2__)
-/* Q5_HIGH[byte][i]: 16 where bit i of byte is set: the fifth bits of 8 values in one load */
-#define Q5H1(b) {((b) & 1) << 4, ((b) >> 1 & 1) << 4, ((b) >> 2 & 1) << 4, ((b) >> 3 & 1) << 4, \
-                 ((b) >> 4 & 1) << 4, ((b) >> 5 & 1) << 4, ((b) >> 6 & 1) << 4, ((b) >> 7 & 1) << 4}
-#define Q5H4(b) Q5H1(b), Q5H1(b + 1), Q5H1(b + 2), Q5H1(b + 3)
-#define Q5H16(b) Q5H4(b), Q5H4(b + 4), Q5H4(b + 8), Q5H4(b + 12)
-#define Q5H64(b) Q5H16(b), Q5H16(b + 16), Q5H16(b + 32), Q5H16(b + 48)
-static const uint32_t Q5_HIGH[256][8] __attribute__((aligned(32))) = {Q5H64(0), Q5H64(64), Q5H64(128), Q5H64(192)};
+/* the fifth bit of value v moved to bit 4 of its lane by a variable shift of qh broadcast (of qh << 4
+ * for values 0..15, so that no count is negative), then masked: no table, no scalar work per lane */
 static inline void q5_to_float(const uint8_t *qs, uint32_t qh, vf q[32 / VW]) {
-    const __m256i mask = _mm256_set1_epi32(0x0f);
+    const __m256i mask = _mm256_set1_epi32(0x0f), sixteen = _mm256_set1_epi32(16);
+    const __m256i low_bits = _mm256_set1_epi32((int)(qh << 4)), high_bits = _mm256_set1_epi32((int)qh);
     for (int c = 0; c < 2; c++) {
+        const __m256i counts = _mm256_setr_epi32(8 * c, 8 * c + 1, 8 * c + 2, 8 * c + 3, 8 * c + 4, 8 * c + 5, 8 * c + 6, 8 * c + 7);
         const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * c)));
         const __m256i lo = _mm256_or_si256(_mm256_and_si256(wide, mask),
-                                           _mm256_load_si256((const __m256i *)Q5_HIGH[(qh >> (8 * c)) & 0xff]));
+                                           _mm256_and_si256(_mm256_srlv_epi32(low_bits, counts), sixteen));
         const __m256i hi = _mm256_or_si256(_mm256_srli_epi32(wide, 4),
-                                           _mm256_load_si256((const __m256i *)Q5_HIGH[(qh >> (16 + 8 * c)) & 0xff]));
+                                           _mm256_and_si256(_mm256_srlv_epi32(high_bits, _mm256_add_epi32(counts, _mm256_set1_epi32(12))), sixteen));
         q[c] = (vf)_mm256_cvtepi32_ps(lo);
         q[2 + c] = (vf)_mm256_cvtepi32_ps(hi);
     }

@@ -569,12 +569,14 @@ static inline float q5_0_m(const uint8_t *blk) { return -16.0f * fp16_to_fp32(lo
 static inline void q5_1_q(const uint8_t *blk, vf q[32 / VW]) { q5_to_float(blk + 8, load_u32(blk + 4), q); }
 static inline float q5_1_m(const uint8_t *blk) { return fp16_to_fp32(load_u16(blk + 2)); }
 
+#ifdef TABLE_FOLDED_ROWS
 /* IQ4_NL / MXFP4's table values, unscaled, of 16 bytes of nibbles (values i: low, 16 + i: high) */
 static inline void iq4_nl_q(const uint8_t *blk, vf q[32 / VW]) { nibble_table_q(IQ4_VALUES, blk + 2, q); }
 static inline float iq4_nl_m(const uint8_t *blk) { (void)blk; return 0.0f; }
 static inline float mxfp4_d(const uint8_t *blk) { return e8m0_to_fp32_half(blk[0]); }
 static inline void mxfp4_q(const uint8_t *blk, vf q[32 / VW]) { nibble_table_q(MXFP4_VALUES, blk + 1, q); }
 static inline float mxfp4_m(const uint8_t *blk) { (void)blk; return 0.0f; }
+#endif
 
 /* BB-byte blocks of 32 (NAME##_q, NAME##_m above). Blocks go in pairs, each into its own
  * accumulator (two chains a row). */
@@ -767,7 +769,7 @@ static inline void store_folded_out(const int M, vf acc[FEW_ROWS][2], const floa
 }
 
 /* IQ4_XS: d, the 2 high bits of eight 6-bit signed scales (one uint16), their 4 low bits, eight
- * runs of 32 values as IQ4_NL's nibbles */
+ * runs of 32 values as IQ4_NL's nibbles (AVX-512: looked up in the table times d * scale) */
 static inline __attribute__((always_inline)) void iq4_xs_row(const int M, float *out, int64_t ldo, const float *x,
                                                              int64_t ldx, const uint8_t *row, const float *bias,
                                                              const float *residual, int64_t ldr, int64_t j, int64_t k,
@@ -782,10 +784,17 @@ static inline __attribute__((always_inline)) void iq4_xs_row(const int M, float 
         const uint16_t scales_h = load_u16(blk + 2);
         for (int r = 0; r < 8; r++) {
             const int scale = (((blk[4 + r / 2] >> (4 * (r % 2))) & 0x0f) | (((scales_h >> (2 * r)) & 3) << 4)) - 32;
+#ifdef TABLE_FOLDED_ROWS
             const vf ds = splat(d * (float)scale);
             vf q[32 / VW];
             nibble_table_q(IQ4_VALUES, blk + 8 + 16 * r, q);
             for (int m = 0; m < M; m++) acc[m][r & 1] += ds * dot_run(q, x + m * ldx + b * 256 + 32 * r, 32 / VW);
+#else
+            vf w[32 / VW];
+            deq_nibble_table(IQ4_VALUES, d * (float)scale, blk + 8 + 16 * r, w);
+            for (int m = 0; m < M; m++)
+                for (int t = 0; t < 32 / VW; t++) acc[m][t & 1] += w[t] * loadf(x + m * ldx + b * 256 + 32 * r + t * VW);
+#endif
         }
     }
     store_folded_out(M, acc, macc, out, ldo, bias, residual, ldr, j);
@@ -918,8 +927,13 @@ DEFINE_FOLDED_ROW(q5_1, 24, 1)
 DEFINE_ROW(q2_k, deq_q2_k, 256, 84)
 DEFINE_ROW(q3_k, deq_q3_k, 256, 110)
 #endif
+#ifdef TABLE_FOLDED_ROWS
 DEFINE_FOLDED_ROW(iq4_nl, 18, 0)
 DEFINE_FOLDED_ROW(mxfp4, 17, 0)
+#else
+DEFINE_ROW(iq4_nl, deq_iq4_nl, 32, 18)
+DEFINE_ROW(mxfp4, deq_mxfp4, 32, 17)
+#endif
 
 DEFINE_FORMAT(q4_0, deq_q4_0, 32, 18, 32)
 DEFINE_FORMAT(q4_1, deq_q4_1, 32, 20, 32)

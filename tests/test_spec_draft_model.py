@@ -137,7 +137,9 @@ def _generate(model, prompts, params, multiprocess=False, **engine_args):
 
 @pytest.mark.parametrize("engine_args, preempts", [
     pytest.param(dict(num_kv_blocks=256), False, id="batched"),
-    pytest.param(dict(num_kv_blocks=14, block_size=8, max_num_seqs=4), True, id="preemption"),
+    # chunked prompts (16-token budget: the draft catches up chunk by chunk) and a KV cache that preempts
+    pytest.param(dict(num_kv_blocks=14, block_size=8, max_num_seqs=4, max_num_batched_tokens=16), True,
+                 id="preemption-chunked"),
 ])
 def test_greedy_equal_with_and_without(tiny_llama_dir, tiny_draft_dir, engine_args, preempts):
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -195,6 +197,11 @@ def test_structured_outputs_equal_with_and_without(tiny_llama_dir, tiny_draft_di
                                      speculative_config=draft(model))
         assert spec == base
         assert metrics["vllm:spec_decode_num_draft_tokens"] > 0
+    # random sampling under a grammar proposes nothing (a cut that depends on the draws would bias it)
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=12, structured_outputs=StructuredOutputsParams(regex=pattern))
+    _, metrics, _ = _generate(tiny_llama_dir, PROMPTS[:1], sampled, num_kv_blocks=128,
+                              speculative_config=draft(tiny_llama_dir))
+    assert metrics["vllm:spec_decode_num_draft_tokens"] == 0
 
 
 def test_seeded_sampling_is_reproducible_and_a_same_draft_is_accepted(tiny_llama_dir):
@@ -206,3 +213,21 @@ def test_seeded_sampling_is_reproducible_and_a_same_draft_is_accepted(tiny_llama
     assert runs[0][0] == runs[1][0]
     metrics = runs[0][1]
     assert metrics["vllm:spec_decode_num_accepted_tokens"] >= 0.95 * metrics["vllm:spec_decode_num_draft_tokens"] > 0
+
+
+def test_gguf_drafts(tmp_path):
+    """A draft given as a GGUF file (the loader's other format): the target's own weights as
+    GGUF are accepted every time, a 1-layer GGUF draft changes no token."""
+    from tiny_models import build_tiny, write_gguf
+
+    target = build_tiny("llama", tmp_path / "target")
+    same = write_gguf(target, tmp_path / "same.gguf")
+    small = write_gguf(build_tiny("llama", tmp_path / "small", seed=1, num_hidden_layers=1), tmp_path / "small.gguf")
+    prompts = [{"prompt_token_ids": [2, 40, 41, 42, 40, 41, 42, 40]}, {"prompt_token_ids": [2, 100, 7, 9]}]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    base, _, _ = _generate(target, prompts, params, num_kv_blocks=64)
+    got, metrics, _ = _generate(target, prompts, params, num_kv_blocks=64, speculative_config=draft(same))
+    assert got == base
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] == metrics["vllm:spec_decode_num_draft_tokens"] > 0
+    got, metrics, _ = _generate(target, prompts, params, num_kv_blocks=64, speculative_config=draft(small))
+    assert got == base and metrics["vllm:spec_decode_num_draft_tokens"] > 0

@@ -10,9 +10,12 @@ the blocked GEMM for many). Grouping: one stable argsort of the flattened expert
 expert its tokens in token order; the expert outputs, scaled by their routing weights, are
 accumulated in expert order into zeros, as transformers' loop does, and the residual is added last.
 
-Tensor parallel (`shard_moe_`, model/parallel/layers.py) keeps every expert's share of the
-intermediate rows on each rank (the dense MLP's split, no routing change): the router runs whole
-on every rank, each rank's experts yield partial sums, and one all-reduce per layer adds them.
+Tensor parallel (model/parallel/layers.py): each rank builds and loads every expert's share of
+the intermediate rows (the dense MLP's split, no routing change) rather than whole experts: no
+token exchange, and no rank idle when a step's tokens choose the other rank's experts (a single
+request's top-k often does). The router runs whole on every rank, each rank's experts yield
+partial sums, and one all-reduce per layer adds them. The split is drawn in whole blocks of
+`down_proj`; a rank whose share of an expert is empty skips it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shmvllm.model.kernels import kernels_for
-from shmvllm.model.linear import Linear
+from shmvllm.model.parallel.layers import ColumnParallelLinear, Placement, RowParallelLinear
+from shmvllm.model.parallel.split import split_range
 
 
 @dataclass(frozen=True)
@@ -39,12 +43,17 @@ class MoEOptions:
 class Expert(nn.Module):
     """One expert: down(act(gate(x)) * up(x)), gate and up fused into one projection."""
 
-    def __init__(self, hidden: int, intermediate: int, activation: str) -> None:
+    def __init__(self, hidden: int, intermediate: int, activation: str, placement: Placement, prefix: str) -> None:
         super().__init__()
-        self.intermediate_size = intermediate
+        group = placement.group
+        unit = placement.unit(f"{prefix}.down_proj.weight")
+        u0, u1 = split_range(-(-intermediate // unit), group.world_size, group.rank)  # whole blocks; a rank may get none
+        i0, i1 = min(u0 * unit, intermediate), min(u1 * unit, intermediate)
+        self.intermediate_size = i1 - i0
         self.activation = activation
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate], [(i0, i1), (i0, i1)], False, group)
+        # the partial sums are all-reduced once per layer, by MoEMLP
+        self.down_proj = RowParallelLinear(intermediate, hidden, i0, i1, unit, False, group, reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -63,15 +72,20 @@ class Expert(nn.Module):
 class MoEMLP(nn.Module):
     """`forward(x, residual)`: the routed experts' weighted sum (+ residual)."""
 
-    def __init__(self, hidden: int, options: MoEOptions, activation: str) -> None:
+    def __init__(self, hidden: int, options: MoEOptions, activation: str, placement: Placement, prefix: str) -> None:
         super().__init__()
         if not 0 < options.top_k <= options.num_experts:
             raise ValueError(f"num_experts_per_tok must lie in [1, {options.num_experts}], got {options.top_k}.")
         self.num_experts, self.top_k, self.norm_topk_prob = options.num_experts, options.top_k, options.norm_topk_prob
         self.intermediate_size, self.activation = options.intermediate_size, activation
-        self.gate = Linear(hidden, options.num_experts, bias=False)  # the router
-        self.experts = nn.ModuleList(Expert(hidden, options.intermediate_size, activation) for _ in range(options.num_experts))
-        self.group: Any = None  # a TPGroup once sharded: the partial sums are all-reduced
+        group = placement.group
+        # the router: all its rows on every rank
+        self.gate = ColumnParallelLinear(hidden, [options.num_experts], [(0, options.num_experts)], False, group)
+        self.experts = nn.ModuleList(
+            Expert(hidden, options.intermediate_size, activation, placement, f"{prefix}.experts.{index}")
+            for index in range(options.num_experts)
+        )
+        self.group: Any = group if group.world_size > 1 else None  # the ranks' partial sums are all-reduced
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [rows, top_k] fp32, expert ids [rows, top_k]) of each token."""

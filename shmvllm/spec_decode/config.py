@@ -131,3 +131,11 @@ def samples_independently(params: Any) -> bool:
         params.bad_words_token_ids or params.repetition_penalty != 1.0
         or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
     )
+
+
+def draft_may_propose(params: Any) -> bool:
+    """Whether a draft model's proposals may be verified for this request. Not for random
+    sampling under a grammar: the scheduler cuts proposals at the first token the grammar
+    forbids, a cut that depends on the draws from q and would bias rejection sampling (an
+    n-gram's point mass is unaffected: a forbidden x has p(x) = 0 and is rejected anyway)."""
+    return params.structured_outputs is None or params.temperature < 1e-5

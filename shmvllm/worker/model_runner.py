@@ -21,11 +21,12 @@ from shmvllm.boundary.messages import Logprobs
 from shmvllm.model.attention import AttentionMetadata, PrefillSeq, build_attention_metadata
 from shmvllm.model.loader import get_model, torch_dtype
 from shmvllm.model.logits_processors import RequestLogitsProcessors
+from shmvllm.model.parallel.group import TPGroup
 from shmvllm.model.prompt_logprobs import prompt_logprobs
 from shmvllm.model.rotary import RotaryEmbedding
 from shmvllm.model.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs, seeded_generator
 from shmvllm.sampling_params import SamplingParams
-from shmvllm.spec_decode.config import samples_independently
+from shmvllm.spec_decode.config import draft_may_propose, samples_independently
 from shmvllm.spec_decode.draft_model import DraftModelProposer, DraftRow
 from shmvllm.spec_decode.rejection_sampler import verify
 from shmvllm.structured_output.bitmask import TokenBitmaskApplier
@@ -70,8 +71,9 @@ class ModelRunner:
             )
 
     # ---- set-up -------------------------------------------------------------------------
-    def load_model(self) -> None:
-        self.model = get_model(self.model_config)
+    def load_model(self, group: Optional[TPGroup] = None) -> None:
+        """Loads the model, or this tensor-parallel rank's share of it (`group`)."""
+        self.model = get_model(self.model_config, group)
         self.rope_lengths_needed = any(
             isinstance(m, RotaryEmbedding) and m.length_dependent for m in self.model.modules()
         )
@@ -185,7 +187,8 @@ class ModelRunner:
             sampled = bool(output.sampled_token_ids[row])
             end = int(batch.num_tokens[row]) if sampled else int(ends[row])
             count = 0
-            if sampled and samples_independently(params) and len(state.output_token_ids) >= params.min_tokens:
+            if (sampled and samples_independently(params) and draft_may_propose(params)
+                    and len(state.output_token_ids) >= params.min_tokens):
                 count = min(self.drafter.k, self.max_model_len - end - 1)
                 if params.max_tokens is not None:
                     count = min(count, params.max_tokens - len(state.output_token_ids) - 1)

@@ -44,7 +44,7 @@ from shmvllm.core.sched.output import (
 )
 from shmvllm.core.sched.request_queue import RequestQueue
 from shmvllm.boundary.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats, now
-from shmvllm.spec_decode.config import SpeculativeConfig, samples_independently
+from shmvllm.spec_decode.config import SpeculativeConfig, draft_may_propose, samples_independently
 from shmvllm.spec_decode.metrics import SpecDecodingStats
 from shmvllm.spec_decode.ngram_proposer import NgramProposer, TokenArrays
 
@@ -219,6 +219,8 @@ class Scheduler:
         if limit <= 0:
             return None
         if self.proposer is None:  # a draft model's, made by the runner in the last step
+            if not draft_may_propose(params):
+                return None
             tokens = self._draft_tokens.get(request.request_id, [])[:limit]
         else:
             tokens = self.proposer.propose(self._token_arrays.update(request.request_id, request.all_token_ids), limit)

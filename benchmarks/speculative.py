@@ -24,7 +24,9 @@ and, for shmvllm with speculation, its acceptance counters (vllm:spec_decode_*).
         --repeats 5 --json benchmarks/results/speculative.json --plot benchmarks/results/speculative.png
 
 `--k N` / `--lookup-min N` set shmvllm's num_speculative_tokens / prompt_lookup_min; `--lookup-tokens N`
-llama.cpp's num_pred_tokens.
+llama.cpp's num_pred_tokens. `--engines shmvllm,shmvllm+draft` adds shmvllm with
+`{"method": "draft_model", "model": --draft}` (default: the model itself, the only model of its
+tokenizer shipped: every proposal is accepted, so the row is the draft mechanics' cost, not a speed-up).
 """
 
 from __future__ import annotations
@@ -95,14 +97,18 @@ WORKLOADS: dict[str, list[str]] = {
 # ---------------------------------------------------------------- workers (one engine each)
 
 class _Shmvllm:
-    def __init__(self, k: int, lookup_min: int, speculate: bool) -> None:
+    def __init__(self, k: int, lookup_min: int, method: str | None, draft: str) -> None:
         from shmvllm import LLM, SamplingParams
 
-        spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": max(lookup_min, 4),
-                "prompt_lookup_min": lookup_min}
+        spec: dict[str, Any] | None = None
+        if method == "ngram":
+            spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": max(lookup_min, 4),
+                    "prompt_lookup_min": lookup_min}
+        elif method == "draft_model":
+            spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
         self.params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
         self.first = SamplingParams(temperature=0.0, max_tokens=1)
-        self.llm = LLM(model=MODEL, enable_prefix_caching=False, speculative_config=spec if speculate else None)
+        self.llm = LLM(model=MODEL, enable_prefix_caching=False, speculative_config=spec)
 
     def one(self, prompt: list[int]) -> tuple[list[int], float]:
         started = time.perf_counter()
@@ -148,12 +154,12 @@ class _LlamaCpp:
 def _worker(kind: str, spec: dict[str, Any]) -> None:
     """Loads one engine, then answers each "rep" line on stdin with one JSON line: per workload,
     the wall seconds (the whole request, and to its first token) and the tokens of each prompt."""
-    speculate = kind.endswith("+lookup")
     if kind.startswith("shmvllm"):
         os.environ.setdefault("OMP_NUM_THREADS", str(spec["threads"]))
-        engine: Any = _Shmvllm(spec["k"], spec["lookup_min"], speculate)
+        method = {"shmvllm+lookup": "ngram", "shmvllm+draft": "draft_model"}.get(kind)
+        engine: Any = _Shmvllm(spec["k"], spec["lookup_min"], method, spec["draft"])
     else:
-        engine = _LlamaCpp(spec["gguf"], spec["threads"], spec["lookup_tokens"], speculate)
+        engine = _LlamaCpp(spec["gguf"], spec["threads"], spec["lookup_tokens"], kind.endswith("+lookup"))
     prompts: dict[str, list[list[int]]] = spec["prompts"]
     engine.one(prompts["free"][0][:16])  # warm-up
     print(json.dumps({"ready": True}), flush=True)
@@ -223,25 +229,27 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
         print(f"{r['engine']:<18}" + "".join(f"{c:>47}" for c in cells))
     by = {r["engine"]: r for r in rows}
     spec = by.get("shmvllm+lookup")
-    if spec and spec["counters"]:
-        c = spec["counters"]
-        drafts = max(c.get("vllm:spec_decode_num_draft_tokens", 0), 1)
-        print(f"shmvllm+lookup (warm-up and all repetitions, both workloads): {c.get('vllm:spec_decode_num_drafts')} verify steps, "
-              f"{c.get('vllm:spec_decode_num_accepted_tokens')} of {drafts} proposals accepted "
-              f"({c.get('vllm:spec_decode_num_accepted_tokens', 0) / drafts:.0%}), per position "
-              f"{c.get('vllm:spec_decode_num_accepted_tokens_per_pos')}")
+    for name in ("shmvllm+lookup", "shmvllm+draft"):
+        c = by[name]["counters"] if name in by else None
+        if c:
+            drafts = max(c.get("vllm:spec_decode_num_draft_tokens", 0), 1)
+            print(f"{name} (warm-up and all repetitions, both workloads): {c.get('vllm:spec_decode_num_drafts')} verify steps, "
+                  f"{c.get('vllm:spec_decode_num_accepted_tokens')} of {drafts} proposals accepted "
+                  f"({c.get('vllm:spec_decode_num_accepted_tokens', 0) / drafts:.0%}), per position "
+                  f"{c.get('vllm:spec_decode_num_accepted_tokens_per_pos')}")
     base, peer = by.get("shmvllm"), by.get("llama.cpp+lookup")
-    for a, b in (("shmvllm+lookup", "shmvllm"), ("llama.cpp+lookup", "llama.cpp"), ("shmvllm+lookup", "llama.cpp+lookup"),
-                 ("shmvllm", "llama.cpp")):
+    for a, b in (("shmvllm+lookup", "shmvllm"), ("shmvllm+draft", "shmvllm"), ("llama.cpp+lookup", "llama.cpp"),
+                 ("shmvllm+lookup", "llama.cpp+lookup"), ("shmvllm", "llama.cpp")):
         if a in by and b in by:
             print(f"{a}/{b}: " + ", ".join(
                 f"{w} decode {by[a][w]['tok_per_s']['median'] / by[b][w]['tok_per_s']['median']:.2f}x "
                 f"(request {by[a][w]['request_tok_per_s']['median'] / by[b][w]['request_tok_per_s']['median']:.2f}x)"
                 for w in WORKLOADS))
     for w in WORKLOADS:
-        if base and spec:
-            same = all(x == y for x, y in zip(base[w]["tokens"], spec[w]["tokens"]))
-            print(f"{w}: shmvllm's tokens with and without speculation {'identical' if same else 'DIFFER'}")
+        for name in ("shmvllm+lookup", "shmvllm+draft"):
+            if base and name in by:
+                same = all(x == y for x, y in zip(base[w]["tokens"], by[name][w]["tokens"]))
+                print(f"{w}: shmvllm's tokens with and without {name[8:]} speculation {'identical' if same else 'DIFFER'}")
     checks = []
     if spec and base:
         ratio = spec["grounded"]["tok_per_s"]["median"] / base["grounded"]["tok_per_s"]["median"]
@@ -268,7 +276,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 
     fig, axes = plt.subplots(1, len(WORKLOADS), figsize=(12, 4.5))
     names = [r["engine"] for r in rows]
-    colors = {"shmvllm": "tab:olive", "shmvllm+lookup": "tab:green", "llama.cpp": "navajowhite",
+    colors = {"shmvllm": "tab:olive", "shmvllm+lookup": "tab:green", "shmvllm+draft": "tab:cyan", "llama.cpp": "navajowhite",
               "llama.cpp+lookup": "tab:orange"}
     for ax, workload in zip(axes, WORKLOADS):
         med = [r[workload]["tok_per_s"]["median"] for r in rows]
@@ -278,7 +286,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         ax.bar_label(bars, fmt="%.1f")
         ax.set_title(f"{workload}: decode tok/s of one request (higher is better)")
         ax.tick_params(axis="x", rotation=15)
-    fig.suptitle("SmolLM2-135M-Instruct Q4_1 GGUF, n-gram speculative decoding vs none, shmvllm vs llama.cpp")
+    fig.suptitle("SmolLM2-135M-Instruct Q4_1 GGUF: " + ", ".join(names))
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -291,6 +299,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=3, help="shmvllm's num_speculative_tokens (<= 3: the native decode step verifies)")
     parser.add_argument("--lookup-min", type=int, default=3, help="shmvllm's prompt_lookup_min")
     parser.add_argument("--lookup-tokens", type=int, default=10, help="llama.cpp's num_pred_tokens (its default: 10)")
+    parser.add_argument("--draft", default=MODEL, help="shmvllm+draft's draft model (default: the model itself)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json")
@@ -303,7 +312,7 @@ def main() -> None:
         return
     gguf = shipped_gguf(MODEL)
     spec = {"gguf": gguf, "threads": args.threads, "k": args.k, "lookup_min": args.lookup_min, "lookup_tokens": args.lookup_tokens,
-            "prompts": prompt_ids(gguf)}
+            "draft": args.draft, "prompts": prompt_ids(gguf)}
     names = [n for n in args.engines.split(",") if n]
     if not args.llama_python:
         names = [n for n in names if not n.startswith("llama.cpp")]
@@ -325,6 +334,7 @@ def main() -> None:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"threads": args.threads, "k": args.k, "lookup_min": args.lookup_min,
+                                               "draft": args.draft if "shmvllm+draft" in names else None,
                                                "lookup_tokens": args.lookup_tokens,
                                                "max_tokens": MAX_TOKENS, "rows": rows, "checks": checks}, indent=1))
     if args.plot:

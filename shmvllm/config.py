@@ -4,9 +4,10 @@ user passes): plain values, importing neither the engine nor the model."""
 from __future__ import annotations
 
 import json
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from shmvllm.spec_decode.config import SpeculativeConfig
 
@@ -19,6 +20,86 @@ the CPU with fp32 activations; elsewhere dequantized) and a safetensors model as
 "gguf" insists on the blocks (error for a non-GGUF model); "none" dequantizes a GGUF file to
 `dtype` at load (a full-precision copy of the weights, as before blocks were kept);
 "q8_0" quantizes a safetensors model's linear weights to Q8_0 blocks at load."""
+
+
+SEQ_POOLING_TYPES = ("CLS", "LAST", "MEAN")
+# PoolerConfig fields shmvllm has no use for, each accepted only at its default (vLLM's meaning in the why).
+_POOLER_REFUSED: dict[str, str] = {
+    "enable_chunked_processing": "a prompt longer than max_model_len is refused, not embedded in chunks",
+    "max_embed_len": "a prompt longer than max_model_len is refused, not embedded in chunks",
+    "logit_mean": "classifier logits are not calibrated",
+    "logit_sigma": "classifier logits are not calibrated",
+    "logit_bias": "classifier logits are not calibrated",
+    "logit_scale": "classifier logits are not calibrated",
+    "step_tag_id": "shmvllm serves no process reward models",
+    "returned_token_ids": "shmvllm serves no process reward models",
+}
+
+
+@dataclass
+class PoolerConfig:
+    """vLLM's PoolerConfig (`LLM(..., pooler_config=PoolerConfig(...) or a dict)`): which pooling
+    task the model is bound to and how it pools. Honoured: task, pooling_type / seq_pooling_type
+    ("CLS", "LAST", "MEAN"), tok_pooling_type ("ALL"), use_activation (embeddings: normalize;
+    classifiers: the activation) and dimensions (the default Matryoshka truncation); vLLM's other
+    fields are accepted at their defaults only, refused by name otherwise."""
+
+    task: Optional[str] = None
+    pooling_type: Optional[str] = None
+    seq_pooling_type: Optional[str] = None
+    tok_pooling_type: Optional[str] = None
+    use_activation: Optional[bool] = None
+    dimensions: Optional[int] = None
+    enable_chunked_processing: bool = False
+    max_embed_len: Optional[int] = None
+    logit_mean: Optional[float] = None
+    logit_sigma: Optional[float] = None
+    logit_bias: Optional[float] = None
+    logit_scale: Optional[float] = None
+    step_tag_id: Optional[int] = None
+    returned_token_ids: Optional[list[int]] = None
+
+    def __post_init__(self) -> None:
+        for name, why in _POOLER_REFUSED.items():
+            value, default = getattr(self, name), PoolerConfig.__dataclass_fields__[name].default
+            if value != default or isinstance(value, bool) != isinstance(default, bool):
+                raise ValueError(f"pooler_config.{name}={value!r} is not supported: {why} (accepted: {default!r}).")
+        if self.pooling_type is not None:
+            # vLLM's convenience field: it fills seq_pooling_type or tok_pooling_type
+            if self.seq_pooling_type is not None or self.tok_pooling_type is not None:
+                raise ValueError("Cannot set both `pooling_type` and `seq_pooling_type` / `tok_pooling_type` "
+                                 f"(pooler_config.pooling_type={self.pooling_type!r}).")
+            if self.pooling_type in SEQ_POOLING_TYPES:
+                self.seq_pooling_type = self.pooling_type
+            else:
+                self.tok_pooling_type = self.pooling_type
+        if self.seq_pooling_type is not None and self.seq_pooling_type not in SEQ_POOLING_TYPES:
+            raise ValueError(f"pooler_config.seq_pooling_type={self.seq_pooling_type!r} is not supported: "
+                             f"one of {SEQ_POOLING_TYPES}.")
+        if self.tok_pooling_type is not None and self.tok_pooling_type != "ALL":
+            raise ValueError(f"pooler_config.tok_pooling_type={self.tok_pooling_type!r} is not supported: 'ALL' "
+                             "(every token's vector; step pooling is for process reward models).")
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
+            raise TypeError(f"pooler_config.use_activation must be a bool or None, got {self.use_activation!r}.")
+        if self.dimensions is not None and (
+            not isinstance(self.dimensions, int) or isinstance(self.dimensions, bool) or self.dimensions < 1
+        ):
+            raise ValueError(f"pooler_config.dimensions must be a positive int or None, got {self.dimensions!r}.")
+        if self.task is not None and not isinstance(self.task, str):
+            raise TypeError(f"pooler_config.task must be a str or None, got {self.task!r}.")
+
+    @classmethod
+    def from_user(cls, value: Union["PoolerConfig", dict[str, Any], None], name: str = "pooler_config") -> Optional["PoolerConfig"]:
+        """A PoolerConfig from what LLM(...) was given: one, a dict of its fields, or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
+            if unknown:
+                raise TypeError(f"{name} has unknown fields {unknown}; PoolerConfig's: "
+                                f"{[f.name for f in dataclasses.fields(cls)]}.")
+            return cls(**value)
+        raise TypeError(f"{name} must be a PoolerConfig, a dict or None, got {type(value).__name__}.")
 
 
 @dataclass
@@ -39,6 +120,7 @@ class ModelConfig:
     override_generation_config: dict[str, Any] = field(default_factory=dict)
     quantization: Optional[str] = None  # see QUANTIZATIONS
     dense_out_features: Optional[int] = None  # a sentence-transformers model's last Dense layer's output size
+    pooler_config: Optional[PoolerConfig] = None  # a pooling model's task and pooling, as the user set them
 
     @property
     def vocab_size(self) -> int:
@@ -129,3 +211,4 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     speculative_config: Optional[SpeculativeConfig] = None
+    draft_model_config: Optional[ModelConfig] = None  # speculative_config's draft model (method 'draft_model')

@@ -29,6 +29,13 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "`shm`",
         "`shm` (the shared-memory arena, where its C helper builds) or `gloo`: how tensor-parallel ranks all-reduce",
     ),
+    "SHMVLLM_ENGINE_START": (
+        "`program`",
+        "how engine processes start: `program` (a fresh `python -m shmvllm.engine.core_proc`) or `fork` (a fork of "
+        "the caller, as vLLM's: it sees the caller's monkeypatches); unset: `VLLM_WORKER_MULTIPROC_METHOD`'s, else `program` "
+        "(`fork` after `install_as_vllm()`)",
+    ),
+    "VLLM_WORKER_MULTIPROC_METHOD": ("unset", "vLLM's: `fork` or `spawn` (= `program`), read when `SHMVLLM_ENGINE_START` is unset"),
     "OMP_NUM_THREADS": (
         "one per core",
         "the engine's torch threads (with `data_parallel_size=N`: every engine's; default one per core of its "
@@ -100,6 +107,32 @@ def SHMVLLM_CPU_BF16() -> Optional[str]:
 
 def SHMVLLM_TP_ALLREDUCE() -> str:
     return _raw("SHMVLLM_TP_ALLREDUCE") or "shm"
+
+
+_ENGINE_STARTS = {"program": "program", "fork": "fork", "spawn": "program"}
+_default_engine_start = "program"  # "fork" after install_as_vllm(): vLLM's default on Linux
+
+
+def SHMVLLM_ENGINE_START() -> str:
+    """"program" or "fork": SHMVLLM_ENGINE_START, else VLLM_WORKER_MULTIPROC_METHOD ("spawn" is
+    "program": a fresh interpreter either way), else "program" ("fork" after install_as_vllm())."""
+    for name, raw, accepted in (
+        ("SHMVLLM_ENGINE_START", _raw("SHMVLLM_ENGINE_START"), ("program", "fork")),
+        ("VLLM_WORKER_MULTIPROC_METHOD", _raw("VLLM_WORKER_MULTIPROC_METHOD"), ("fork", "spawn")),
+    ):
+        if raw:
+            if raw not in accepted:
+                raise ValueError(f"{name} must be one of {accepted}, got {raw!r}.")
+            return _ENGINE_STARTS[raw]
+    return _default_engine_start
+
+
+def set_default_engine_start(method: str) -> None:
+    """The start method when neither variable is set (install_as_vllm() sets "fork")."""
+    global _default_engine_start
+    if method not in ("program", "fork"):
+        raise ValueError(f"the engine start method must be 'program' or 'fork', got {method!r}.")
+    _default_engine_start = method
 
 
 def OMP_NUM_THREADS() -> Optional[int]:

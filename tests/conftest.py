@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from ipc.segment import pid_alive
+from shmvllm.engine.core_proc import FORKED_ENGINE_NAME  # a forked engine's /proc comm
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -143,7 +144,7 @@ ENGINE_PROGRAM = "shmvllm.engine.core_proc"
 
 
 def engine_children() -> set[int]:
-    """The live engine processes this process started (`python -m shmvllm.engine.core_proc`)."""
+    """The live engine processes this process started (`python -m shmvllm.engine.core_proc`, or forked)."""
     found = set()
     me = os.getpid()
     for entry in Path("/proc").iterdir():
@@ -153,7 +154,9 @@ def engine_children() -> set[int]:
             stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             if stat[0] == "Z" or int(stat[1]) != me:
                 continue
-            if ENGINE_PROGRAM in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+            if ENGINE_PROGRAM in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace") or (
+                (entry / "comm").read_text().strip() == FORKED_ENGINE_NAME  # SHMVLLM_ENGINE_START=fork
+            ):
                 found.add(int(entry.name))
         except (OSError, IndexError, ValueError):  # gone meanwhile
             continue

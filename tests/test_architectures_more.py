@@ -3,7 +3,8 @@ multipliers), OLMo 2 (norms after the blocks, q/k norm over the whole projection
 (layers without rope) against transformers' eager fp32 greedy tokens, as tests/test_architectures.py
 runs the families of the decoder: alone, in a mixed batch, under preemption, with chunked
 prefill and prefix-cache hits; the same weights as a GGUF file where transformers' GGUF loader
-reads the architecture (phi3), else its early refusal; every family at tensor_parallel_size=2."""
+reads the architecture (phi3), else its early refusal; every family at tensor_parallel_size=2, from
+its HF directory and (where transformers reads its GGUF files) from a Q8_0 GGUF file."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from test_architectures import (  # noqa: F401
     test_under_preemption,
 )
 from test_engine_core import make_engine
-from tiny_models import build_tiny, write_gguf
+from tiny_models import GGUF_ARCH, build_tiny, write_gguf
 
 # the tiny models' options that differ from the config defaults, so that each family's own
 # arithmetic shows: Phi-4-mini's partial rotary with LongRoPE switching at 32 positions (the
@@ -71,21 +72,29 @@ def test_gguf_files_transformers_cannot_read_are_refused(arch):
 ALL_FAMILIES = {"llama": {}, "qwen3": {}, "gemma2": {}, "gemma3": {}, **FAMILY_OVERRIDES}
 
 
-@pytest.mark.parametrize("family", list(ALL_FAMILIES))
-def test_tensor_parallel_2_gives_transformers_tokens(family, tmp_path):
+# (the mixture-of-experts families' own tests, tests/test_moe.py, run them at TP 2 and from GGUF)
+@pytest.mark.parametrize("family, source", [(f, "hf") for f in ALL_FAMILIES] + [(f, "gguf") for f in GGUF_ARCH if f in ALL_FAMILIES])
+def test_tensor_parallel_2_gives_transformers_tokens(family, source, tmp_path):
     """tensor_parallel_size=2 (rank 1 a worker program, the all-reduces through the shared-memory
-    arena): a mixed batch under preemption, greedy tokens equal to transformers'."""
+    arena), each rank loading its share: a mixed batch under preemption, greedy tokens equal to
+    transformers' on the HF directory, or on the GGUF file (its matrices as Q8_0 blocks, each
+    rank's rows and block columns read from the file; the families' default rope, which is what
+    transformers' GGUF configs carry)."""
     from shmvllm import LLM, SamplingParams
     from tiny_models import assert_same_greedy, hf_greedy
 
-    model_dir = build_tiny(family, tmp_path / family, **ALL_FAMILIES[family])
+    model_dir = build_tiny(family, tmp_path / family, **(ALL_FAMILIES[family] if source == "hf" else {}))
+    model, reference, file = model_dir, model_dir, None
+    if source == "gguf":
+        model = write_gguf(model_dir, tmp_path / f"{family}-q8_0.gguf", qtype="Q8_0")
+        reference, file = tmp_path, model.name
     prompts = prompts_of([1, 5, 17, 8, 3, 24], seed=7)
     params = SamplingParams(temperature=0.0, max_tokens=8)
-    with LLM(model=str(model_dir), multiprocess=False, tensor_parallel_size=2, num_kv_blocks=10, block_size=4,
+    with LLM(model=str(model), multiprocess=False, tensor_parallel_size=2, num_kv_blocks=10, block_size=4,
              skip_tokenizer_init=True) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         stats = llm.llm_engine.engine_core.get_stats()
     assert stats["num_preemptions"] > 0, stats
     for prompt, output in zip(prompts, outputs):
-        expected = hf_greedy(model_dir, tuple(prompt), 8)
-        assert_same_greedy(list(output.outputs[0].token_ids), expected, f"{family}, prompt of {len(prompt)} tokens")
+        expected = hf_greedy(reference, tuple(prompt), 8, file)
+        assert_same_greedy(list(output.outputs[0].token_ids), expected, f"{family} {source}, prompt of {len(prompt)} tokens")

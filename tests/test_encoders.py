@@ -166,10 +166,60 @@ def test_dense_layers_prompts_and_dimensions_as_sentence_transformers(bert_st_de
             llm.embed("x", prompt_name="passage")
         with pytest.raises(ValueError, match="Classification"):
             llm.classify("x")
-        tokens = llm.encode(TEXTS[3], pooling_task="token_embed", use_tqdm=False)[0].outputs.data
+        # bound to "embed" (its first task), as vLLM binds a pooling model to one task
+        with pytest.raises(ValueError, match=r'Try switching the model\'s pooling_task via `PoolerConfig\(task="token_embed"\)`'):
+            llm.encode(TEXTS[3], pooling_task="token_embed")
+
+
+def test_pooler_config_binds_the_task_and_sets_the_pooling(bert_st_dense):
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules as models
+
+    from shmvllm.config import PoolerConfig
+
+    reference = SentenceTransformer(str(bert_st_dense), device="cpu")
+    # the engine process: the PoolerConfig travels in the engine's config, token_embed's 2-D output over the rings
+    with LLM(model=str(bert_st_dense), pooler_config=PoolerConfig(task="token_embed", use_activation=False)) as llm:
+        assert llm.pooling_task == "token_embed" and llm.model_config.pooler_config.task == "token_embed"
+        tokens = llm.encode(TEXTS[3], use_tqdm=False)[0].outputs.data  # the bound task by default
         expected = reference.encode(TEXTS[3], output_value="token_embeddings", prompt_name="query")
         assert tokens.shape == expected.shape
-        assert torch.nn.functional.cosine_similarity(tokens, torch.as_tensor(expected)).min() >= 0.99999
+        np.testing.assert_allclose(tokens.numpy(), expected, atol=1e-4)  # use_activation=False: not normalized
+        assert not np.allclose(np.linalg.norm(expected, axis=1), 1.0)
+        with pytest.raises(ValueError, match=r'PoolerConfig\(task="embed"\)'):
+            llm.embed("x")
+    # mean over the model's CLS pooling, 8 dimensions and no normalization by default; the older name
+    texts = TEXTS[1:5]
+    mean = SentenceTransformer(modules=[reference[0], models.Pooling(64, pooling_mode="mean"), reference[2]], device="cpu")
+    expected = mean.encode(["query: " + t for t in texts])[:, :8]  # the model's default prompt
+    with LLM(model=str(bert_st_dense), multiprocess=False,
+             override_pooler_config={"pooling_type": "MEAN", "dimensions": 8, "use_activation": False}) as llm:
+        assert llm.pooling_task == "embed"
+        got = np.stack([o.outputs.numpy() for o in llm.embed(texts, use_tqdm=False)])
+        np.testing.assert_allclose(got, expected, atol=1e-5)
+        normalized = np.stack([o.outputs.numpy() for o in llm.embed(texts, PoolingParams(normalize=True), use_tqdm=False)])
+        np.testing.assert_allclose(np.linalg.norm(normalized, axis=1), 1.0, atol=1e-5)  # a request's own choice wins
+        assert normalized.shape == (len(texts), 8)
+
+
+@pytest.mark.parametrize("pooler_config, error, match", [
+    ({"task": "classify"}, ValueError, r"Unsupported task: 'classify' Supported tasks: \('embed', 'token_embed'\)"),
+    ({"enable_chunked_processing": True}, ValueError, "pooler_config.enable_chunked_processing=True is not supported"),
+    ({"returned_token_ids": [1, 2]}, ValueError, "pooler_config.returned_token_ids"),
+    ({"pooling_type": "STEP"}, ValueError, "pooler_config.tok_pooling_type='STEP'"),
+    ({"seq_pooling_type": "max"}, ValueError, "pooler_config.seq_pooling_type='max'"),
+    ({"dimensions": 33}, ValueError, "pooler_config.dimensions must be at most the model's embedding size 32"),
+    ({"normalize": True}, TypeError, r"unknown fields \['normalize'\]"),
+    ("MEAN", TypeError, "pooler_config must be a PoolerConfig, a dict or None, got str"),
+])
+def test_pooler_config_refused_by_name_before_the_engine_starts(bert_st_dense, pooler_config, error, match):
+    with pytest.raises(error, match=match):
+        LLM(model=str(bert_st_dense), pooler_config=pooler_config)
+
+
+def test_pooler_config_and_its_older_name_together_are_refused(bert_st_dense):
+    with pytest.raises(ValueError, match="pooler_config and override_pooler_config"):
+        LLM(model=str(bert_st_dense), pooler_config={"task": "embed"}, override_pooler_config={"task": "embed"})
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
-"""Speculative decoding (n-gram proposals): the config's checks, the proposer, the scheduler's
-rollback, rejection sampling's distribution, and greedy outputs equal to those without it."""
+"""Speculative decoding with n-gram proposals (the draft model's: test_spec_draft_model.py): the
+config's checks, the proposer, the scheduler's rollback, rejection sampling's distribution, and
+greedy outputs equal to those without it."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ PROMPTS = [
     ({"method": "eagle", "num_speculative_tokens": 2}, "eagle"),
     ({"method": "medusa", "num_speculative_tokens": 2}, "medusa"),
     ({"method": "mtp", "num_speculative_tokens": 2}, "mtp"),
-    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2}, "draft_model"),
+    ({"method": "suffix", "num_speculative_tokens": 2}, "suffix"),
     ({"method": "bogus", "num_speculative_tokens": 2}, "bogus"),
     ({"num_speculative_tokens": 2}, "method"),
     ({"method": "ngram"}, "num_speculative_tokens"),

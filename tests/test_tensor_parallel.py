@@ -30,7 +30,8 @@ from shmvllm.model.kernels import quant_isas_supported
 from shmvllm.model.linear import Linear, VocabEmbedding
 from shmvllm.model.loader import get_model
 from shmvllm.model.parallel.group import TPGroup
-from shmvllm.model.parallel.layers import RowParallelLinear, shard_decoder_
+from shmvllm.model.checkpoint import CheckpointTensor
+from shmvllm.model.parallel.layers import RowParallelLinear
 from shmvllm.model.parallel.split import split_range, split_sizes
 from shmvllm.model.quant import FORMAT_IDS, FORMATS, QuantizedWeight
 
@@ -326,9 +327,10 @@ def _block_tensors(model) -> list:
 
 @needs_blocks
 def test_each_rank_holds_only_its_blocks(tiny_gguf, caplog):
-    """Every sharded layer of every rank runs on blocks (no fp32 weight), in tensors of their own
-    (no view keeping the full tensor alive), and the ranks' blocks add up to the full model's, plus
-    the straddled block column of a split that falls inside a block, which is warned about by name."""
+    """Every layer of every rank is built at its share's shape and runs on blocks (no fp32
+    weight); row shares are views of the mapped file, input-column shares copies of their own
+    (no view keeping the full tensor's pages), and the ranks' blocks add up to the full model's,
+    plus the straddled block column of a split that falls inside a block, warned about by name."""
     kind, model_dir = tiny_gguf
     config = EngineArgs(model=str(model_dir), max_model_len=64).create_engine_config().model_config
     full_bytes = sum(t.numel() for t in {id(t): t for t in _block_tensors(get_model(config))}.values())
@@ -337,26 +339,27 @@ def test_each_rank_holds_only_its_blocks(tiny_gguf, caplog):
     straddles = o_values == 256
     held = 0
     for rank in range(2):
-        model = get_model(config)
         with caplog.at_level(logging.WARNING, logger="shmvllm.model.parallel.layers"):
             caplog.clear()
-            shard_decoder_(model, TPGroup(rank, 2))
+            model = get_model(config, TPGroup(rank, 2))
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            for linear in (attn.qkv_proj, attn.o_proj.local, mlp.gate_up_proj, mlp.down_proj.local):
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 assert linear.blocks is not None and linear.weight.numel() == 0
+            for linear in (attn.o_proj, mlp.down_proj):
+                assert all(p.data.untyped_storage().nbytes() == p.data.numel() for _, p in linear.blocks)
             assert attn.num_kv_heads == 1 and attn.qkv_proj.out_features == 128 + 64 + 64  # 2 query heads, 1 KV head
-            assert mlp.down_proj.pad is None and mlp.down_proj.local.in_features == 256
+            assert mlp.down_proj.pad is None and mlp.down_proj.in_features == 256
             if straddles:  # rank 0 holds input columns [0, 256) of o_proj for its [0, 128), rank 1 too for [128, 256)
                 assert attn.o_proj.pad == ((0, 128) if rank == 0 else (128, 0))
-                assert attn.o_proj.local.in_features == 256
+                assert attn.o_proj.in_features == 256
             else:
-                assert attn.o_proj.pad is None and attn.o_proj.local.in_features == 128
-        assert model.model.embed_tokens.local.blocks.n == 49152 // 2
-        assert model.lm_head.local.blocks[0][1] is model.model.embed_tokens.local.blocks  # tied: one copy
-        tensors = {id(t): t for t in _block_tensors(model)}.values()
-        assert all(t.untyped_storage().nbytes() == t.numel() for t in tensors)
-        held += sum(t.numel() for t in tensors)
+                assert attn.o_proj.pad is None and attn.o_proj.in_features == 128
+        embedding = model.model.embed_tokens
+        assert embedding.blocks.n == 49152 // 2
+        assert embedding.blocks.data.untyped_storage().nbytes() > embedding.blocks.data.numel()  # a view of the file
+        assert model.lm_head.blocks[0][1] is embedding.blocks  # tied: one copy
+        held += sum(t.numel() for t in {id(t): t for t in _block_tensors(model)}.values())
         warned = [r.getMessage() for r in caplog.records if "split inside a GGML block" in r.getMessage()]
         if straddles and rank == 0:
             assert len(warned) == 1 and f"model.layers.0.self_attn.o_proj ({o_format}, 256-value blocks" in warned[0]
@@ -377,6 +380,24 @@ class _SumLater:
         return tensor
 
 
+class _InMemory(CheckpointTensor):
+    """A checkpoint tensor held in memory (blocks or values)."""
+
+    def __init__(self, name: str, value) -> None:
+        self.name, self.value = name, value
+        self.shape = tuple(value.shape)
+
+    def rows(self, start, stop, out=None):
+        return self.value[start:stop]
+
+    def columns(self, start, stop):
+        if isinstance(self.value, torch.Tensor):
+            return self.value[:, start:stop]
+        _, values, nbytes = FORMATS[self.value.qtype]
+        return QuantizedWeight(self.value.data[:, start // values * nbytes : stop // values * nbytes].clone(),
+                               self.value.qtype, stop - start)
+
+
 @needs_blocks
 @pytest.mark.parametrize("name, k, cuts", [
     ("Q4_1", 96, [(0, 64), (64, 96)]),            # on 32-value boundaries
@@ -388,16 +409,89 @@ def test_row_parallel_blocks_sum_to_the_full_product(name, k, cuts):
     from test_quant_kernels import random_weight
 
     torch.manual_seed(0)
+    unit = 256 if name.endswith("_K") else 32
+    blocks = random_weight(name, 24, k, np.random.default_rng(0))
+    bias = torch.randn(24)
     full = Linear(k, 24, bias=True, device="meta")
-    full.bias = torch.nn.Parameter(torch.randn(24), requires_grad=False)
-    full.set_blocks([(0, random_weight(name, 24, k, np.random.default_rng(0)))])
+    full.bias = torch.nn.Parameter(bias, requires_grad=False)
+    full.set_blocks([(0, blocks)])
     for rows in (1, 7):
         x, residual = torch.randn(rows, k), torch.randn(rows, 24)
         want = full(x, residual)
         got = torch.zeros_like(want)
         for rank, (a, b) in enumerate(cuts):
-            shard = RowParallelLinear(full, a, b, _SumLater(rank, len(cuts)))
-            assert shard.local.blocks is not None and shard.local.in_features % (256 if name.endswith("_K") else 32) == 0
+            shard = RowParallelLinear(k, 24, a, b, unit, True, _SumLater(rank, len(cuts)))
+            shard.weight.weight_loader(shard.weight, _InMemory("w", blocks))
+            shard.bias.weight_loader(shard.bias, _InMemory("b", bias))
+            shard.set_blocks(shard.pending_blocks)
+            assert shard.blocks is not None and shard.in_features % unit == 0
             got += shard(x[:, a:b].contiguous(), residual)
-        scale = (x.abs() @ full.blocks[0][1].dequantize().abs().T).max()
+        scale = (x.abs() @ blocks.dequantize().abs().T).max()
         assert torch.allclose(got, want, atol=float(scale) * 1e-6, rtol=0), float((got - want).abs().max())
+
+
+# ---- a rank's memory is its share -----------------------------------------------------------
+
+_LOAD_AND_MEASURE = r"""
+import json, sys
+from pathlib import Path
+from shmvllm.engine.arg_utils import EngineArgs
+from shmvllm.model.loader import get_model
+from shmvllm.model.parallel.group import TPGroup
+from shmvllm.model.parallel.layers import shard_bytes
+
+def status(key):
+    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key + ":"))
+    return int(line.split()[1]) * 1024
+
+config = EngineArgs(model=sys.argv[1], max_model_len=64, skip_tokenizer_init=True).create_engine_config().model_config
+Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) restarts from the current RSS
+before = status("VmRSS")
+model = get_model(config, TPGroup(int(sys.argv[2]), int(sys.argv[3])))
+print(json.dumps({"peak_growth": status("VmHWM") - before, "held": sum(shard_bytes(model))}))
+"""
+
+
+@pytest.fixture(scope="module")
+def llama_84mb_dir(tmp_path_factory) -> Path:
+    """A random 4-layer Llama of 84 MB of fp32 weights (untied 8192-token vocabulary), written
+    straight as safetensors: big enough that a rank's share shows in its resident memory."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    target = tmp_path_factory.mktemp("llama-84mb")
+    config = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+                         tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    config.save_pretrained(target)
+    generator = torch.Generator().manual_seed(0)
+    shapes = {"model.embed_tokens.weight": (8192, 512), "lm_head.weight": (8192, 512), "model.norm.weight": (512,)}
+    for i in range(4):
+        prefix = f"model.layers.{i}"
+        shapes.update({f"{prefix}.self_attn.q_proj.weight": (512, 512), f"{prefix}.self_attn.k_proj.weight": (256, 512),
+                       f"{prefix}.self_attn.v_proj.weight": (256, 512), f"{prefix}.self_attn.o_proj.weight": (512, 512),
+                       f"{prefix}.mlp.gate_proj.weight": (1536, 512), f"{prefix}.mlp.up_proj.weight": (1536, 512),
+                       f"{prefix}.mlp.down_proj.weight": (512, 1536), f"{prefix}.input_layernorm.weight": (512,),
+                       f"{prefix}.post_attention_layernorm.weight": (512,)})
+    save_file({name: torch.randn(shape, generator=generator) * 0.05 for name, shape in shapes.items()},
+              str(target / "model.safetensors"))
+    return target
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resettable peak RSS")
+def test_a_ranks_peak_memory_is_its_share(llama_84mb_dir):
+    """Rank 0 of 2 loaded in a process of its own: the parameters it holds are half the model's
+    (plus the replicated norms), and the growth of its peak resident memory while loading is
+    about half a whole load's: it reads its share of each tensor, never the whole."""
+    import subprocess
+    import sys
+
+    def load(rank: int, world: int) -> dict:
+        out = subprocess.run([sys.executable, "-c", _LOAD_AND_MEASURE, str(llama_84mb_dir), str(rank), str(world)],
+                             capture_output=True, text=True, timeout=300, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    whole, share = load(0, 1), load(0, 2)
+    assert 0.49 < share["held"] / whole["held"] < 0.51, (share, whole)
+    assert whole["peak_growth"] > whole["held"], whole  # the measure sees a whole load
+    assert share["peak_growth"] < 0.6 * whole["peak_growth"], (share, whole)

@@ -110,6 +110,9 @@ def test_install_as_vllm_maps_vllm_modules_to_shmvllm_modules():
         from vllm.distributed import cleanup_dist_env_and_memory
         from vllm.platforms import current_platform
         from vllm.tasks import PoolingTask, POOLING_TASKS
+        from vllm.config import PoolerConfig
+        import shmvllm.config
+        assert PoolerConfig is shmvllm.config.PoolerConfig and PoolerConfig(pooling_type="MEAN").seq_pooling_type == "MEAN"
         import shmvllm.compat.v1_engine, shmvllm.engine.core
         assert V1Request is shmvllm.compat.v1_engine.EngineCoreRequest and EngineCore is shmvllm.engine.core.EngineCore
         assert current_platform.is_cpu() != current_platform.is_cuda() and not current_platform.is_rocm()

@@ -47,15 +47,22 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "granite": ("GraniteConfig", dict(tie_word_embeddings=True)),
     "olmo2": ("Olmo2Config", dict(tie_word_embeddings=False)),
     "smollm3": ("SmolLM3Config", dict(tie_word_embeddings=True)),
+    # mixtures of experts: 8 experts, top-2; Qwen3-MoE's layer 1 a dense MLP (mlp_only_layers)
+    "qwen3_moe": ("Qwen3MoeConfig", dict(tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+                                        moe_intermediate_size=32, mlp_only_layers=[1])),
+    "mixtral": ("MixtralConfig", dict(tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2)),
 }
 
 # GGUF architecture of each family and its layer tensor names (llama.cpp's), as the converter writes them
-GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3"}
+GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe"}
 _LLAMA_NAMES = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    # mixtures of experts: the router, and each projection's experts stacked [n_expert, rows, k]
+    "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps",
 }
 _GEMMA_NAMES = {
     **_LLAMA_NAMES, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
@@ -67,6 +74,7 @@ _PHI3_NAMES = {
 }
 GGUF_NAMES = {
     "llama": _LLAMA_NAMES, "qwen3": _LLAMA_NAMES, "gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES, "phi3": _PHI3_NAMES,
+    "qwen3_moe": _LLAMA_NAMES,
 }
 
 
@@ -178,6 +186,10 @@ def write_gguf(model_dir: Path, path: Path, qtype: str = "F32") -> Path:
     metadata["add_rope_freq_base"] = float((rope.get("full_attention") or rope)["rope_theta"])
     if getattr(config, "sliding_window", None) is not None and family.startswith("gemma"):
         metadata["add_sliding_window"] = config.sliding_window
+    if family == "qwen3_moe":
+        metadata.update(add_expert_count=config.num_experts, add_expert_used_count=config.num_experts_per_tok,
+                        add_expert_feed_forward_length=config.moe_intermediate_size)
+        state = _stack_experts(state, config.num_experts)
 
     def add_tensors(writer: Any) -> None:
         for name, tensor in state.items():
@@ -199,7 +211,7 @@ def write_gguf(model_dir: Path, path: Path, qtype: str = "F32") -> Path:
             if family.startswith("gemma") and gguf_name.endswith("norm.weight"):
                 values = values + np.float32(1.0)
             values = np.ascontiguousarray(values, dtype=np.float32)
-            if values.ndim == 2 and qtype != "F32":
+            if values.ndim >= 2 and qtype != "F32" and "ffn_gate_inp" not in gguf_name:  # llama.cpp keeps the router F32
                 kind = gguf.GGMLQuantizationType[qtype]
                 writer.add_tensor(gguf_name, gguf.quants.quantize(values, kind), raw_dtype=kind)
             else:
@@ -209,20 +221,35 @@ def write_gguf(model_dir: Path, path: Path, qtype: str = "F32") -> Path:
     return path
 
 
+def _stack_experts(state: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """Each layer's per-expert tensors (mlp.experts.E.gate_proj.weight) stacked into one
+    [n_expert, rows, k] tensor named mlp.experts.gate_proj.weight, as llama.cpp stores them."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if ".mlp.experts." not in name:
+            out[name] = tensor
+        elif ".mlp.experts.0." in name:
+            stem, rest = name.split(".mlp.experts.0.")
+            out[f"{stem}.mlp.experts.{rest}"] = torch.stack([state[f"{stem}.mlp.experts.{e}.{rest}"] for e in range(num_experts)])
+    return out
+
+
 @functools.lru_cache(maxsize=None)
-def hf_model(model_dir: Path, gguf_file: str | None = None) -> Any:
-    """transformers' eager fp32 model of an HF directory (or of a GGUF file in it)."""
+def hf_model(model_dir: Path, gguf_file: str | None = None, overrides: tuple[tuple[str, Any], ...] = ()) -> Any:
+    """transformers' eager fp32 model of an HF directory (or of a GGUF file in it); `overrides`:
+    config values its GGUF loader does not read from a file."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    kwargs = {"gguf_file": gguf_file, **dict(overrides)} if gguf_file else dict(overrides)
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager", **kwargs).eval()
 
 
 @functools.lru_cache(maxsize=None)
-def hf_greedy(model_dir: Path, prompt: tuple[int, ...], max_tokens: int, gguf_file: str | None = None) -> tuple[list[int], list[float]]:
+def hf_greedy(model_dir: Path, prompt: tuple[int, ...], max_tokens: int, gguf_file: str | None = None,
+              overrides: tuple[tuple[str, Any], ...] = ()) -> tuple[list[int], list[float]]:
     """transformers' greedy continuation (it stops after EOS, which it keeps) and, per generated
     token, the margin between its top-2 logits."""
-    model = hf_model(model_dir, gguf_file)
+    model = hf_model(model_dir, gguf_file, overrides)
     eos = model.config.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos
     with torch.no_grad():

@@ -18,7 +18,9 @@ __all__ = ["VLLM_API_VERSION", "install_as_vllm"]
 
 def install_as_vllm() -> None:
     """Makes `import vllm` give shmvllm. Idempotent. A real vLLM already imported in this process
-    is a RuntimeError (its modules would mix with shmvllm's)."""
+    is a RuntimeError (its modules would mix with shmvllm's). Engines then start as vLLM's do on
+    Linux, forked from the caller (SHMVLLM_ENGINE_START / VLLM_WORKER_MULTIPROC_METHOD still choose)."""
+    from shmvllm import envs
     from shmvllm.compat.vllm_modules import VllmFinder
 
     if any(isinstance(finder, VllmFinder) for finder in sys.meta_path):
@@ -28,3 +30,4 @@ def install_as_vllm() -> None:
         raise RuntimeError(f"a vllm module is already imported ({getattr(loaded, '__file__', loaded)!r}); "
                            "call install_as_vllm() before anything imports vllm.")
     sys.meta_path.insert(0, VllmFinder())
+    envs.set_default_engine_start("fork")

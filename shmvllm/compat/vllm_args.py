@@ -155,8 +155,6 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     _only("kv_sharing_fast_prefill", False, "KV sharing across layers is not supported", cli_type=bool),
     _only("calculate_kv_scales", False, "the KV cache is not quantized", cli_type=bool),
     _only("override_attention_dtype", None, "attention runs in the model's dtype"),
-    _only("pooler_config", None, "embedding models pool as their sentence-transformers files say"),
-    _only("override_pooler_config", None, "embedding models pool as their sentence-transformers files say"),
     _only("logits_processors", None, "custom logits processor classes are not supported"),
     _only("logits_processor_pattern", None, "custom logits processors are not supported"),
     _only("reasoning_parser", "", "reasoning parsers are not supported"),

@@ -82,7 +82,7 @@ class Request:
     def from_engine_core_request(cls, req: EngineCoreRequest) -> "Request":
         return cls(
             request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids.tolist(),
+            prompt_token_ids=ids if isinstance(ids := req.prompt_token_ids, list) else ids.tolist(),
             sampling_params=req.sampling_params,
             pooling_params=req.pooling_params,
             arrival_time=req.arrival_time,

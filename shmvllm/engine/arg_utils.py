@@ -16,8 +16,9 @@ from typing import Any, Literal, Optional
 
 from shmvllm.compat.vllm_args import BY_NAME as _VLLM_ONLY_ARGS
 from shmvllm.compat.vllm_args import VllmArgs, check_vllm_args
-from shmvllm.config import QUANTIZATIONS, CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, Task
+from shmvllm.config import QUANTIZATIONS, CacheConfig, EngineConfig, ModelConfig, ParallelConfig, PoolerConfig, SchedulerConfig, Task
 from shmvllm.engine.validation import check_against_model, check_engine_args, check_kv_budget
+from shmvllm.model.encoders import is_classifier, pooling_tasks
 from shmvllm.model.hf_config import HFConfig
 from shmvllm.model.models import check_causal_lm_dir, decoder_architecture, gguf_kv_config
 from shmvllm.model.registry import ModelSource, locate_model
@@ -70,6 +71,8 @@ class EngineArgs(VllmArgs):
     generation_config: str = "auto"  # "auto" | "vllm" | a folder holding generation_config.json
     override_generation_config: Optional[dict[str, Any]] = None
     speculative_config: Optional[dict[str, Any]] = None  # {"method": "ngram", "num_speculative_tokens": k, ...}
+    pooler_config: Optional[Any] = None  # a PoolerConfig or a dict of its fields (pooling models)
+    override_pooler_config: Optional[Any] = None  # vLLM's older name of pooler_config
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -134,10 +137,14 @@ class EngineArgs(VllmArgs):
             override_generation_config=dict(self.override_generation_config or {}),
             quantization=self.quantization,
             dense_out_features=dense_out_features(model_dir),
+            pooler_config=self._pooler_config(task, hf_config, model_dir),
         )
         _verify_quantization(self.quantization, source, task)
         if speculative is not None and task != "generate":
             raise ValueError(f"speculative_config={self.speculative_config!r} applies to generation only, not to task {task!r}.")
+        draft_config, draft_source = None, None
+        if speculative is not None and speculative.uses_draft_model:
+            draft_config, draft_source = self._draft_model_config(speculative, model_config)
         _verify_tensor_parallel(self.tensor_parallel_size, task, hf_config, device)
         chunked_prefill = self.enable_chunked_prefill is not False
         max_batched, max_num_seqs = _scheduler_limits(
@@ -170,10 +177,48 @@ class EngineArgs(VllmArgs):
                 tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size
             ),
             speculative_config=speculative,
+            draft_model_config=draft_config,
         )
         check_against_model(config, source)
+        if draft_source is not None:
+            check_against_model(dataclasses.replace(config, model_config=draft_config), draft_source)
+            draft_source.store()
         source.store()  # only now: a refused start leaves the cache as it was
         return config
+
+    def _draft_model_config(self, speculative: SpeculativeConfig, target: ModelConfig) -> tuple[ModelConfig, ModelSource]:
+        """The draft model's config from speculative_config's `model`, checked against the target: a decoder
+        of the same vocabulary, positions for the target's max_model_len, one rank."""
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"speculative_config['method']='draft_model' with tensor_parallel_size={self.tensor_parallel_size} "
+                "is not supported (the draft and the target run on one rank)."
+            )
+        if speculative.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"speculative_config['quantization'] must be one of {QUANTIZATIONS}, got {speculative.quantization!r}."
+            )
+        source = locate_model(speculative.model)
+        check_causal_lm_dir(source.model_dir)
+        hf_config = source.hf_config()
+        decoder_architecture(hf_config)
+        if hf_config.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"speculative_config['model']={speculative.model!r} has vocab_size {hf_config.vocab_size}, the target "
+                f"{target.model!r} has {target.vocab_size}: a draft model must share the target's tokenizer."
+            )
+        draft_len = _resolve_max_model_len(None, hf_config, source.model_dir)
+        if draft_len < target.max_model_len:
+            raise ValueError(
+                f"speculative_config['model']={speculative.model!r} holds {draft_len} positions, fewer than the "
+                f"target's max_model_len={target.max_model_len}: lower max_model_len or pick a longer draft."
+            )
+        _verify_quantization(speculative.quantization, source, "generate")
+        draft = dataclasses.replace(
+            target, model=speculative.model, model_dir=source.model_dir, hf_config=hf_config,
+            tokenizer_dir=source.model_dir, quantization=speculative.quantization, dense_out_features=None,
+        )
+        return draft, source
 
     def _task(self, model_dir: Path, hf_config: Any) -> Task:
         """The task from task / runner / convert, checked against what the model is."""
@@ -192,6 +237,31 @@ class EngineArgs(VllmArgs):
                 raise ValueError(f"task={self.task!r} contradicts runner={self.runner!r} / convert={self.convert!r}.")
             wanted = task
         return wanted or detected
+
+    def _pooler_config(self, task: Task, hf_config: Any, model_dir: Path) -> Optional[PoolerConfig]:
+        """pooler_config (or its older name) checked against the model: a task it has, pooling
+        options that apply to it."""
+        if self.pooler_config is not None and self.override_pooler_config is not None:
+            raise ValueError("pooler_config and override_pooler_config (its older name) are both set: set one.")
+        name = "pooler_config" if self.override_pooler_config is None else "override_pooler_config"
+        config = PoolerConfig.from_user(getattr(self, name), name)
+        if config is None:
+            return None
+        if task != "embed":
+            raise ValueError(f"{name}={config!r} is for pooling models; model {self.model!r} runs task {task!r}.")
+        tasks = tuple(t for t in pooling_tasks(hf_config) if t != "score")  # "score" is no vLLM pooling task
+        if config.task is not None and config.task not in tasks:
+            raise ValueError(f"Unsupported task: {config.task!r} Supported tasks: {tasks} ({name}.task of model {self.model!r}).")
+        if is_classifier(hf_config):
+            for field_name in ("seq_pooling_type", "tok_pooling_type", "dimensions"):
+                if getattr(config, field_name) is not None:
+                    raise ValueError(f"{name}.{field_name}={getattr(config, field_name)!r} is for embedding models; "
+                                     f"model {self.model!r} is a classifier (its head pools as the model does).")
+        embedding_size = dense_out_features(model_dir) or hf_config.hidden_size
+        if config.dimensions is not None and config.dimensions > embedding_size:
+            raise ValueError(f"{name}.dimensions must be at most the model's embedding size {embedding_size}, "
+                             f"got {config.dimensions}.")
+        return config
 
     def _verify(self) -> None:
         own = set(EngineArgs.__annotations__)  # a knob shmvllm implements itself has its own checks

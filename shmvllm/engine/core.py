@@ -14,6 +14,8 @@ import logging
 import time
 from typing import Any, Optional
 
+import numpy as np
+
 from shmvllm.config import EngineConfig
 from shmvllm.core.request import Request, RequestStatus
 from shmvllm.core.sched.output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
@@ -96,9 +98,17 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------------
 
+    def preprocess_add_request(self, request: EngineCoreRequest) -> Request:
+        """The scheduler's Request for a message (vLLM's name: programs and tests patch it)."""
+        return Request.from_engine_core_request(request)
+
     def add_request(self, request: EngineCoreRequest) -> None:
         try:
-            engine_request = Request.from_engine_core_request(request)
+            if isinstance(request.prompt_token_ids, np.ndarray):
+                # vLLM's request carries a list, which a patched preprocess_add_request may test
+                # for truth; the Request keeps a list anyway, so the conversion only moves here
+                request.prompt_token_ids = request.prompt_token_ids.tolist()
+            engine_request = self.preprocess_add_request(request)
             error = self._validate(engine_request)
         except Exception as exc:  # a malformed message: still only this request's failure
             error = f"invalid request: {exc!r}"

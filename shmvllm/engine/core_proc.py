@@ -2,7 +2,8 @@
 
 The process is a program of its own, `python -m shmvllm.engine.core_proc`, started by
 `CoreEngineProcManager` with its `EngineProcArgs` (msgpack) on stdin: nothing of the caller's
-main module runs in it, so scripts without a main guard, `python -c` and notebooks work. It
+main module runs in it, so scripts without a main guard, `python -c` and notebooks work; or,
+with SHMVLLM_ENGINE_START=fork, a fork of the frontend (`serve_forked`, vLLM's way). It
 opens its side of the channel (`Addresses.opener`), builds the EngineCore, and answers READY
 (`EngineReady`, the engine's limits), or `EngineFailed` with the traceback if building failed.
 Then the busy loop, which follows the channel's flow-control rule (shmvllm.boundary.channel):
@@ -23,6 +24,7 @@ process group, and the frontend, which catches it, decides when the engine stops
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib
 import logging
 import os
@@ -56,6 +58,7 @@ from shmvllm.boundary.messages import (
     UtilityOutput,
     decode_to_engine,
 )
+from shmvllm import envs
 from shmvllm.config import EngineConfig
 from shmvllm.engine.exceptions import EngineTerminated, FrontendGoneError
 from shmvllm.engine.termination import die_of, ignore_termination, raise_on_termination
@@ -100,6 +103,7 @@ class EngineProcArgs(msgspec.Struct, kw_only=True):
     config: EngineConfig
     hf_config: dict[str, Any]
     addresses: Addresses
+    draft_hf_config: Optional[dict[str, Any]] = None  # speculative_config's draft model's, as hf_config
     parent_pid: int
     executor_class: Optional[str] = None
     log_level: int = logging.WARNING
@@ -111,13 +115,19 @@ class EngineProcArgs(msgspec.Struct, kw_only=True):
     def build(cls, config: EngineConfig, addresses: Addresses, **kwargs: Any) -> "EngineProcArgs":
         hf = config.model_config.hf_config
         bare = dataclasses.replace(config, model_config=dataclasses.replace(config.model_config, hf_config=None))
+        if config.draft_model_config is not None:
+            kwargs["draft_hf_config"] = config.draft_model_config.hf_config.to_dict()
+            bare.draft_model_config = dataclasses.replace(config.draft_model_config, hf_config=None)
         return cls(config=bare, hf_config=hf.to_dict(), addresses=addresses, **kwargs)
 
     def engine_config(self) -> EngineConfig:
         from shmvllm.model.hf_config import HFConfig
 
         hf = HFConfig(self.hf_config)
-        return dataclasses.replace(self.config, model_config=dataclasses.replace(self.config.model_config, hf_config=hf))
+        config = dataclasses.replace(self.config, model_config=dataclasses.replace(self.config.model_config, hf_config=hf))
+        if self.draft_hf_config is not None and config.draft_model_config is not None:
+            config.draft_model_config = dataclasses.replace(config.draft_model_config, hf_config=HFConfig(self.draft_hf_config))
+        return config
 
 
 def _encode_path(obj: Any) -> Any:
@@ -141,6 +151,35 @@ def main() -> None:
     EngineProcArgs from stdin (until EOF), then serves."""
     args = decode_proc_args(sys.stdin.buffer.read())
     sys.stdin.close()
+    serve(args)
+
+
+FORKED_ENGINE_NAME = "shmvllm-engine"
+
+
+def serve_forked(args: EngineProcArgs, num_threads: Optional[int]) -> None:
+    """The engine in a fork of the frontend (SHMVLLM_ENGINE_START=fork): the caller's modules,
+    monkeypatches included, are the engine's. Never returns."""
+    # The frontend's objects are not this process's to collect: a finalizer of one (a closed
+    # LLM's, say) must not run here.
+    gc.freeze()
+    try:  # its name in ps and top (the command line stays the caller's)
+        with open("/proc/self/comm", "w") as f:
+            f.write(FORKED_ENGINE_NAME)
+    except OSError:
+        pass
+    fd = os.open(os.devnull, os.O_RDONLY)  # as multiprocessing's children: the terminal's stdin stays the caller's
+    os.dup2(fd, 0)
+    os.close(fd)
+    if num_threads is not None:
+        envs.set_omp_num_threads(num_threads)
+        if "torch" in sys.modules:  # imported before the fork: the variable alone comes too late
+            sys.modules["torch"].set_num_threads(num_threads)
+    serve(args)
+
+
+def serve(args: EngineProcArgs) -> None:
+    """Serves until the end, then exits this process (never returns)."""
     sys.path.extend(p for p in args.sys_path if p not in sys.path)
     if args.cpus:
         pin_process(args.cpus)
@@ -252,7 +291,9 @@ class EngineCoreProc:
         -N after signal N (SIGTERM, SIGHUP), once everything is closed."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise_on_termination()
-        logging.basicConfig(level=args.log_level, format=f"(EngineCore pid={os.getpid()}) %(levelname)s %(name)s: %(message)s")
+        # force: a forked engine has the frontend's handlers, and its lines still name the engine
+        logging.basicConfig(level=args.log_level, format=f"(EngineCore pid={os.getpid()}) %(levelname)s %(name)s: %(message)s",
+                            force=True)
         engine: Optional[EngineCoreProc] = None
         code = 0
         watch = StartupWatch(args.parent_pid)

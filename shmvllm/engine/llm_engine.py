@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 import msgspec
 
+from shmvllm import envs
 from shmvllm.boundary.messages import EngineCoreOutputs, EngineCoreRequest, now
 from shmvllm.config import EngineConfig
 from shmvllm.engine.arg_utils import EngineArgs
@@ -63,13 +64,17 @@ class LLMEngine:
         model_config = config.model_config
         # The engine process loads while this one loads the tokenizer (a thread: imports and file
         # parsing here, a wait with the GIL released there); the engine's failure comes first.
-        tokenizer = None if model_config.skip_tokenizer_init else _Background(
-            load_tokenizer, model_config.tokenizer_dir or model_config.model_dir, model_config.tokenizer_mode
-        )
+        # A forked engine is forked before the thread starts: a fork while it imports would leave
+        # the engine's copy of an import lock held by a thread the engine does not have.
+        fork = multiprocess and envs.SHMVLLM_ENGINE_START() == "fork"
+        load = (load_tokenizer, model_config.tokenizer_dir or model_config.model_dir, model_config.tokenizer_mode)
+        tokenizer = None if model_config.skip_tokenizer_init or fork else _Background(*load)
         started = time.perf_counter()
         # a failure here leaves the tokenizer's thread (a daemon) to end on its own
         self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess)
         engine_ready = time.perf_counter()
+        if fork and not model_config.skip_tokenizer_init:
+            tokenizer = _Background(*load)
         try:
             self.tokenizer = None if tokenizer is None else tokenizer.result()
         except BaseException:

@@ -1,10 +1,13 @@
 """CoreEngineProcManager: starts the engine process, waits for READY, watches it, stops it.
 
-The engine process is its own program, `python -m shmvllm.engine.core_proc` (a fresh
-interpreter; never forked, so no torch or thread state is inherited, and not multiprocessing's
-spawn, so the caller's main module is never imported again: a script without a main guard,
-`python -c` and a notebook cell all work). Its `EngineProcArgs` (the config and the channel's
-addresses, msgpack) go to its stdin. It answers READY (`EngineReady`)
+By default the engine process is its own program, `python -m shmvllm.engine.core_proc` (a
+fresh interpreter, so no torch or thread state is inherited, and not multiprocessing's spawn, so
+the caller's main module is never imported again: a script without a main guard, `python -c` and
+a notebook cell all work); its `EngineProcArgs` (the config and the channel's addresses,
+msgpack) go to its stdin. With SHMVLLM_ENGINE_START=fork (or vLLM's
+VLLM_WORKER_MULTIPROC_METHOD=fork) it is a fork of the caller, as vLLM's engine is on Linux: it
+has the caller's modules as they are, monkeypatches included; the OpenMP thread pools are ended
+before the fork (a forked libgomp pool hangs the child). Either way it answers READY (`EngineReady`)
 once its KV cache is sized, or `EngineFailed` with its start-up traceback, which becomes an
 `EngineStartupError` here. A child that dies without a word is noticed by polling it.
 
@@ -17,6 +20,7 @@ start stays the backstop for a frontend that died too.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -24,14 +28,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ipc.segment import pid_alive, process_start_time, sweep_stale_segments
 from shmvllm import envs
 from shmvllm.boundary.channel import POLL_S, Addresses, ChannelTimeout, FrontendInbox
 from shmvllm.boundary.messages import EngineFailed, EngineReady
 from shmvllm.config import EngineConfig
-from shmvllm.engine.core_proc import EngineProcArgs, encode_proc_args, qualified_name
+from shmvllm.engine.core_proc import EngineProcArgs, encode_proc_args, qualified_name, serve_forked
 from shmvllm.engine.exceptions import EngineStartupError
 
 logger = logging.getLogger(__name__)
@@ -105,13 +109,22 @@ class CoreEngineProcManager:
             engine_index=engine_index,
             cpus=list(cpus or ()),
         )
+        self.start_method = envs.SHMVLLM_ENGINE_START()
+        torch = sys.modules.get("torch")
+        if self.start_method == "fork" and torch is not None and torch.cuda.is_initialized():
+            # as vLLM: a forked child cannot use the CUDA context it inherits
+            logger.warning("CUDA is initialized in this process: the engine starts as a program, not a fork")
+            self.start_method = "program"
+        self.started = time.monotonic()
+        if self.start_method == "fork":
+            self.proc: Any = ForkedProcess(lambda: serve_forked(args, num_threads))
+            return
         payload = encode_proc_args(args)
         # the directory that holds the shmvllm package first on its path, so that it runs this
         # shmvllm whatever the working directory
         env = envs.child_environment(pythonpath_first=_PACKAGE_ROOT)
         if num_threads is not None:
             env["OMP_NUM_THREADS"] = str(num_threads)
-        self.started = time.monotonic()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "shmvllm.engine.core_proc"], stdin=subprocess.PIPE, env=env, close_fds=True,
         )
@@ -255,6 +268,74 @@ class CoreEngineProcManager:
             proc.kill()
             self.join(2.0)
         self._remove_tree()
+
+
+def pause_openmp_pools() -> None:
+    """Ends the worker threads of every OpenMP runtime loaded here (torch's libgomp, the C
+    kernels' own), which start again at the next parallel region: a fork while they exist
+    leaves a child that hangs in its first parallel region (libgomp cannot rebuild its pool)."""
+    paths = set()
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                name = os.path.basename(fields[5].strip()) if len(fields) == 6 else ""
+                if "omp" in name and ".so" in name:  # libgomp.so.1, libiomp5.so, libomp.so
+                    paths.add(fields[5].strip())
+    except OSError:
+        return
+    for path in sorted(paths):
+        try:
+            pause = ctypes.CDLL(path).omp_pause_resource_all
+        except (OSError, AttributeError):  # not an OpenMP runtime after all, or one before OpenMP 5.0
+            continue
+        pause.argtypes = [ctypes.c_int]
+        if pause(_OMP_PAUSE_HARD) != 0:
+            logger.warning("could not stop the OpenMP threads of %s before the engine's fork", path)
+
+
+_OMP_PAUSE_HARD = 2  # omp_pause_hard: the runtime frees its threads (omp_pause_soft may keep them)
+
+
+class ForkedProcess:
+    """The engine as a fork of this process (SHMVLLM_ENGINE_START=fork), with the part of
+    subprocess.Popen's interface the manager uses (pid, poll, wait, terminate, kill)."""
+
+    def __init__(self, target: Callable[[], None]) -> None:
+        pause_openmp_pools()
+        self.returncode: Optional[int] = None
+        pid = os.fork()
+        if pid == 0:  # the engine: `target` exits the process itself
+            try:
+                target()
+            finally:
+                os._exit(1)
+        self.pid = pid
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"engine process {self.pid}", timeout)
+            time.sleep(0.005)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 def _children(pid: int) -> list[int]:

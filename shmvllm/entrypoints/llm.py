@@ -94,6 +94,12 @@ class LLM:
         self.supported_tasks: tuple[str, ...] = (
             pooling_tasks(self.model_config.hf_config) if self.model_config.is_embedding else ("generate",)
         )
+        pooler = self.model_config.pooler_config
+        # vLLM's rule: a pooling model is bound to one task, PoolerConfig.task or its first
+        self.pooling_task: Optional[str] = (
+            (pooler.task if pooler is not None and pooler.task else self.supported_tasks[0])
+            if self.model_config.is_embedding else None
+        )
         self._st: Any = None  # the model's sentence-transformers config, read on first use
         self.default_sampling_params: Optional[dict[str, Any]] = None
         self.request_counter = itertools.count()
@@ -241,8 +247,9 @@ class LLM:
         """The model's pooled output as `.outputs.data`, a float32 torch tensor, per prompt.
         pooling_task: "embed" (or vLLM's older "encode"): the embedding; "token_embed": every
         token's hidden state, [num_tokens, hidden_size]; "classify": the class probabilities;
-        "score": a cross-encoder's score of one text (no pair). Default: the model's first task
-        (`supported_tasks`). A task the model does not have is a ValueError naming it.
+        "score": a cross-encoder's score of one text (no pair). As in vLLM, a pooling model is bound
+        to one task, `pooling_task` (`LLM(..., pooler_config={"task": ...})`, else the first of
+        `supported_tasks`); another task is a ValueError naming it.
         prompt_name: as for `embed` (embedding tasks only)."""
         import torch
 
@@ -328,7 +335,13 @@ class LLM:
         """The task a pooling call asks for, checked against the model's (None: its first)."""
         engine_task = "embed" if task == "encode" else task
         if engine_task is None:
-            return self.supported_tasks[0]
+            return self.pooling_task
+        if engine_task in self.supported_tasks and engine_task not in (self.pooling_task, "score"):
+            raise ValueError(
+                f'Try switching the model\'s pooling_task via `PoolerConfig(task="{engine_task}")`: '
+                f"model {self.model_config.model!r} is bound to pooling_task {self.pooling_task!r} "
+                f"(LLM(..., pooler_config={{'task': {engine_task!r}}}))."
+            )
         if engine_task not in self.supported_tasks:
             if engine_task == "plugin":
                 raise ValueError("No IOProcessor plugin installed: shmvllm has no IO processor plugins "
@@ -387,7 +400,7 @@ class LLM:
             if params.extra_kwargs:
                 raise ValueError("pooling_params.extra_kwargs is set by LLM.score for cross-encoder pairs, not by callers.")
             engine.input_processor.verify_pooling_params(params)
-            changes: dict[str, Any] = {"task": engine_task}
+            changes: dict[str, Any] = {"task": engine_task, **self._pooler_defaults(params, engine_task)}
             if params.use_activation is not None and engine_task in ("embed", "token_embed"):
                 # vLLM's current name of normalize for embedding tasks
                 if params.normalize is not None and params.normalize != params.use_activation:
@@ -396,6 +409,22 @@ class LLM:
                 changes.update(normalize=params.use_activation, use_activation=None)
             tasked[id(params)] = msgspec.structs.replace(params, **changes)
         return [tasked[id(p)] for p in params_list]
+
+    def _pooler_defaults(self, params: PoolingParams, task: str) -> dict[str, Any]:
+        """The PoolingParams fields a request left unset that the model's PoolerConfig sets."""
+        pooler = self.model_config.pooler_config
+        if pooler is None:
+            return {}
+        changes: dict[str, Any] = {}
+        if task == "embed" and params.dimensions is None and pooler.dimensions is not None:
+            changes["dimensions"] = pooler.dimensions
+        if pooler.use_activation is not None and params.use_activation is None:
+            if task in ("embed", "token_embed"):
+                if params.normalize is None:
+                    changes["normalize"] = pooler.use_activation
+            else:
+                changes["use_activation"] = pooler.use_activation
+        return changes
 
     def _with_st_prompt(self, prompts: list[PromptType], prompt_name: Optional[str], task: str) -> list[PromptType]:
         """The text prompts with the model's sentence-transformers prompt before them: the one

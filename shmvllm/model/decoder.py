@@ -8,7 +8,9 @@ names; this module builds the model from them.
 Module and parameter names follow transformers' so that checkpoints load by name, except that
 q/k/v projections are fused into `qkv_proj` and gate/up into `gate_up_proj` (one GEMM each
 instead of three and two); the loader stacks the checkpoint's shards into them (a checkpoint
-that ships them fused, as Phi-3 does, loads straight into them).
+that ships them fused, as Phi-3 does, loads part by part into them). Every module is built at
+its tensor-parallel rank's shapes (`Placement`; size 1: rank 0 of 1) and its parameters read
+only their rank's share of the checkpoint (model/parallel/layers.py).
 
 The forward pass takes a flat batch of tokens ([num_tokens]) from many requests and returns
 hidden states; `compute_logits` runs the lm_head only on the rows that are sampled.
@@ -32,11 +34,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from shmvllm.model.attention import AttentionMetadata, PagedAttention
+from shmvllm.model.checkpoint import CheckpointTensor
 from shmvllm.model.decode_step import DecodeStep
 from shmvllm.model.decode_step import enabled as decode_step_enabled
 from shmvllm.model.decode_step import fallback_reasons as decode_fallback_reasons
 from shmvllm.model.kernels import kernels_for
-from shmvllm.model.linear import Linear, VocabEmbedding
+from shmvllm.model.linear import Linear
+from shmvllm.model.moe import MoEMLP, MoEOptions
+from shmvllm.model.parallel.group import TPGroup
+from shmvllm.model.parallel.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    Placement,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    check_shardable,
+    read_rows,
+)
+from shmvllm.model.parallel.split import split_in_units, split_range
 from shmvllm.model.rotary import RotaryEmbedding, RotaryStep
 
 logger = logging.getLogger(__name__)
@@ -57,6 +72,7 @@ _NORM_NAMES = {
 class LayerOptions:
     sliding_window: Optional[int] = None  # the query sees the last `sliding_window` positions; None: all
     rope: Optional[str] = "global"  # which rotary table (one of DecoderOptions.rope); None: no rotary
+    moe: bool = False  # the MLP is DecoderOptions.moe's mixture of experts
 
 
 @dataclass(frozen=True)
@@ -80,6 +96,9 @@ class DecoderOptions:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    moe: Optional[MoEOptions] = None  # the experts of the layers whose LayerOptions.moe is set
+    # checkpoint name fragments renamed on load, in order (Mixtral's block_sparse_moe.experts.N.w1 -> mlp.experts.N.gate_proj)
+    renames: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.norm not in NORM_PLACEMENTS:
@@ -91,6 +110,8 @@ class DecoderOptions:
         for index, layer in enumerate(self.layers):
             if layer.rope is not None and layer.rope not in self.rope:
                 raise ValueError(f"layer {index} uses rope {layer.rope!r}, which is not one of {sorted(self.rope)}.")
+            if layer.moe and self.moe is None:
+                raise ValueError(f"layer {index} is a mixture-of-experts layer but DecoderOptions.moe is not set.")
 
 
 def head_dim_of(config: Any) -> int:
@@ -167,21 +188,56 @@ def _rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return torch.rms_norm(x, weight.shape, weight, eps)
 
 
+class ProjRMSNorm(RMSNorm):
+    """An RMSNorm over a whole projection (all heads' features: OLMo 2's q/k norm) of which this
+    rank holds the features [start, stop). Size 1: RMSNorm's arithmetic; sharded: the sum of
+    squares summed over the ranks, then transformers' (fp32 normalize, cast, scale)."""
+
+    def __init__(self, width: int, start: int, stop: int, eps: float, offset: float, group: TPGroup) -> None:
+        super().__init__(stop - start, eps, offset)
+        self.width, self.start, self.stop, self.group = width, start, stop, group
+        self.weight.weight_loader = self.load_rows
+
+    def load_rows(self, param: nn.Parameter, tensor: CheckpointTensor, part: Optional[int] = None) -> None:
+        if tuple(tensor.shape) != (self.width,):
+            raise ValueError(f"checkpoint tensor {tensor.name!r} has shape {tuple(tensor.shape)}, expected ({self.width},).")
+        read_rows(param, tensor, self.start, self.stop, 0, [])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group.world_size == 1:
+            return super().forward(x)
+        x32 = x.float()
+        squares = self.group.all_reduce_(x32.pow(2).sum(-1, keepdim=True))
+        scale = self.weight if not self.offset else self.weight.float() + self.offset
+        return scale * (x32 * torch.rsqrt(squares / self.width + self.eps)).to(x.dtype)
+
+
 class Attention(nn.Module):
-    def __init__(self, config: Any, options: DecoderOptions, layer: LayerOptions) -> None:
+    """This rank's KV heads (split_range over the ranks) and the query heads of each."""
+
+    def __init__(self, config: Any, options: DecoderOptions, layer: LayerOptions, placement: Placement, prefix: str) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = head_dim_of(config)
+        group = placement.group
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        d = self.head_dim = head_dim_of(config)
+        kv0, kv1 = split_range(kv_heads, group.world_size, group.rank)
+        per_kv = heads // kv_heads
+        self.num_kv_heads, self.num_heads = kv1 - kv0, (kv1 - kv0) * per_kv
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=options.qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=options.o_bias)
+        q_rows, kv_rows = (kv0 * per_kv * d, kv1 * per_kv * d), (kv0 * d, kv1 * d)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [heads * d, kv_heads * d, kv_heads * d],
+                                             [q_rows, kv_rows, kv_rows], options.qkv_bias, group)
+        self.o_proj = RowParallelLinear(heads * d, config.hidden_size, *q_rows, placement.unit(f"{prefix}.o_proj.weight"),
+                                        options.o_bias, group)
         self.qk_norm = options.qk_norm
-        if options.qk_norm is not None:
-            q_dim, k_dim = (self.head_dim, self.head_dim) if options.qk_norm == "head" else (self.q_size, self.kv_size)
-            self.q_norm = RMSNorm(q_dim, config.rms_norm_eps, options.norm_offset)
-            self.k_norm = RMSNorm(k_dim, config.rms_norm_eps, options.norm_offset)
+        if options.qk_norm == "head":
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, options.norm_offset)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, options.norm_offset)
+        elif options.qk_norm == "proj":
+            self.q_norm = ProjRMSNorm(heads * d, *q_rows, config.rms_norm_eps, options.norm_offset, group)
+            self.k_norm = ProjRMSNorm(kv_heads * d, *kv_rows, config.rms_norm_eps, options.norm_offset, group)
         self.rope = layer.rope
         scale = options.attn_scale if options.attn_scale is not None else self.head_dim**-0.5
         self.attn = PagedAttention(
@@ -217,12 +273,18 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any, options: DecoderOptions) -> None:
+    """This rank's intermediate rows, split in whole blocks of down_proj's input."""
+
+    def __init__(self, config: Any, options: DecoderOptions, placement: Placement, prefix: str) -> None:
         super().__init__()
+        group = placement.group
         self.activation = options.activation
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=options.mlp_bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=options.mlp_bias)
+        size = config.intermediate_size
+        unit = placement.unit(f"{prefix}.down_proj.weight")
+        i0, i1 = split_in_units(size, unit, group.world_size, group.rank)
+        self.intermediate_size = i1 - i0
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], [(i0, i1), (i0, i1)], options.mlp_bias, group)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, i0, i1, unit, options.mlp_bias, group)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
         """Returns MLP(x) (+ residual when given)."""
@@ -242,10 +304,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, options: DecoderOptions, layer: LayerOptions) -> None:
+    def __init__(self, config: Any, options: DecoderOptions, layer: LayerOptions, placement: Placement, prefix: str) -> None:
         super().__init__()
-        self.self_attn = Attention(config, options, layer)
-        self.mlp = MLP(config, options)
+        self.self_attn = Attention(config, options, layer, placement, f"{prefix}.self_attn")
+        if layer.moe:
+            if options.mlp_bias:
+                raise ValueError("mlp_bias is not supported in mixture-of-experts layers.")
+            self.mlp: nn.Module = MoEMLP(config.hidden_size, options.moe, options.activation, placement, f"{prefix}.mlp")
+        else:
+            self.mlp = MLP(config, options, placement, f"{prefix}.mlp")
         self.norm_names = _NORM_NAMES[options.norm]
         for name in self.norm_names:
             if name is not None:
@@ -268,9 +335,9 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: Any, options: DecoderOptions, max_position: int) -> None:
+    def __init__(self, config: Any, options: DecoderOptions, max_position: int, placement: Placement) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, placement.group)
         head_dim = head_dim_of(config)
         used = {layer.rope for layer in options.layers if layer.rope is not None}
         # one table per rope kind, shared by the layers that use it
@@ -278,7 +345,9 @@ class DecoderModel(nn.Module):
             key: RotaryEmbedding(config, head_dim, max_position, layer_type=None if key == "global" else key)
             for key in sorted(used)
         })
-        self.layers = nn.ModuleList(DecoderLayer(config, options, layer) for layer in options.layers)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, options, layer, placement, f"model.layers.{index}") for index, layer in enumerate(options.layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, options.norm_offset)
         self.embed_scale = options.embed_scale
         self.decode_step: Optional[DecodeStep] = None  # set by process_weights_after_loading
@@ -307,13 +376,15 @@ class DecoderForCausalLM(nn.Module):
         "gate_up_proj": ("gate_proj", "up_proj"),
     }
 
-    def __init__(self, config: Any, max_position: int, options: DecoderOptions) -> None:
+    def __init__(self, config: Any, max_position: int, options: DecoderOptions, placement: Placement) -> None:
         super().__init__()
+        check_shardable(config, placement.world_size)
         self.config = config
         self.options = options
-        self.model = DecoderModel(config, options, max_position)
+        self.world_size = placement.world_size
+        self.model = DecoderModel(config, options, max_position, placement)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, placement.group)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -345,7 +416,8 @@ class DecoderForCausalLM(nn.Module):
                 module.pack()
             elif isinstance(module, RMSNorm):
                 module.fold_offset()
-        step = DecodeStep(self.model) if decode_step_enabled() else None
+        # the native all-layer step knows nothing of the collectives
+        step = DecodeStep(self.model) if decode_step_enabled() and self.world_size == 1 else None
         self.model.decode_step = step if step is not None and step.usable() else None
         if step is not None and self.model.decode_step is None:
             logger.info("single-request decode runs layer by layer: %s", "; ".join(decode_fallback_reasons(self.model))
@@ -354,24 +426,20 @@ class DecoderForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
-    def shard_for(self, param_name: str) -> tuple[str, int, int] | None:
-        """A checkpoint name of a fused shard -> (our parameter, row offset, row count)."""
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name in this model's terms (the family's renames applied)."""
+        for old, new in self.options.renames:
+            name = name.replace(old, new)
+        return name
+
+    def shard_for(self, param_name: str) -> tuple[str, int] | None:
+        """A checkpoint name of a fused part -> (our parameter, the part's index)."""
         for packed, shards in self.packed_modules.items():
             for index, shard in enumerate(shards):
                 marker = f".{shard}."
-                if marker not in param_name:
-                    continue
-                target = param_name.replace(marker, f".{packed}.")
-                sizes = self._shard_sizes(packed)
-                return target, sum(sizes[:index]), sizes[index]
+                if marker in param_name:
+                    return param_name.replace(marker, f".{packed}."), index
         return None
-
-    def _shard_sizes(self, packed: str) -> list[int]:
-        attn = self.model.layers[0].self_attn
-        if packed == "qkv_proj":
-            return [attn.q_size, attn.kv_size, attn.kv_size]
-        size = self.model.layers[0].mlp.intermediate_size
-        return [size, size]
 
 
 @dataclass(frozen=True)
@@ -383,7 +451,7 @@ class Family:
     gguf_norms_minus_one: bool = False  # GGUF stores (1 + w) norms: transformers subtracts 1 on load (Gemma)
     gguf_permute_qk: tuple[str, ...] = ()  # file architectures whose q/k rows llama.cpp interleaved ("llama")
 
-    def build(self, config: Any, max_position: int) -> DecoderForCausalLM:
+    def build(self, config: Any, max_position: int, placement: Optional[Placement] = None) -> DecoderForCausalLM:
         options = self.options(config)
         # a window no position reaches is no window: the layer (and the model) stays plain
         layers = tuple(
@@ -391,7 +459,7 @@ class Family:
             if layer.sliding_window is not None and layer.sliding_window >= max_position else layer
             for layer in options.layers
         )
-        return DecoderForCausalLM(config, max_position, replace(options, layers=layers))
+        return DecoderForCausalLM(config, max_position, replace(options, layers=layers), placement or Placement())
 
 
 # the GGUF names every family shares (llama.cpp's names on the left)

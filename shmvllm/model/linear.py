@@ -76,7 +76,7 @@ class Linear(nn.Linear):
         weight = self.weight
         if self.blocks is not None:
             return False
-        if not _ONEDNN or weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES:
+        if not _ONEDNN or weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES or not weight.numel():
             self.packed_weight = None
             return False
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)

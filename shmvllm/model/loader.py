@@ -1,10 +1,12 @@
 """Builds a native model for an HF directory and fills it from the directory's safetensors,
 or from the GGUF file it was converted from.
 
-The model is created on the meta device (no random init), materialized empty on the target
-device and dtype, then every parameter is copied from the checkpoint. A parameter the
-checkpoint does not provide (except a tied lm_head), a checkpoint tensor with no parameter, or
-a shape mismatch is an error naming the tensor.
+The model is created on the meta device (no random init) at its tensor-parallel rank's shapes
+(model/parallel/layers.py; size 1: rank 0 of 1), materialized empty on the target device and
+dtype, then each parameter's `weight_loader` reads its share of its checkpoint tensor
+(model/checkpoint.py: only those bytes are read). A parameter the checkpoint does not provide
+(except a tied lm_head), a checkpoint tensor with no parameter, or a shape mismatch is an error
+naming the tensor.
 
 GGUF (registry.gguf_source): on the CPU with fp32 activations and the quantized kernels built,
 each 2-D weight stays in its GGML blocks (quant.py) and its Linear / embedding runs on them;
@@ -23,16 +25,18 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Iterable, Iterator, Union
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from shmvllm.config import ModelConfig
+from shmvllm.model.checkpoint import CheckpointTensor, safetensors_tensors
 from shmvllm.model.kernels import quant_kernels
 from shmvllm.model.linear import Linear, VocabEmbedding
 from shmvllm.model.models import ARCHITECTURES, decoder_architecture, family
+from shmvllm.model.parallel.group import TPGroup
+from shmvllm.model.parallel.layers import Placement, default_weight_loader, report
 from shmvllm.model.quant import FORMAT_IDS, QuantizedWeight, quantize, read_gguf
 from shmvllm.model.registry import gguf_source, weight_files
 
@@ -51,17 +55,16 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def get_model(model_config: ModelConfig) -> nn.Module:
-    """Returns the model of `model_config`, weights loaded, in eval mode on its device."""
+def get_model(model_config: ModelConfig, group: Optional[TPGroup] = None) -> nn.Module:
+    """Returns the model of `model_config` (`group`: this tensor-parallel rank's share of it;
+    None: the whole), weights loaded, in eval mode on its device."""
     started = time.perf_counter()
+    group = group or TPGroup(0, 1)
     hf_config = model_config.hf_config
     builder = family(decoder_architecture(hf_config))
     device = torch.device(model_config.device)
     dtype = torch_dtype(model_config.dtype)
     max_position = max(model_config.max_model_len, 1)
-    with built_on_meta():
-        model = builder.build(hf_config, max_position)
-    model = _materialize(model, device, dtype)
     model_dir = Path(model_config.model_dir)
     source = gguf_source(model_dir)
     on_blocks = source is not None and model_config.quantization != "none"
@@ -73,19 +76,31 @@ def get_model(model_config: ModelConfig) -> nn.Module:
             )
         logger.warning("GGUF blocks do not run on %s / %s here: loading dequantized weights", device, model_config.dtype)
         on_blocks = False
+    q8_0 = source is None and model_config.quantization == "q8_0"
+    if q8_0 and not _blocks_run_here(device, dtype):
+        raise ValueError(f"quantization='q8_0' runs on the CPU with dtype float32; got {device}, {model_config.dtype}.")
+    # the format each weight will be held in fixes where a rank's input share may start and stop
     if source is not None:
-        load_weights(model, read_gguf(source, hf_config, builder, dequantize=not on_blocks))
+        tensors: Checkpoint = list(read_gguf(source, hf_config, builder, dequantize=not on_blocks))
+        held = {name: t.qtype for name, t in tensors if on_blocks and not t.dense}
+        placement = Placement(group, held.get)
+    elif q8_0:
+        tensors, placement = safetensors_tensors(weight_files(model_dir)), Placement(group, _q8_0_linear_weight)
     else:
-        load_weights(model, _safetensors_tensors(model_dir))
-        if model_config.quantization == "q8_0":
-            if not _blocks_run_here(device, dtype):
-                raise ValueError(f"quantization='q8_0' runs on the CPU with dtype float32; got {device}, {model_config.dtype}.")
-            _quantize_linears(model, FORMAT_IDS["Q8_0"])
+        tensors, placement = safetensors_tensors(weight_files(model_dir)), Placement(group)
+    with built_on_meta():
+        model = builder.build(hf_config, max_position, placement)
+    model = _materialize(model, device, dtype)
+    load_weights(model, tensors)
+    del tensors  # the GGUF handles' mapping stays only where blocks still view it
+    if q8_0:
+        _quantize_linears(model, FORMAT_IDS["Q8_0"])
     process = getattr(model, "process_weights_after_loading", None)
     if process is not None:
         process()
     model.eval()
     return_freed_memory()
+    report(model, group)
     blocks = _block_modules(model)
     num_params = sum(p.numel() for p in model.parameters()) + sum(
         part.n * part.k for module in {id(b): b for b in blocks}.values() for part in _parts(module)
@@ -132,7 +147,9 @@ def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
             if param is None:
                 continue
             if id(param) not in replaced:
-                replaced[id(param)] = nn.Parameter(torch.empty(param.shape, device=device, dtype=dtype), requires_grad=False)
+                new = nn.Parameter(torch.empty(param.shape, device=device, dtype=dtype), requires_grad=False)
+                new.__dict__.update(param.__dict__)  # its weight_loader
+                replaced[id(param)] = new
             module._parameters[name] = replaced[id(param)]
         for name, buf in list(module._buffers.items()):
             if buf is not None:
@@ -151,64 +168,49 @@ def return_freed_memory() -> None:
         pass
 
 
-def _safetensors_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in weight_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+def _q8_0_linear_weight(name: str) -> Optional[int]:
+    """quantization='q8_0': every linear weight is held in Q8_0 blocks (the norms stay dense)."""
+    return FORMAT_IDS["Q8_0"] if name.endswith("_proj.weight") else None
 
 
 def _blocks_run_here(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and quant_kernels() is not None
 
 
-Checkpoint = Iterable[tuple[str, Union[torch.Tensor, QuantizedWeight]]]
+Checkpoint = Iterable[tuple[str, CheckpointTensor]]
 
 
 def load_weights(model: nn.Module, tensors: Checkpoint) -> None:
-    """Copies every checkpoint tensor into its parameter (fused shards into their slices); a
-    QuantizedWeight for a Linear / VocabEmbedding becomes its blocks (any other is dequantized)."""
+    """Hands every checkpoint tensor to its parameter's weight_loader (a fused projection's
+    parts with their index), which reads the rank's share; a Linear / VocabEmbedding whose
+    share came as GGML blocks then runs on them."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    modules = dict(model.named_modules())
     loaded: set[str] = set()
     unexpected: list[str] = []
-    block_parts: dict[str, list[tuple[int, QuantizedWeight]]] = {}
     shard_for = getattr(model, "shard_for", lambda name: None)
+    rename = getattr(model, "checkpoint_name", lambda name: name)
     for name, tensor in tensors:
         if "rotary_emb.inv_freq" in name:
             continue
+        name = rename(name)
         shard = shard_for(name)
-        target, offset, rows = shard if shard is not None and shard[0] in params else (name, 0, None)
+        target, part = shard if shard is not None and shard[0] in params else (name, None)
         if target not in params:
             unexpected.append(name)
             continue
-        if isinstance(tensor, QuantizedWeight):
-            module = modules.get(target.rpartition(".")[0])
-            if target.endswith(".weight") and isinstance(module, (Linear, VocabEmbedding)):
-                _check_shape(name, tensor, (rows if rows is not None else params[target].shape[0], *params[target].shape[1:]))
-                block_parts.setdefault(target, []).append((offset, tensor))
-                loaded.add(target)
-                if rows is not None:
-                    loaded.add(f"{target}#{offset}")
-                continue
-            tensor = tensor.dequantize()
-        if rows is not None:
-            _check_shape(name, tensor, (rows, *params[target].shape[1:]))
-            params[target].data[offset : offset + rows].copy_(tensor)
-            loaded.add(f"{target}#{offset}")
-        else:
-            _check_shape(name, tensor, tuple(params[target].shape))
-            params[target].data.copy_(tensor)
+        param = params[target]
+        getattr(param, "weight_loader", default_weight_loader)(param, tensor, part)
         loaded.add(target)
+        if part is not None:
+            loaded.add(f"{target}#{part}")
     if unexpected:
         raise ValueError(f"checkpoint tensors {unexpected[:8]} have no place in {type(model).__name__}.")
     _check_complete(model, params, loaded)
-    for target, parts in block_parts.items():
-        module = modules[target.rpartition(".")[0]]
-        if isinstance(module, VocabEmbedding):
-            module.set_blocks(parts[0][1])
-        else:
-            module.set_blocks(parts)
+    for module in model.modules():
+        parts = getattr(module, "pending_blocks", None)
+        if parts:
+            module.set_blocks(parts[0][1] if isinstance(module, VocabEmbedding) else parts)
+            module.pending_blocks = []
     if getattr(model, "tie_word_embeddings", False):
         tie = getattr(model, "tie_blocks", None)
         if tie is not None:
@@ -228,11 +230,6 @@ def _block_modules(model: nn.Module) -> list[nn.Module]:
 
 def _parts(module: nn.Module) -> list[QuantizedWeight]:
     return [module.blocks] if isinstance(module.blocks, QuantizedWeight) else [part for _, part in module.blocks]
-
-
-def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
-    if tuple(tensor.shape) != expected:
-        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}.")
 
 
 def _check_complete(model: nn.Module, params: dict[str, nn.Parameter], loaded: set[str]) -> None:

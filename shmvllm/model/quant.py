@@ -7,8 +7,8 @@ with it, dequantizing in registers; `dequantize()` (gguf.quants.dequantize, what
 GGUF loader uses) is the reference those kernels are tested against and the fallback where the
 kernels do not run (no compiler, CUDA).
 
-`read_gguf(path, hf_config)` yields the file's tensors under the checkpoint names transformers
-gives them (each family declares its names, model/models/), with the rules transformers' GGUF
+`read_gguf(path, hf_config)` yields the file's tensors (handles that read a share: model/checkpoint.py)
+under the checkpoint names transformers gives them (each family declares its names, model/models/), with the rules transformers' GGUF
 loader applies (the q/k row permutation of llama files, whole rows of blocks moving; Gemma's
 norms stored as 1 + w), so that the values equal those of transformers' dequantized model.
 """
@@ -19,12 +19,13 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Union
+from typing import Any, Iterator, Optional, Union
 
 import numpy as np
 import torch
 
-from shmvllm.model.gguf_file import GGUFFile
+from shmvllm.model.checkpoint import CheckpointTensor, read_byte_columns
+from shmvllm.model.gguf_file import GGML_BLOCKS, GGUFFile
 
 # GGML type id -> (name, values per block, bytes per block): the formats the kernels run.
 FORMATS: dict[int, tuple[str, int, int]] = {
@@ -259,13 +260,91 @@ def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
 
 
-def read_gguf(path: Path, hf_config: Any, family: Any, dequantize: bool = False) -> Iterator[tuple[str, Tensor]]:
-    """(checkpoint name, tensor) for every tensor of the file: 1-D tensors and F32 weights as
-    fp32 tensors, 2-D quantized / half weights as QuantizedWeight over the file's mapped pages
-    (gguf_file.py; the q/k rows that llama files permute are copies). `family` (decoder.Family)
-    names the tensors and says which of transformers' GGUF rules apply: the llama q/k row
-    permutation, Gemma's norms stored as 1 + w. dequantize: every tensor as fp32, made in
-    memory with gguf.quants.dequantize (transformers' values), any GGML format gguf-py reads."""
+class GGUFTensorRef(CheckpointTensor):
+    """A tensor of a mapped GGUF file, read in part: rows of a 2-D weight in blocks are views of
+    the file's mapped pages (a rank touches only its rows), input columns (whole blocks) are read
+    with pread into a copy of their own, 1-D and F32 tensors are fp32 copies of the part asked
+    for. `dequantize`: every part as fp32 (gguf.quants.dequantize, transformers' values).
+    `heads`: llama.cpp interleaved these q/k rows within each of this many heads; a rows read
+    takes whole heads and undoes it on them. `minus_one`: Gemma's norms, stored as 1 + w."""
+
+    def __init__(self, path: Path, mapped: torch.Tensor, name: str, qtype: int, shape: tuple[int, ...], data: np.ndarray,
+                 offset: int, dequantize: bool, heads: int = 0, minus_one: bool = False) -> None:
+        self.path, self.mapped, self.name, self.qtype, self.shape = path, mapped, name, qtype, shape
+        self.data, self.offset = data, offset  # a view of the mapped file, and where it starts
+        self.dequantize, self.heads, self.minus_one = dequantize, heads, minus_one
+        self.dense = self.qtype == FORMAT_IDS["F32"] or len(self.shape) == 1
+        self.block_values = 1 if (self.dense or dequantize) else FORMATS[self.qtype][1]
+
+    @property
+    def k(self) -> int:
+        return self.shape[-1]
+
+    def _row_bytes(self) -> int:
+        return self.data.shape[-1] * self.data.itemsize
+
+    def _values(self, data: np.ndarray) -> torch.Tensor:
+        """fp32 values of raw rows of this tensor's type."""
+        if self.qtype != FORMAT_IDS["F32"]:
+            data = _dequantize_np(np.ascontiguousarray(data).view(np.uint8).reshape(data.shape[0], -1), self.qtype)
+        values = np.array(data, dtype=np.float32).reshape(data.shape[0], -1)
+        return torch.from_numpy(values)
+
+    def rows(self, start: int, stop: int, out: Optional[torch.Tensor] = None) -> Tensor:
+        self._check_rows(start, stop)
+        data = self.data
+        if len(self.shape) == 1:
+            values = data if self.qtype == FORMAT_IDS["F32"] else _dequantize_np(data, self.qtype)
+            values = np.array(values[start:stop], dtype=np.float32)
+            if self.minus_one:
+                values = values - np.float32(1.0)  # transformers' Gemma rule; the model adds it back
+            result: Tensor = torch.from_numpy(values)
+        else:
+            part = data[start:stop]
+            permuted = self.heads > 0
+            if permuted:
+                per_head = self.shape[0] // self.heads
+                if start % per_head or stop % per_head:
+                    raise ValueError(f"{self.name!r}: rows [{start}, {stop}) are not whole heads of {per_head} rows.")
+                part = _unpermute_rows(part, (stop - start) // per_head)
+            if self.dense or self.dequantize:
+                result = self._values(part)
+            elif permuted:
+                result = QuantizedWeight(torch.from_numpy(np.ascontiguousarray(part).view(np.uint8).reshape(part.shape[0], -1)),
+                                         self.qtype, self.k)
+            else:
+                row_bytes = self._row_bytes()
+                begin = self.offset + start * row_bytes
+                result = QuantizedWeight(self.mapped[begin : begin + (stop - start) * row_bytes].view(stop - start, row_bytes),
+                                         self.qtype, self.k)
+        if out is not None and isinstance(result, torch.Tensor):
+            out.copy_(result.view(out.shape))
+            return out
+        return result
+
+    def columns(self, start: int, stop: int) -> Tensor:
+        self._check_columns(start, stop)
+        if self.heads:
+            raise ValueError(f"{self.name!r}: a column share of permuted q/k rows is not a layer's share.")
+        values, nbytes = GGML_BLOCKS[self.qtype]
+        lo, hi = start // values * values, -(-stop // values) * values
+        if (lo, hi) != (start, stop) and not (self.dense or self.dequantize):
+            raise ValueError(f"{self.name!r} columns [{start}, {stop}) do not fall on {values}-value block boundaries.")
+        with open(self.path, "rb") as f:
+            data = read_byte_columns(f.fileno(), self.offset, self.shape[0], self._row_bytes(),
+                                     lo // values * nbytes, hi // values * nbytes)
+        if self.dense or self.dequantize:
+            if self.qtype == FORMAT_IDS["F32"]:
+                return torch.from_numpy(data.view(np.float32).copy())[:, start - lo : stop - lo]
+            return self._values(data)[:, start - lo : stop - lo].contiguous()
+        return QuantizedWeight(torch.from_numpy(data), self.qtype, stop - start)
+
+
+def read_gguf(path: Path, hf_config: Any, family: Any, dequantize: bool = False) -> Iterator[tuple[str, GGUFTensorRef]]:
+    """(checkpoint name, GGUFTensorRef) for every tensor of the file, its values unread. `family`
+    (decoder.Family) names the tensors and says which of transformers' GGUF rules apply: the
+    llama q/k row permutation, Gemma's norms stored as 1 + w. dequantize: every read as fp32,
+    any GGML format gguf-py reads; else 2-D quantized / half weights read as QuantizedWeight."""
     reader = GGUFFile(path)
     from shmvllm.model.models import check_gguf_architecture
 
@@ -274,35 +353,31 @@ def read_gguf(path: Path, hf_config: Any, family: Any, dequantize: bool = False)
         check_gguf_formats(path)  # the kernels run every tensor's format
     # one storage over the whole mapping: neighbouring tensors stack into one view (concat)
     mapped = torch.frombuffer(reader.buffer, dtype=torch.uint8)
-    arch = reader.architecture
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    permute = arch in family.gguf_permute_qk
+    permute = reader.architecture in family.gguf_permute_qk
     for tensor in reader.tensors:
         name = checkpoint_name(tensor.name, family.gguf_names)
-        qtype = tensor.tensor_type
-        data = np.asarray(tensor.data)
-        permuted = False
-        if permute and ".attn_q." in tensor.name:
-            data, permuted = _unpermute_rows(data, heads), True
-        elif permute and ".attn_k." in tensor.name:
-            data, permuted = _unpermute_rows(data, kv_heads), True
-        k = int(tensor.shape[0])  # GGUF lists dimensions innermost first
-        if qtype == FORMAT_IDS["F32"] or data.ndim == 1:
-            values = data if qtype == FORMAT_IDS["F32"] else _dequantize_np(data, qtype)
-            values = np.array(values, dtype=np.float32)
-            if family.gguf_norms_minus_one and tensor.name.endswith("norm.weight"):
-                values = values - np.float32(1.0)  # transformers' Gemma rule; the model adds it back
-            yield name, torch.from_numpy(values).reshape(tuple(int(d) for d in reversed(tensor.shape)))
-        elif dequantize:
-            rows = np.ascontiguousarray(data).view(np.uint8).reshape(data.shape[0], -1)
-            yield name, torch.from_numpy(np.ascontiguousarray(_dequantize_np(rows, qtype), dtype=np.float32)).reshape(-1, k)
-        else:
-            if permuted:
-                rows = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(data.shape[0], -1))
-            else:
-                rows = mapped[tensor.offset : tensor.offset + data.nbytes].view(data.shape[0], -1)
-            yield name, QuantizedWeight(rows, qtype, k)
+        if len(tensor.shape) == 3:  # stacked experts [n_expert, rows, k]
+            yield from _experts(Path(path), mapped, tensor, name, dequantize)
+            continue
+        permuted = heads if permute and ".attn_q." in tensor.name else kv_heads if permute and ".attn_k." in tensor.name else 0
+        minus_one = family.gguf_norms_minus_one and tensor.name.endswith("norm.weight")
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        yield name, GGUFTensorRef(Path(path), mapped, name, tensor.tensor_type, shape, tensor.data, tensor.offset,
+                                  dequantize, permuted, minus_one)
+
+
+def _experts(path: Path, mapped: torch.Tensor, tensor: Any, name: str, dequantize: bool) -> Iterator[tuple[str, GGUFTensorRef]]:
+    """One (checkpoint name, handle) per expert of a stacked expert tensor: `name` holds "*" where
+    the expert's index goes; each expert's rows a view of the mapped file."""
+    if "*" not in name:
+        raise ValueError(f"GGUF tensor {tensor.name!r} is 3-D, but {name!r} is not an expert tensor of this family.")
+    shape = (int(tensor.shape[1]), int(tensor.shape[0]))
+    for expert in range(tensor.data.shape[0]):
+        rows = tensor.data[expert]
+        yield name.replace("*", str(expert)), GGUFTensorRef(path, mapped, name.replace("*", str(expert)), tensor.tensor_type,
+                                                            shape, rows, tensor.offset + expert * rows.nbytes, dequantize)
 
 
 def _dequantize_np(data: np.ndarray, qtype: int) -> np.ndarray:

@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 from shmvllm import envs
 from shmvllm.model.hf_config import HFConfig, config_values, load_hf_config, remember_hf_config
-from shmvllm.model.models import check_gguf_file
+from shmvllm.model.models import check_gguf_file, gguf_header_values
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +216,11 @@ def _gguf_config_values(gguf_path: Path) -> dict[str, Any]:
     if not getattr(config, "architectures", None):
         config.architectures = [check_gguf_file(gguf_path)]  # the HF architecture the file loads as
     config.dtype = "float32"  # what transformers dequantizes a GGUF file to
+    header = gguf_header_values(gguf_path)
+    arch = header.get("general.architecture")
+    # transformers' GGUF mapping drops the experts' width (it keeps the config's default)
+    if f"{arch}.expert_feed_forward_length" in header and hasattr(config, "moe_intermediate_size"):
+        config.moe_intermediate_size = int(header[f"{arch}.expert_feed_forward_length"])
     values = config_values(config)
     values.pop("quantization_config", None)
     return values

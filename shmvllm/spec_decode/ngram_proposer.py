@@ -43,3 +43,28 @@ class NgramProposer:
         best = np.flatnonzero(lengths == lengths.max())[-1]  # the longest; the latest among equals
         begin = int(starts[best]) + self.min_n
         return token_ids[begin : begin + k].tolist()
+
+
+class TokenArrays:
+    """Each request's tokens as an int64 numpy array, kept and appended to (a request's tokens
+    only grow), so that a proposal does not convert the whole list every step."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[str, tuple[np.ndarray, int]] = {}
+
+    def update(self, request_id: str, token_ids: list[int]) -> np.ndarray:
+        """A view of `token_ids` as an array (valid until the next update of this request)."""
+        buffer, size = self._arrays.get(request_id, (None, 0))
+        total = len(token_ids)
+        if buffer is None or total > len(buffer):
+            grown = np.empty(max(2 * total, 64), dtype=np.int64)
+            if buffer is not None:
+                grown[:size] = buffer[:size]
+            buffer = grown
+        if total > size:
+            buffer[size:total] = token_ids[size:total]
+        self._arrays[request_id] = (buffer, total)
+        return buffer[:total]
+
+    def drop(self, request_id: str) -> None:
+        self._arrays.pop(request_id, None)

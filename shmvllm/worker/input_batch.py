@@ -9,11 +9,14 @@ removed row is filled by moving the last one into it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
 from shmvllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 _EPS = 1e-5
 
@@ -29,6 +32,11 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     stop_token_ids: list[int] = field(default_factory=list)  # masked while below min_tokens
+    # draft-model speculation: tokens whose draft KV is valid; the last proposals and, for a
+    # random request, the distributions [n, vocab] they were drawn from
+    draft_num_computed: int = 0
+    draft_tokens: list[int] = field(default_factory=list)
+    draft_probs: Optional["torch.Tensor"] = None
 
     @property
     def num_tokens(self) -> int:

@@ -21,10 +21,13 @@ from shmvllm.boundary.messages import Logprobs
 from shmvllm.model.attention import AttentionMetadata, PrefillSeq, build_attention_metadata
 from shmvllm.model.loader import get_model, torch_dtype
 from shmvllm.model.logits_processors import RequestLogitsProcessors
+from shmvllm.model.parallel.group import TPGroup
 from shmvllm.model.prompt_logprobs import prompt_logprobs
 from shmvllm.model.rotary import RotaryEmbedding
 from shmvllm.model.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs, seeded_generator
 from shmvllm.sampling_params import SamplingParams
+from shmvllm.spec_decode.config import draft_may_propose, samples_independently
+from shmvllm.spec_decode.draft_model import DraftModelProposer, DraftRow
 from shmvllm.spec_decode.rejection_sampler import verify
 from shmvllm.structured_output.bitmask import TokenBitmaskApplier
 from shmvllm.worker.huge_pages import advise_huge_pages
@@ -59,19 +62,30 @@ class ModelRunner:
         self._padding_zeroed = False
         self.num_blocks = 0
         self.rope_lengths_needed = False
+        spec = config.speculative_config
+        self.drafter: Optional[DraftModelProposer] = None
+        if config.draft_model_config is not None and spec is not None:
+            self.drafter = DraftModelProposer(
+                config.draft_model_config, spec.num_speculative_tokens, self.block_size,
+                config.scheduler_config.max_num_seqs, device,
+            )
 
     # ---- set-up -------------------------------------------------------------------------
-    def load_model(self) -> None:
-        self.model = get_model(self.model_config)
+    def load_model(self, group: Optional[TPGroup] = None) -> None:
+        """Loads the model, or this tensor-parallel rank's share of it (`group`)."""
+        self.model = get_model(self.model_config, group)
         self.rope_lengths_needed = any(
             isinstance(m, RotaryEmbedding) and m.length_dependent for m in self.model.modules()
         )
+        if self.drafter is not None:
+            self.drafter.load_model()
 
     def kv_cache_bytes_per_block(self) -> int:
-        """Bytes of one block across all layers (keys and values)."""
+        """Bytes of one block across all layers (keys and values), the draft model's too."""
         attn = self._attention_layers()[0]
         per_layer = 2 * self.block_size * attn.num_kv_heads * attn.head_dim
-        return per_layer * len(self._attention_layers()) * torch.tensor([], dtype=self.dtype).element_size()
+        total = per_layer * len(self._attention_layers()) * torch.tensor([], dtype=self.dtype).element_size()
+        return total + (self.drafter.kv_cache_bytes_per_block() if self.drafter is not None else 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocates [layers, 2, kv_heads, num_blocks, block_size, head_dim] and binds each layer's
@@ -92,6 +106,8 @@ class ModelRunner:
             layer.k_cache = self.kv_cache[index, 0]
             layer.v_cache = self.kv_cache[index, 1]
         self.num_blocks = num_blocks
+        if self.drafter is not None:
+            self.drafter.initialize_kv_cache(num_blocks)
         hf = self.model_config.hf_config
         kv_heads = getattr(hf, "num_key_value_heads", None) or getattr(hf, "num_attention_heads", attn.num_kv_heads)
         share = f", this rank's {attn.num_kv_heads} of {kv_heads} KV heads" if attn.num_kv_heads != kv_heads else ""
@@ -105,6 +121,8 @@ class ModelRunner:
         if block_ids:
             index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
             self.kv_cache.index_fill_(3, index, 0.0)
+            if self.drafter is not None:
+                self.drafter.zero_blocks(index)
 
     def _attention_layers(self) -> list:
         if self.model is None:
@@ -151,7 +169,44 @@ class ModelRunner:
         batch.num_computed_tokens[: batch.num_reqs] = ends
         for row, state in enumerate(batch.states):
             state.num_computed_tokens = int(ends[row])
+        if self.drafter is not None:
+            self._draft(ends, output)
         return output
+
+    def _draft(self, ends: np.ndarray, output: ModelRunnerOutput) -> None:
+        """The draft model's step: every request catches up to its computed tokens (and, once it
+        sampled, its next one); a request that sampled and may speculate proposes up to k tokens
+        within max_model_len and max_tokens. If the draft fails, nobody proposes this time."""
+        batch = self.input_batch
+        work: list[DraftRow] = []
+        for row, state in enumerate(batch.states):
+            state.draft_tokens, state.draft_probs = [], None
+            if state.req_id in output.errors:
+                continue
+            params = state.sampling_params
+            sampled = bool(output.sampled_token_ids[row])
+            end = int(batch.num_tokens[row]) if sampled else int(ends[row])
+            count = 0
+            if (sampled and samples_independently(params) and draft_may_propose(params)
+                    and len(state.output_token_ids) >= params.min_tokens):
+                count = min(self.drafter.k, self.max_model_len - end - 1)
+                if params.max_tokens is not None:
+                    count = min(count, params.max_tokens - len(state.output_token_ids) - 1)
+            start = min(state.draft_num_computed, end - 1) if count > 0 else state.draft_num_computed
+            if start < end:
+                work.append(DraftRow(row, start, end, max(count, 0)))
+        try:
+            proposals = self.drafter.propose(batch, work, self._sampling_metadata, self.sampler)
+        except Exception as exc:
+            logger.warning("the draft model failed (%s): no proposals in this step", _describe(exc))
+            return
+        for w in work:
+            state = batch.states[w.row]
+            # draft KV stays valid for the tokens in blocks the request holds (not in scratch ones)
+            state.draft_num_computed = min(w.end, int(batch.num_blocks[w.row]) * self.block_size)
+            if w.row in proposals:
+                state.draft_tokens, state.draft_probs = proposals[w.row]
+                output.spec_token_ids[state.req_id] = list(state.draft_tokens)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
@@ -306,8 +361,9 @@ class ModelRunner:
         if so.grammar_bitmask is not None:
             self._apply_grammar_bitmask(logits, sample_rows, so, group_starts, widths)
         proposals = [so.scheduled_spec_decode_tokens.get(batch.req_ids[r], []) for r in sample_rows.tolist()]
+        draft_probs = self._draft_probs(sample_rows, proposals) if self.drafter is not None else None
         try:
-            results = [(0, *verify(self.sampler, logits, self._sampling_metadata(rows, offsets), proposals))]
+            results = [(0, *verify(self.sampler, logits, self._sampling_metadata(rows, offsets), proposals, draft_probs))]
         except Exception as exc:
             if len(sample_rows) == 1:
                 output.errors[batch.req_ids[int(sample_rows[0])]] = _describe(exc)
@@ -318,7 +374,8 @@ class ModelRunner:
                 lo, hi = int(group_starts[g]), int(group_starts[g] + widths[g])
                 try:
                     meta = self._sampling_metadata(rows[lo:hi], offsets[lo:hi])
-                    results.append((g, *verify(self.sampler, logits[lo:hi], meta, proposals[g : g + 1])))
+                    q = draft_probs[g : g + 1] if draft_probs is not None else None
+                    results.append((g, *verify(self.sampler, logits[lo:hi], meta, proposals[g : g + 1], q)))
                 except Exception as row_exc:
                     req_id = batch.req_ids[int(sample_rows[g])]
                     logger.warning("request %r: verification failed: %s", req_id, _describe(row_exc))
@@ -340,6 +397,21 @@ class ModelRunner:
                     ids, lps, ranks = (t.cpu().numpy() for t in gather_logprobs(raw_logprobs[lo : lo + len(tokens)], chosen, num))
                     output.logprobs[batch.req_ids[row]] = Logprobs.from_arrays(ids, lps, ranks)
         return output
+
+    def _draft_probs(self, sample_rows: np.ndarray, proposals: list[list[int]]) -> list[Optional[torch.Tensor]]:
+        """Each sampling request's draft distributions for its proposals (a prefix of the draft's
+        last ones: the scheduler may cut them); None for a greedy request."""
+        batch = self.input_batch
+        result: list[Optional[torch.Tensor]] = []
+        for row, tokens in zip(sample_rows.tolist(), proposals):
+            state = batch.states[row]
+            if tokens and state.draft_tokens[: len(tokens)] != tokens:
+                raise ValueError(f"request {state.req_id!r}: proposals {tokens} are not the draft model's {state.draft_tokens}.")
+            probs = state.draft_probs
+            if tokens and probs is None and batch.temperature[row] >= 1e-5:
+                raise ValueError(f"request {state.req_id!r}: the draft's distributions of its proposals are missing.")
+            result.append(probs[: len(tokens)] if probs is not None and tokens else None)
+        return result
 
     def _record_samples(self, sample_rows: np.ndarray, result: SamplerOutput, output: ModelRunnerOutput) -> None:
         batch = self.input_batch

@@ -14,6 +14,7 @@ pooling as e5-mistral-style embedders use).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import numpy as np
@@ -24,7 +25,7 @@ from shmvllm.core.sched.output import ModelRunnerOutput, NewRequestData, Schedul
 from shmvllm.model.attention import AttentionMetadata, PrefillSeq
 from shmvllm.model.encoders import ENCODER_MODEL_TYPES, is_classifier, load_encoder, max_positions, pooling_tasks
 from shmvllm.model.loader import MODEL_REGISTRY, get_model
-from shmvllm.model.pooler import PoolerConfig, finalize, load_pooler_config, pool
+from shmvllm.model.pooler import PoolerConfig, PoolingType, finalize, load_pooler_config, pool
 from shmvllm.model.st_config import apply_activation, hf_classifier_activation, read_st_config
 from shmvllm.pooling_params import PoolingParams
 
@@ -48,6 +49,9 @@ class PoolingModelRunner:
         self.device = torch.device(device if device is not None else model_config.device)
         self.dtype = getattr(torch, model_config.dtype)
         self.pooler_config: PoolerConfig = load_pooler_config(model_config.model_dir, model_config.hf_config)
+        user = model_config.pooler_config
+        if user is not None and user.seq_pooling_type is not None:  # LLM(pooler_config=...) over the model's files
+            self.pooler_config = dataclasses.replace(self.pooler_config, pooling_type=PoolingType[user.seq_pooling_type])
         self.tasks = pooling_tasks(hf_config)
         self.uses_token_types = not self.is_decoder and getattr(hf_config, "type_vocab_size", 1) > 1
         if is_classifier(hf_config):

@@ -1,8 +1,7 @@
 """A tensor-parallel Worker, and the program of ranks 1..N-1 (`python -m shmvllm.worker.tp_worker`).
 
-`TPWorker` is a Worker whose model is cut to its rank's share after loading
-(`shmvllm.model.parallel.layers.shard_decoder_`) and whose KV cache size is the smallest any
-rank can hold. Rank 0 runs in the engine process (`MultiprocExecutor`); the others run
+`TPWorker` is a Worker whose model is built and loaded as its rank's share
+(`shmvllm.model.parallel.layers`) and whose KV cache size is the smallest any rank can hold. Rank 0 runs in the engine process (`MultiprocExecutor`); the others run
 `main`: attach to the executor's broadcast ring as reader rank - 1, read the engine config
 (the ring's first message), join the torch.distributed group, load, then follow the engine's
 commands from the ring (size the KV cache, allocate it, run a step, shut down). Every rank runs
@@ -30,7 +29,6 @@ import torch
 
 from shmvllm.config import EngineConfig
 from shmvllm.model.parallel.group import DEFAULT_TIMEOUT_S, TPGroup
-from shmvllm.model.parallel.layers import shard_decoder_
 from shmvllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -45,8 +43,7 @@ class TPWorker(Worker):
         self.group = group
 
     def load_model(self) -> None:
-        super().load_model()
-        shard_decoder_(self.model_runner.model, self.group)
+        self.model_runner.load_model(self.group)
 
     def determine_num_kv_blocks(self) -> int:
         """The fewest blocks any rank's budget holds (every rank keeps the same block table)."""

@@ -108,6 +108,7 @@ class Worker:
         self.model_runner.model = None
         if not self.is_pooling:
             self.model_runner.kv_cache = None
+            self.model_runner.drafter = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

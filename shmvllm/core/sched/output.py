@@ -92,6 +92,7 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)
     pooler_output: dict[str, np.ndarray] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # a draft model's proposals for the next step
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

@@ -17,7 +17,8 @@ the constrained requests that sample, and their sampled tokens advance their mat
 
 With speculative decoding, a decoding request whose sampling does not depend on its own recent
 outputs (no penalties, no bad_words, past min_tokens) gets up to k proposed tokens (n-gram
-lookup over its tokens) scheduled after its last one, within the token budget, max_model_len
+lookup over its tokens, or the draft model's, which the runner made after the request's last
+step) scheduled after its last one, within the token budget, max_model_len
 and max_tokens; it falls back to one token when the blocks for them are not free. After the
 step, num_computed_tokens drops back past the rejected proposals and the blocks past the
 request's tokens are freed (the runner hears of it through kept_block_ids).
@@ -43,9 +44,9 @@ from shmvllm.core.sched.output import (
 )
 from shmvllm.core.sched.request_queue import RequestQueue
 from shmvllm.boundary.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats, now
-from shmvllm.spec_decode.config import SpeculativeConfig
+from shmvllm.spec_decode.config import SpeculativeConfig, draft_may_propose, samples_independently
 from shmvllm.spec_decode.metrics import SpecDecodingStats
-from shmvllm.spec_decode.ngram_proposer import NgramProposer
+from shmvllm.spec_decode.ngram_proposer import NgramProposer, TokenArrays
 
 if TYPE_CHECKING:
     from shmvllm.structured_output.manager import StructuredOutputManager
@@ -92,7 +93,10 @@ class Scheduler:
         self.waiting_for_grammar: list[Request] = []
         self._num_structured = 0  # unfinished requests with a grammar
         self._grammar_failures: list[EngineCoreOutput] = []  # reported by the next update_from_output
-        self.proposer = NgramProposer(speculative_config) if speculative_config is not None else None
+        ngram = speculative_config is not None and not speculative_config.uses_draft_model
+        self.proposer = NgramProposer(speculative_config) if ngram else None
+        self._token_arrays = TokenArrays()  # n-gram: each request's tokens as numpy, appended to
+        self._draft_tokens: dict[str, list[int]] = {}  # draft model: req_id -> proposals for its next step
         self.spec_stats = SpecDecodingStats(speculative_config.num_speculative_tokens) if speculative_config else None
         self._kept_blocks: dict[str, int] = {}  # req_id -> blocks kept after a rollback, until it is scheduled
 
@@ -161,7 +165,7 @@ class Scheduler:
                 i += 1
                 continue
             new_blocks = None
-            if self.proposer is not None and request.num_tokens - request.num_computed_tokens == 1:
+            if self.spec_stats is not None and request.num_tokens - request.num_computed_tokens == 1:
                 tokens = self._propose(request, budget)
                 if tokens:  # only if their blocks are free: proposals never preempt anyone
                     new_blocks = self.kv_cache_manager.allocate_slots(request, 1 + len(tokens))
@@ -206,11 +210,7 @@ class Scheduler:
         """Proposals for a decoding request, or None where its sampling at a later position
         depends on the outputs before it (penalties, bad_words, min_tokens, a grammar)."""
         params = request.sampling_params
-        if (
-            params is None or params.bad_words_token_ids
-            or params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-            or request.num_output_tokens < params.min_tokens
-        ):
+        if params is None or not samples_independently(params) or request.num_output_tokens < params.min_tokens:
             return None
         # room for the proposals and the target's own next token
         limit = min(budget, self.max_model_len - request.num_tokens) - 1
@@ -218,7 +218,12 @@ class Scheduler:
             limit = min(limit, params.max_tokens - request.num_output_tokens - 1)
         if limit <= 0:
             return None
-        tokens = self.proposer.propose(np.asarray(request.all_token_ids), limit)
+        if self.proposer is None:  # a draft model's, made by the runner in the last step
+            if not draft_may_propose(params):
+                return None
+            tokens = self._draft_tokens.get(request.request_id, [])[:limit]
+        else:
+            tokens = self.proposer.propose(self._token_arrays.update(request.request_id, request.all_token_ids), limit)
         so_request = request.structured_output_request
         if tokens and so_request is not None:  # only what the grammar allows is worth verifying
             del tokens[so_request.allowed_prefix(tokens):]
@@ -290,6 +295,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self._kept_blocks.pop(request.request_id, None)  # it comes back with its whole block list
+        self._draft_tokens.pop(request.request_id, None)  # the runner drops the draft's distributions with its state
         self._num_preemptions_step += 1
         self.num_preemptions_total += 1
         self.waiting.add(request)
@@ -369,10 +375,17 @@ class Scheduler:
                 finished.append(req_id)
                 self.running.remove(request)
                 self._free_request(request)
-            elif proposed is not None:
-                kept = self.kv_cache_manager.trim(request, request.num_tokens)
-                if kept is not None:
-                    self._kept_blocks[req_id] = kept
+            else:
+                if proposed is not None:
+                    kept = self.kv_cache_manager.trim(request, request.num_tokens)
+                    if kept is not None:
+                        self._kept_blocks[req_id] = kept
+                if self.spec_stats is not None and self.proposer is None:
+                    drafts = model_runner_output.spec_token_ids.get(req_id)
+                    if drafts:
+                        self._draft_tokens[req_id] = drafts
+                    else:
+                        self._draft_tokens.pop(req_id, None)
         return EngineCoreOutputs(
             outputs=outputs,
             finished_requests=finished or None,
@@ -453,6 +466,9 @@ class Scheduler:
             self._num_structured -= 1
         if self._kept_blocks:
             self._kept_blocks.pop(request.request_id, None)
+        if self.spec_stats is not None:
+            self._draft_tokens.pop(request.request_id, None)
+            self._token_arrays.drop(request.request_id)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)

@@ -1,0 +1,189 @@
+"""Mixture-of-experts decoders (Qwen3-MoE with a dense layer, Mixtral; 8 experts, top-2) against
+transformers' eager fp32 greedy tokens: alone, in a mixed batch, under preemption, with chunked
+prefill and prefix-cache hits, at tensor_parallel_size 2, and Qwen3-MoE from a GGUF file of the
+same weights (F32, and Q8_0 experts run as GGML blocks) against transformers on that file; the
+MoE layer itself: transformers' routing and sums, and an expert no token chose is never read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+# the families' shared engine tests, run here on this module's family_dir
+from test_architectures import (  # noqa: F401
+    assert_engine_matches,
+    prompts_of,
+    test_alone_and_in_a_mixed_batch,
+    test_chunked_prefill_and_prefix_cache_hits,
+    test_under_preemption,
+)
+from test_engine_core import make_engine
+from tiny_models import assert_same_greedy, build_tiny, hf_greedy, hf_model, write_gguf
+
+FAMILIES = ["qwen3_moe", "mixtral"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_dir(request, tmp_path_factory) -> Path:
+    return build_tiny(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def test_moe_layer_routes_and_sums_as_transformers(family_dir):
+    """Our MoE layer on transformers' layer-0 weights and inputs: the same top-k, the same sums
+    (to float rounding: the GEMMs differ), and the router's choices are transformers' exactly."""
+    engine = make_engine(family_dir, num_kv_blocks=16)
+    try:
+        ours = engine.executor.worker.model_runner.model.model.layers[0].mlp
+    finally:
+        engine.shutdown()
+    reference = hf_model(family_dir)
+    block = reference.model.layers[0].mlp
+    x = torch.randn(37, reference.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, expected_weights, expected_ids = block.gate(x)
+        weights, ids = ours.route(x)
+        assert torch.equal(ids, expected_ids)
+        torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(ours(x), block(x.unsqueeze(0))[0], rtol=1e-5, atol=1e-6)
+
+
+def test_native_decode_step_equals_the_layer_path(family_dir):
+    """One and three requests (rows sharing an expert run it once on both rows): the native step's
+    routing (C's expf softmax, top-k, the experts' GEMVs, the weighted sum) gives the layer path's
+    hidden states."""
+    import numpy as np
+
+    from test_model_llama import PagedModel
+    from tiny_models import VOCAB
+
+    paged = PagedModel(family_dir, num_blocks=64, max_model_len=256)
+    step = paged.model.model.decode_step
+    assert step is not None
+    for lengths in ([5], [9, 70, 21]):
+        prompts = [np.random.default_rng(n).integers(4, VOCAB, size=n).tolist() for n in lengths]
+        tables = [paged.blocks_for(len(p) + 3) for p in prompts]
+        paged.step([(p, 0, len(p), t) for p, t in zip(prompts, tables)])
+        seqs = [(p + [7], len(p), 1, t) for p, t in zip(prompts, tables)]
+        paged.model.model.decode_step = step
+        ran = step.steps
+        fused = paged.step(seqs)
+        assert step.steps == ran + 1
+        paged.model.model.decode_step = None
+        layered = paged.step(seqs)
+        for a, b in zip(fused, layered):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_experts_no_token_chose_are_not_read(family_dir):
+    """Every expert no token chose gets NaN weights: the output stays finite (it never read them),
+    and poisoning a chosen one shows."""
+    engine = make_engine(family_dir, num_kv_blocks=16)
+    try:
+        moe = engine.executor.worker.model_runner.model.model.layers[0].mlp
+    finally:
+        engine.shutdown()
+    x = torch.randn(3, moe.gate.in_features, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, ids = moe.route(x)
+        chosen = set(ids.reshape(-1).tolist())
+        assert len(chosen) < moe.num_experts
+        expected = moe(x)
+        for index, expert in enumerate(moe.experts):
+            if index not in chosen:
+                _poison(expert)
+        torch.testing.assert_close(moe(x), expected, rtol=0, atol=0)
+        _poison(moe.experts[min(chosen)])
+        assert torch.isnan(moe(x)).any()
+
+
+def _poison(expert) -> None:
+    for linear in (expert.gate_up_proj, expert.down_proj):
+        linear.weight.data.fill_(float("nan"))
+        linear.pack()
+
+
+def test_tensor_parallel_2_gives_transformers_tokens(family_dir):
+    """tensor_parallel_size=2, every expert's intermediate rows split over the ranks, one
+    all-reduce per MoE layer: a mixed batch under preemption, greedy tokens equal to transformers'."""
+    from shmvllm import LLM, SamplingParams
+
+    prompts = prompts_of([1, 5, 17, 8, 3, 24], seed=7)
+    with LLM(model=str(family_dir), multiprocess=False, tensor_parallel_size=2, num_kv_blocks=10, block_size=4,
+             skip_tokenizer_init=True) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=8),
+                               use_tqdm=False)
+        stats = llm.llm_engine.engine_core.get_stats()
+    assert stats["num_preemptions"] > 0, stats
+    for prompt, output in zip(prompts, outputs):
+        assert_same_greedy(list(output.outputs[0].token_ids), hf_greedy(family_dir, tuple(prompt), 8),
+                           f"prompt of {len(prompt)} tokens")
+
+
+# ---- GGUF: llama.cpp's stacked expert tensors ----------------------------------------------------
+
+# transformers' qwen3moe GGUF config reads neither the experts' width nor dense layers
+GGUF_OVERRIDES = (("moe_intermediate_size", 64),)
+
+
+@pytest.fixture(scope="module")
+def gguf_model_dir(tmp_path_factory) -> Path:
+    """A Qwen3-MoE as llama.cpp runs it: every layer sparse, top-k weights renormalized."""
+    return build_tiny("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe_gguf"), mlp_only_layers=[], norm_topk_prob=True,
+                      moe_intermediate_size=64)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_gguf_stacked_experts_against_transformers_on_the_file(gguf_model_dir, tmp_path, qtype):
+    """ffn_{gate,up,down}_exps [n_expert, rows, k] and ffn_gate_inp: F32 gives the HF directory's
+    tokens; Q8_0 experts stay GGML blocks (views of the mapped file) and give transformers' tokens
+    on the file."""
+    path = write_gguf(gguf_model_dir, tmp_path / f"tiny-{qtype}.gguf", qtype=qtype)
+    engine = make_engine(path, num_kv_blocks=64)
+    try:
+        moe = engine.executor.worker.model_runner.model.model.layers[1].mlp
+        assert (moe.experts[7].down_proj.blocks is not None) == (qtype != "F32")
+        prompts = prompts_of([1, 17, 33, 5], seed=6)
+        if qtype == "F32":
+            assert_engine_matches(gguf_model_dir, engine, prompts)
+        for prompt, tokens in zip(prompts, _generate(engine, prompts)):
+            expected = hf_greedy(tmp_path, tuple(prompt), 8, path.name, GGUF_OVERRIDES)
+            assert_same_greedy(tokens, expected, f"{qtype}, prompt of {len(prompt)} tokens")
+    finally:
+        engine.shutdown()
+
+
+def test_tensor_parallel_2_on_q8_0_expert_blocks_equals_size_1(gguf_model_dir, tmp_path):
+    """Each rank keeps one 32-value block column of every expert's down_proj (and the matching
+    gate/up rows): the tokens of size 2 equal size 1's."""
+    from shmvllm import LLM, SamplingParams
+
+    path = write_gguf(gguf_model_dir, tmp_path / "tiny-q8_0.gguf", qtype="Q8_0")
+    prompts = prompts_of([1, 5, 17, 8], seed=8)
+    tokens = {}
+    for size in (1, 2):
+        with LLM(model=str(path), multiprocess=False, tensor_parallel_size=size, num_kv_blocks=32,
+                 skip_tokenizer_init=True) as llm:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=8),
+                                   use_tqdm=False)
+        tokens[size] = [list(o.outputs[0].token_ids) for o in outputs]
+    assert tokens[2] == tokens[1]
+
+
+def _generate(engine, prompts: list[list[int]]) -> list[list[int]]:
+    from shmvllm.sampling_params import SamplingParams
+    from test_engine_core import make_request, run, tokens_of
+
+    requests = [make_request(p, SamplingParams(temperature=0.0, max_tokens=8, eos_token_id=1)) for p in prompts]
+    outputs = run(engine, requests)
+    return [tokens_of(outputs[r.request_id]) for r in requests]
+
+
+def test_gguf_config_reads_the_experts_width(gguf_model_dir, tmp_path):
+    from shmvllm.model.registry import locate_model
+
+    path = write_gguf(gguf_model_dir, tmp_path / "tiny.gguf")
+    config = locate_model(str(path)).hf_config()
+    assert (config.moe_intermediate_size, config.num_local_experts, config.num_experts_per_tok) == (64, 8, 2)
+    assert config.norm_topk_prob is True

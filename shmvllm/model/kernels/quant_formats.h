@@ -8,29 +8,6 @@
  * so it is exact in fp32; the only rounding is Q5_1's "+ m" and Q2_K's "- dmin * m", which the
  * reference does too (one rounding, so an FMA gives the same). */
 
-/* VW bytes -> VW int32 lanes */
-#if VW == 16 && defined(__AVX512F__)
-static inline vi bytes_to_int(vb b) {
-    __m128i v;
-    memcpy(&v, &b, 16);
-    return (vi)_mm512_cvtepu8_epi32(v);
-}
-#elif VW == 8 && defined(__AVX2__)
-static inline vi bytes_to_int(vb b) {
-    int64_t bits;
-    memcpy(&bits, &b, 8);
-    return (vi)_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bits));
-}
-#else
-static inline vi bytes_to_int(vb b) {
-    vi out;
-    for (int i = 0; i < VW; i++) out[i] = b[i];
-    return out;
-}
-#endif
-
-static inline vf int_to_float(vi v) { return __builtin_convertvector(v, vf); }
-
 /* lanes 0 .. VW-1 */
 static inline vu lane_ids(void) {
     vu ids;
@@ -200,6 +177,32 @@ static inline void deq_nibble_table(const int8_t *values, float dv, const uint8_
 #define LUT(name, ...) static const int8_t name[16] = {__VA_ARGS__}
 static inline void deq_nibble_table(const int8_t *values, float d, const uint8_t *qs, vf *w) {
     for (int i = 0; i < 32; i++) w[i / VW][i % VW] = d * (float)values[i < 16 ? qs[i] & 0x0f : qs[i - 16] >> 4];
+}
+#endif
+
+/* The table's values of 16 bytes of nibbles (values i: low, 16 + i: high) as floats, unscaled (the
+ * folded rows multiply d in once per block). */
+#if VW == 16 && defined(__AVX512F__)
+static inline void nibble_table_q(const float *table, const uint8_t *qs, vf q[32 / VW]) {
+    const __m512 t = _mm512_loadu_ps(table);
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+    q[0] = (vf)_mm512_permutexvar_ps(v, t);
+    q[1] = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t);
+}
+#elif defined(__AVX2__)
+static inline void nibble_table_q(const int8_t *values, const uint8_t *qs, vf q[32 / VW]) {
+    const __m128i table = _mm_loadu_si128((const __m128i *)values);
+    const __m128i b = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(b, mask));
+    const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(b, 4), mask));
+    q[0] = sbytes_lanes_to_float(lo);
+    q[1] = sbytes_lanes_to_float(_mm_srli_si128(lo, 8));
+    q[2] = sbytes_lanes_to_float(hi);
+    q[3] = sbytes_lanes_to_float(_mm_srli_si128(hi, 8));
+}
+#else
+static inline void nibble_table_q(const int8_t *values, const uint8_t *qs, vf q[32 / VW]) {
+    for (int i = 0; i < 32; i++) q[i / VW][i % VW] = (float)values[i < 16 ? qs[i] & 0x0f : qs[i - 16] >> 4];
 }
 #endif
 

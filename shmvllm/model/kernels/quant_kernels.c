@@ -136,6 +136,29 @@ static inline vf sbytes_to_float(vsb b) {
 }
 #endif
 
+/* VW bytes -> VW int32 lanes */
+#if VW == 16 && defined(__AVX512F__)
+static inline vi bytes_to_int(vb b) {
+    __m128i v;
+    memcpy(&v, &b, 16);
+    return (vi)_mm512_cvtepu8_epi32(v);
+}
+#elif VW == 8 && defined(__AVX2__)
+static inline vi bytes_to_int(vb b) {
+    int64_t bits;
+    memcpy(&bits, &b, 8);
+    return (vi)_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bits));
+}
+#else
+static inline vi bytes_to_int(vb b) {
+    vi out;
+    for (int i = 0; i < VW; i++) out[i] = b[i];
+    return out;
+}
+#endif
+
+static inline vf int_to_float(vi v) { return __builtin_convertvector(v, vf); }
+
 /* Values per block and bytes per block of each format. */
 static int block_values(int type) {
     switch (type) {
@@ -221,10 +244,11 @@ static inline void deq_q4_k(const uint8_t *blk, vf *w) {
         const vf d0 = splat(d * (float)sc0), dm0 = splat(dmin * (float)m0);
         const vf d1 = splat(d * (float)sc1), dm1 = splat(dmin * (float)m1);
         for (int c = 0; c < 32 / VW; c++) {
-            vb q;
-            memcpy(&q, qs + 32 * g + c * VW, VW);
-            w[(64 * g) / VW + c] = d0 * bytes_to_float(q & 0x0f) - dm0;
-            w[(64 * g + 32) / VW + c] = d1 * bytes_to_float(q >> 4) - dm1;
+            vb bytes;
+            memcpy(&bytes, qs + 32 * g + c * VW, VW);
+            const vi q = bytes_to_int(bytes); /* nibbles taken apart in 32-bit lanes: no x86 byte shifts */
+            w[(64 * g) / VW + c] = d0 * int_to_float(q & 0x0f) - dm0;
+            w[(64 * g + 32) / VW + c] = d1 * int_to_float(q >> 4) - dm1;
         }
     }
 }
@@ -249,6 +273,15 @@ static inline void deq_q5_k(const uint8_t *blk, vf *w) {
     }
 }
 
+/* Q6_K's q - 32 of values 128 h + 32 c + i .. + VW as floats: the low 4 bits are nibble c / 2 of
+ * ql[64 h + 32 (c % 2) + i], the high 2 bits 2c of qh[32 h + i] (unpacked in 32-bit lanes) */
+static inline vf q6_k_q(const uint8_t *ql, const uint8_t *qh, int h, int c, int i) {
+    vb l, hb;
+    memcpy(&l, ql + 64 * h + 32 * (c % 2) + i, VW);
+    memcpy(&hb, qh + 32 * h + i, VW);
+    return int_to_float((((bytes_to_int(l) >> (4 * (c / 2))) & 0x0f) | (((bytes_to_int(hb) >> (2 * c)) & 3) << 4)) - 32);
+}
+
 static inline void deq_q6_k(const uint8_t *blk, vf *w) {
     const uint8_t *ql = blk, *qh = blk + 128;
     const int8_t *scales = (const int8_t *)(blk + 192);
@@ -256,13 +289,9 @@ static inline void deq_q6_k(const uint8_t *blk, vf *w) {
     for (int h = 0; h < 2; h++) {
         for (int c = 0; c < 4; c++) {
             for (int i = 0; i < 32; i += VW) {
-                vb l, hb;
-                memcpy(&l, ql + 64 * h + 32 * (c % 2) + i, VW);
-                memcpy(&hb, qh + 32 * h + i, VW);
-                const vb q = ((l >> (4 * (c / 2))) & 0x0f) | (((hb >> (2 * c)) & 3) << 4);
                 const int e = 128 * h + 32 * c + i;
                 const vf ds = splat(d * (float)scales[e / 16]);
-                w[e / VW] = ds * (bytes_to_float(q) - 32.0f);
+                w[e / VW] = ds * q6_k_q(ql, qh, h, c, i);
             }
         }
     }
@@ -472,13 +501,13 @@ static inline void int8s_to_float(const uint8_t *qs, vf q[32 / VW]) {
 }
 #endif
 
-/* xs[m * (k / 32) + b] = sum of x[m][32 b, 32 b + 32) */
-static inline void block_sums(float *xs, int M, const float *x, int64_t ldx, int64_t k) {
+/* xs[m * (k / g) + b] = sum of x[m][g b, g b + g), for runs of g = 16 or 32 */
+static inline void block_sums(float *xs, int M, const float *x, int64_t ldx, int64_t k, int g) {
     for (int m = 0; m < M; m++)
-        for (int64_t b = 0; b < k / 32; b++) {
-            vf s = loadf(x + m * ldx + 32 * b);
-            for (int t = 1; t < 32 / VW; t++) s += loadf(x + m * ldx + 32 * b + t * VW);
-            xs[m * (k / 32) + b] = hsum(s);
+        for (int64_t b = 0; b < k / g; b++) {
+            vf s = loadf(x + m * ldx + g * b);
+            for (int t = 1; t < g / VW; t++) s += loadf(x + m * ldx + g * b + t * VW);
+            xs[m * (k / g) + b] = hsum(s);
         }
 }
 
@@ -524,8 +553,15 @@ static inline void q5_to_float(const uint8_t *qs, uint32_t qh, vf q[32 / VW]) {
 }
 #endif
 
-/* Per format of blocks of 32 with an fp16 d at byte 0: NAME##_q (the block's 32 integers as
- * floats) and NAME##_m (the constant per sum of x: w = d * q + m, m = -8 d for Q4_0's q - 8). */
+/* Per format of blocks of 32: NAME##_d (the block's scale), NAME##_q (its 32 integers, or table
+ * values, as floats) and NAME##_m (the constant per sum of x: w = d * q + m, m = -8 d for Q4_0's q - 8). */
+static inline float fp16_d(const uint8_t *blk) { return fp16_to_fp32(load_u16(blk)); }
+#define q4_0_d fp16_d
+#define q4_1_d fp16_d
+#define q8_0_d fp16_d
+#define q5_0_d fp16_d
+#define q5_1_d fp16_d
+#define iq4_nl_d fp16_d
 static inline void q4_0_q(const uint8_t *blk, vf q[32 / VW]) { nibbles_to_float(blk + 2, q); }
 static inline float q4_0_m(const uint8_t *blk) { return -8.0f * fp16_to_fp32(load_u16(blk)); }
 static inline void q4_1_q(const uint8_t *blk, vf q[32 / VW]) { nibbles_to_float(blk + 4, q); }
@@ -537,12 +573,19 @@ static inline float q5_0_m(const uint8_t *blk) { return -16.0f * fp16_to_fp32(lo
 static inline void q5_1_q(const uint8_t *blk, vf q[32 / VW]) { q5_to_float(blk + 8, load_u32(blk + 4), q); }
 static inline float q5_1_m(const uint8_t *blk) { return fp16_to_fp32(load_u16(blk + 2)); }
 
+/* IQ4_NL / MXFP4's table values, unscaled, of 16 bytes of nibbles (values i: low, 16 + i: high) */
+static inline void iq4_nl_q(const uint8_t *blk, vf q[32 / VW]) { nibble_table_q(IQ4_VALUES, blk + 2, q); }
+static inline float iq4_nl_m(const uint8_t *blk) { (void)blk; return 0.0f; }
+static inline float mxfp4_d(const uint8_t *blk) { return e8m0_to_fp32_half(blk[0]); }
+static inline void mxfp4_q(const uint8_t *blk, vf q[32 / VW]) { nibble_table_q(MXFP4_VALUES, blk + 1, q); }
+static inline float mxfp4_m(const uint8_t *blk) { (void)blk; return 0.0f; }
+
 /* BB-byte blocks of 32 (NAME##_q, NAME##_m above). Blocks go in pairs, each into its own
  * accumulator (two chains a row). */
 #define FOLDED_BLOCK(NAME, BB, HAS_M, B, A)                                                                    \
     {                                                                                                           \
         const uint8_t *blk = row + (B) * BB;                                                                    \
-        const vf d = splat(fp16_to_fp32(load_u16(blk)));                                                        \
+        const vf d = splat(NAME##_d(blk));                                                                      \
         vf q[32 / VW];                                                                                          \
         NAME##_q(blk, q);                                                                                       \
         for (int m = 0; m < M; m++) {                                                                           \
@@ -573,68 +616,95 @@ static inline float q5_1_m(const uint8_t *blk) { return fp16_to_fp32(load_u16(bl
                                (residual != NULL ? residual[m * ldr + j] : 0.0f);                               \
     }
 
-/* Q2_K / Q3_K rows (the AVX2 and AVX-512 builds, both on 8-lane vectors: measured faster than
- * 16 lanes for these on Zen 4, which splits 512-bit operations in two anyway). A sub-block's
- * dequantized values, all 4 (Q2_K: dl * q - ml) or 8 (Q3_K: dl * (q - 4)) of them, are a table of
- * floats in one register, built with one FMA (the reference's rounding: dl * q is exact); each
- * value's bits, shifted into place in its 32-bit lane, index it with one permute (vpermilps reads
- * the low 2 bits of a lane, vpermps the low 3, so the bits above need no mask). A value then costs
- * a shift, a permute and its FMA with x, against extract, convert, scale and FMA before. */
+/* Q2_K / Q3_K rows (AVX2 and AVX-512 builds), folded as the rows above: per sub-block of 16, the
+ * 2-bit (Q2_K) or 3-bit (Q3_K) integers as floats times x, then times the sub-block's scale dl
+ * once; Q2_K's mins as dmin * m times the sub-block's sum of x (once per call for all rows). The
+ * integers come from a constant table in one register indexed by each value's 2 low bits, shifted
+ * into place in its 32-bit lane (vpermilps reads the low 2 bits of a lane: the bits above need no
+ * mask); Q3_K's values with the high bit set are 4 higher, added under a lane mask (AVX-512) or
+ * an and-mask (AVX2). The scales of a row are computed first, into memory the loop reads them from. */
 #if defined(__AVX2__)
 #define LOW_BIT_ROWS 1
-typedef float f8 __attribute__((vector_size(32)));
-typedef int32_t i8 __attribute__((vector_size(32)));
-
-static inline f8 load_f8(const float *p) {
-    f8 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-static inline i8 load_8_bytes(const uint8_t *p) { return (i8)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
-static inline f8 splat8(float s) { return s - (f8){0}; }
-static inline float hsum8(f8 v) {
-    const vf4 h4 = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
-    return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+static inline vf permute4(vf table, vi idx) {
+#if VW == 16
+    return (vf)_mm512_permutevar_ps((__m512)table, (__m512i)idx);
+#else
+    return (vf)_mm256_permutevar_ps((__m256)table, (__m256i)idx);
+#endif
 }
 
-static inline void store_row_out(const int M, f8 acc[FEW_ROWS][2], float *out, int64_t ldo, const float *bias,
-                                 const float *residual, int64_t ldr, int64_t j) {
+static inline void low_bit_out(const int M, vf acc[FEW_ROWS][2], const float *macc, float *out, int64_t ldo,
+                               const float *bias, const float *residual, int64_t ldr, int64_t j) {
     const float add = bias != NULL ? bias[j] : 0.0f;
     for (int m = 0; m < M; m++)
-        out[m * ldo + j] = hsum8(acc[m][0] + acc[m][1]) + add + (residual != NULL ? residual[m * ldr + j] : 0.0f);
+        out[m * ldo + j] = (hsum(acc[m][0] + acc[m][1]) - macc[m]) + add + (residual != NULL ? residual[m * ldr + j] : 0.0f);
+}
+
+/* the 2 * 16 / VW vectors of 16 values of field s (bits 2s, 2s + 1) of q[half * 16 / VW ..] looked
+ * up in `table`, Q3_K's high bits (hmask bit hbit, hm != NULL) adding 4, times x, summed */
+static inline vf sub_block_dot(vf table, const vi *q, int s, const uint8_t *hm, int hbit, const float *xe) {
+    vf sum = (vf){0};
+    for (int v = 0; v < 16 / VW; v++) {
+        vf w = permute4(table, q[v] >> (2 * s));
+        if (hm != NULL) {
+#if VW == 16
+            const __mmask16 high = _mm_test_epi8_mask(_mm_loadu_si128((const __m128i *)hm), _mm_set1_epi8((char)(1 << hbit)));
+            w = (vf)_mm512_mask_add_ps((__m512)w, high, (__m512)w, _mm512_set1_ps(4.0f));
+#else
+            vb hb;
+            memcpy(&hb, hm + v * VW, VW);
+            const vi sign = bytes_to_int(hb) << (31 - hbit) >> 31; /* the bit spread over its lane */
+            w += (vf)(sign & (vi)splat(4.0f));
+#endif
+        }
+        sum += w * loadf(xe + v * VW);
+    }
+    return sum;
 }
 
 static inline __attribute__((always_inline)) void q2_k_row(const int M, float *out, int64_t ldo, const float *x,
                                                            int64_t ldx, const uint8_t *row, const float *bias,
                                                            const float *residual, int64_t ldr, int64_t j, int64_t k,
                                                            const float *xs) {
-    (void)xs;
-    f8 acc[FEW_ROWS][2];
-    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = (f8){0};
-    const f8 pat = {0, 1, 2, 3, 0, 1, 2, 3};
+    vf acc[FEW_ROWS][2];
+    float macc[FEW_ROWS];
+    vf mv[FEW_ROWS];
+    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = mv[m] = (vf){0};
+    float dls[k / 16];
     for (int64_t b = 0; b < k / 256; b++) {
-        const uint8_t *blk = row + b * 84, *qs = blk + 16;
-        const f8 d = splat8(fp16_to_fp32(load_u16(blk + 80))), dmin = splat8(fp16_to_fp32(load_u16(blk + 82)));
-        float dl[16], ml[16];
-        for (int c = 0; c < 2; c++) {
-            const i8 sc = load_8_bytes(blk + 8 * c);
-            const f8 a = d * __builtin_convertvector(sc & 0x0f, f8), mn = dmin * __builtin_convertvector(sc >> 4, f8);
-            memcpy(dl + 8 * c, &a, sizeof a);
-            memcpy(ml + 8 * c, &mn, sizeof mn);
+        const uint8_t *blk = row + b * 84;
+        const vf d = splat(fp16_to_fp32(load_u16(blk + 80))), dmin = splat(fp16_to_fp32(load_u16(blk + 82)));
+        for (int c = 0; c < 16 / VW; c++) {
+            vb bytes;
+            memcpy(&bytes, blk + c * VW, VW);
+            const vi sc = bytes_to_int(bytes);
+            const vf dl = d * int_to_float(sc & 0x0f), ml = dmin * int_to_float(sc >> 4);
+            memcpy(dls + 16 * b + c * VW, &dl, sizeof dl);
+            for (int m = 0; m < M; m++) mv[m] += ml * loadf(xs + m * (k / 16) + 16 * b + c * VW);
         }
-        for (int h = 0; h < 2; h++)
-            for (int i = 0; i < 32; i += 8) {
-                const i8 q = load_8_bytes(qs + 32 * h + i);
-                for (int s = 0; s < 4; s++) {
-                    const int sb = 8 * h + 2 * s + i / 16;
-                    const f8 table = pat * splat8(dl[sb]) - splat8(ml[sb]);
-                    const f8 w = (f8)_mm256_permutevar_ps((__m256)table, (__m256i)(q >> (2 * s)));
-                    const float *xe = x + b * 256 + 128 * h + 32 * s + i;
-                    for (int m = 0; m < M; m++) acc[m][s & 1] += w * load_f8(xe + m * ldx);
-                }
-            }
     }
-    store_row_out(M, acc, out, ldo, bias, residual, ldr, j);
+    for (int m = 0; m < M; m++) macc[m] = hsum(mv[m]);
+    vf pat;
+    for (int l = 0; l < VW; l++) pat[l] = (float)(l & 3);
+    for (int64_t b = 0; b < k / 256; b++) {
+        const uint8_t *qs = row + b * 84 + 16;
+        for (int h = 0; h < 2; h++) {
+            vi q[32 / VW];
+            for (int v = 0; v < 32 / VW; v++) {
+                vb bytes;
+                memcpy(&bytes, qs + 32 * h + v * VW, VW);
+                q[v] = bytes_to_int(bytes);
+            }
+            for (int s = 0; s < 4; s++)
+                for (int half = 0; half < 2; half++) {
+                    const vf dl = splat(dls[16 * b + 8 * h + 2 * s + half]);
+                    for (int m = 0; m < M; m++)
+                        acc[m][half] += dl * sub_block_dot(pat, q + half * (16 / VW), s, NULL, 0,
+                                                           x + m * ldx + b * 256 + 128 * h + 32 * s + 16 * half);
+                }
+        }
+    }
+    low_bit_out(M, acc, macc, out, ldo, bias, residual, ldr, j);
 }
 
 static inline __attribute__((always_inline)) void q3_k_row(const int M, float *out, int64_t ldo, const float *x,
@@ -642,76 +712,162 @@ static inline __attribute__((always_inline)) void q3_k_row(const int M, float *o
                                                            const float *residual, int64_t ldr, int64_t j, int64_t k,
                                                            const float *xs) {
     (void)xs;
-    f8 acc[FEW_ROWS][2];
-    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = (f8){0};
-    const f8 pat = {-4, -3, -2, -1, 0, 1, 2, 3};
+    vf acc[FEW_ROWS][2];
+    float macc[FEW_ROWS];
+    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = (vf){0}, macc[m] = 0.0f;
+    float dls[k / 16];
     for (int64_t b = 0; b < k / 256; b++) {
-        const uint8_t *blk = row + b * 110, *qs = blk + 32;
-        const f8 d = splat8(fp16_to_fp32(load_u16(blk + 108)));
+        const uint8_t *blk = row + b * 110;
+        const vf d = splat(fp16_to_fp32(load_u16(blk + 108)));
         uint8_t bytes16[16];
         q3_k_scales(blk + 96, bytes16);
-        float dl[16];
-        for (int c = 0; c < 2; c++) {
-            const f8 v = d * __builtin_convertvector(load_8_bytes(bytes16 + 8 * c) - 32, f8);
-            memcpy(dl + 8 * c, &v, sizeof v);
-        }
-        for (int i = 0; i < 32; i += 8) {
-            const i8 hm = load_8_bytes(blk + i);
-            for (int h = 0; h < 2; h++) {
-                const i8 q = load_8_bytes(qs + 32 * h + i);
-                for (int s = 0; s < 4; s++) {
-                    /* bits 0-1: the low part; bit 2: the high bit, brought there from bit 4 h + s */
-                    const int hb = 4 * h + s;
-                    const i8 high_bit = hb >= 2 ? hm >> (hb - 2) : hm << (2 - hb);
-                    const i8 idx = ((q >> (2 * s)) & 3) | (high_bit & 4);
-                    const int sb = 8 * h + 2 * s + i / 16;
-                    const f8 w = (f8)_mm256_permutevar8x32_ps((__m256)(pat * splat8(dl[sb])), (__m256i)idx);
-                    const float *xe = x + b * 256 + 128 * h + 32 * s + i;
-                    for (int m = 0; m < M; m++) acc[m][s & 1] += w * load_f8(xe + m * ldx);
-                }
-            }
+        for (int c = 0; c < 16 / VW; c++) {
+            vb bytes;
+            memcpy(&bytes, bytes16 + c * VW, VW);
+            const vf dl = d * int_to_float(bytes_to_int(bytes) - 32);
+            memcpy(dls + 16 * b + c * VW, &dl, sizeof dl);
         }
     }
-    store_row_out(M, acc, out, ldo, bias, residual, ldr, j);
+    vf pat;
+    for (int l = 0; l < VW; l++) pat[l] = (float)((l & 3) - 4);
+    for (int64_t b = 0; b < k / 256; b++) {
+        const uint8_t *blk = row + b * 110, *qs = blk + 32;
+        for (int h = 0; h < 2; h++) {
+            vi q[32 / VW];
+            for (int v = 0; v < 32 / VW; v++) {
+                vb bytes;
+                memcpy(&bytes, qs + 32 * h + v * VW, VW);
+                q[v] = bytes_to_int(bytes);
+            }
+            for (int s = 0; s < 4; s++)
+                for (int half = 0; half < 2; half++) {
+                    const vf dl = splat(dls[16 * b + 8 * h + 2 * s + half]);
+                    for (int m = 0; m < M; m++)
+                        acc[m][half] += dl * sub_block_dot(pat, q + half * (16 / VW), s, blk + 16 * half, 4 * h + s,
+                                                           x + m * ldx + b * 256 + 128 * h + 32 * s + 16 * half);
+                }
+        }
+    }
+    low_bit_out(M, acc, macc, out, ldo, bias, residual, ldr, j);
 }
 #endif
 
-/* IQ4_XS: each run of 32 values dequantized and multiplied in as it is unpacked (the generic row
- * holds two whole 256-value blocks, 64 vectors on AVX2's 16 registers: spilled). */
+/* Folded rows of the 256-value formats with a scale per sub-block (IQ4_XS, Q4_K, Q6_K): each
+ * sub-block's integers (or table values) as floats, their dot product with x, times the
+ * sub-block's scale once (and Q4_K's min times the sub-block's sum of x, computed once per call):
+ * one sub-block in registers at a time (two whole 256-value blocks, as the generic row holds, are
+ * 64 vectors: spilled on AVX2's 16 registers). The sums are reassociated, as in the rows above. */
+static inline vf dot_run(const vf *q, const float *x, int n) {
+    vf s = q[0] * loadf(x);
+    for (int t = 1; t < n; t++) s += q[t] * loadf(x + t * VW);
+    return s;
+}
+
+static inline void store_folded_out(const int M, vf acc[FEW_ROWS][2], const float *macc, float *out, int64_t ldo,
+                                    const float *bias, const float *residual, int64_t ldr, int64_t j) {
+    const float add = bias != NULL ? bias[j] : 0.0f;
+    for (int m = 0; m < M; m++)
+        out[m * ldo + j] = (hsum(acc[m][0] + acc[m][1]) + macc[m]) + add + (residual != NULL ? residual[m * ldr + j] : 0.0f);
+}
+
+/* IQ4_XS: d, the 2 high bits of eight 6-bit signed scales (one uint16), their 4 low bits, eight
+ * runs of 32 values as IQ4_NL's nibbles */
 static inline __attribute__((always_inline)) void iq4_xs_row(const int M, float *out, int64_t ldo, const float *x,
                                                              int64_t ldx, const uint8_t *row, const float *bias,
                                                              const float *residual, int64_t ldr, int64_t j, int64_t k,
                                                              const float *xs) {
     (void)xs;
     vf acc[FEW_ROWS][2];
-    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = (vf){0};
+    float macc[FEW_ROWS];
+    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = (vf){0}, macc[m] = 0.0f;
     for (int64_t b = 0; b < k / 256; b++) {
         const uint8_t *blk = row + b * 136;
         const float d = fp16_to_fp32(load_u16(blk));
         const uint16_t scales_h = load_u16(blk + 2);
         for (int r = 0; r < 8; r++) {
             const int scale = (((blk[4 + r / 2] >> (4 * (r % 2))) & 0x0f) | (((scales_h >> (2 * r)) & 3) << 4)) - 32;
-            vf w[32 / VW];
-            deq_nibble_table(IQ4_VALUES, d * (float)scale, blk + 8 + 16 * r, w);
-            for (int t = 0; t < 32 / VW; t++)
-                for (int m = 0; m < M; m++) acc[m][t & 1] += w[t] * loadf(x + m * ldx + b * 256 + 32 * r + t * VW);
+            const vf ds = splat(d * (float)scale);
+            vf q[32 / VW];
+            nibble_table_q(IQ4_VALUES, blk + 8 + 16 * r, q);
+            for (int m = 0; m < M; m++) acc[m][r & 1] += ds * dot_run(q, x + m * ldx + b * 256 + 32 * r, 32 / VW);
         }
     }
-    const float add = bias != NULL ? bias[j] : 0.0f;
-    for (int m = 0; m < M; m++)
-        out[m * ldo + j] = hsum(acc[m][0] + acc[m][1]) + add + (residual != NULL ? residual[m * ldr + j] : 0.0f);
+    store_folded_out(M, acc, macc, out, ldo, bias, residual, ldr, j);
+}
+
+/* Q4_K: sub-blocks of 32, w = d sc q - dmin m; xs holds the sums of x per 32 */
+static inline __attribute__((always_inline)) void q4_k_row(const int M, float *out, int64_t ldo, const float *x,
+                                                           int64_t ldx, const uint8_t *row, const float *bias,
+                                                           const float *residual, int64_t ldr, int64_t j, int64_t k,
+                                                           const float *xs) {
+    vf acc[FEW_ROWS][2];
+    float macc[FEW_ROWS];
+    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = (vf){0}, macc[m] = 0.0f;
+    const int64_t groups = k / 32;
+    for (int64_t b = 0; b < k / 256; b++) {
+        const uint8_t *blk = row + b * 144, *scales = blk + 4, *qs = blk + 16;
+        const float d = fp16_to_fp32(load_u16(blk)), dmin = fp16_to_fp32(load_u16(blk + 2));
+        for (int g = 0; g < 4; g++) {
+            uint8_t sc0, m0, sc1, m1;
+            k_scale_min(scales, 2 * g, &sc0, &m0);
+            k_scale_min(scales, 2 * g + 1, &sc1, &m1);
+            const vf d0 = splat(d * (float)sc0), d1 = splat(d * (float)sc1);
+            const float mn0 = -dmin * (float)m0, mn1 = -dmin * (float)m1;
+            vf lo[32 / VW], hi[32 / VW];
+            for (int c = 0; c < 32 / VW; c++) {
+                vb bytes;
+                memcpy(&bytes, qs + 32 * g + c * VW, VW);
+                const vi q = bytes_to_int(bytes);
+                lo[c] = int_to_float(q & 0x0f);
+                hi[c] = int_to_float(q >> 4);
+            }
+            for (int m = 0; m < M; m++) {
+                const float *xb = x + m * ldx + b * 256 + 64 * g;
+                acc[m][0] += d0 * dot_run(lo, xb, 32 / VW);
+                acc[m][1] += d1 * dot_run(hi, xb + 32, 32 / VW);
+                macc[m] += mn0 * xs[m * groups + 8 * b + 2 * g] + mn1 * xs[m * groups + 8 * b + 2 * g + 1];
+            }
+        }
+    }
+    store_folded_out(M, acc, macc, out, ldo, bias, residual, ldr, j);
+}
+
+/* Q6_K: sub-blocks of 16, w = d sc (q - 32) */
+static inline __attribute__((always_inline)) void q6_k_row(const int M, float *out, int64_t ldo, const float *x,
+                                                           int64_t ldx, const uint8_t *row, const float *bias,
+                                                           const float *residual, int64_t ldr, int64_t j, int64_t k,
+                                                           const float *xs) {
+    (void)xs;
+    vf acc[FEW_ROWS][2];
+    float macc[FEW_ROWS];
+    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = (vf){0}, macc[m] = 0.0f;
+    for (int64_t b = 0; b < k / 256; b++) {
+        const uint8_t *blk = row + b * 210, *ql = blk, *qh = blk + 128;
+        const int8_t *scales = (const int8_t *)(blk + 192);
+        const float d = fp16_to_fp32(load_u16(blk + 208));
+        for (int h = 0; h < 2; h++)
+            for (int c = 0; c < 4; c++)
+                for (int half = 0; half < 2; half++) {
+                    vf q[16 / VW];
+                    for (int v = 0; v < 16 / VW; v++) q[v] = q6_k_q(ql, qh, h, c, 16 * half + v * VW);
+                    const vf ds = splat(d * (float)scales[8 * h + 2 * c + half]);
+                    for (int m = 0; m < M; m++)
+                        acc[m][half] += ds * dot_run(q, x + m * ldx + b * 256 + 128 * h + 32 * c + 16 * half, 16 / VW);
+                }
+    }
+    store_folded_out(M, acc, macc, out, ldo, bias, residual, ldr, j);
 }
 
 /* Per format: NAME##_range (rows [j0, j1) of the output on the calling thread: what the decode
  * step's team runs), NAME##_few (the GEMV for up to FEW_ROWS rows, the rows split over the
  * threads), NAME##_deq_row, NAME##_panel. The row body is inlined with M a constant (so the
- * accumulators live in registers). XSUM: the row wants per-block sums of x. */
+ * accumulators live in registers). XSUM: the row wants sums of x per run of XSUM values (0: none). */
 #define DEFINE_FORMAT(NAME, DEQ, QK, BB, XSUM)                                                                 \
     static void NAME##_range(int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *w,      \
                              int64_t row_bytes, const float *bias, const float *residual, int64_t ldr, int64_t j0, \
                              int64_t j1, int64_t k) {                                                           \
-        float xs[XSUM ? M * (k / 32) : 1];                                                                      \
-        if (XSUM) block_sums(xs, M, x, ldx, k);                                                                 \
+        float xs[XSUM ? M * (k / (XSUM ? XSUM : 1)) : 1];                                                       \
+        if (XSUM) block_sums(xs, M, x, ldx, k, XSUM);                                                           \
         for (int64_t j = j0; j < j1; j++) {                                                                     \
             const uint8_t *row = w + j * row_bytes;                                                             \
             switch (M) {                                                                                        \
@@ -756,9 +912,7 @@ static inline __attribute__((always_inline)) void iq4_xs_row(const int M, float 
 DEFINE_FOLDED_ROW(q4_0, 18, 1)
 DEFINE_FOLDED_ROW(q4_1, 20, 1)
 DEFINE_FOLDED_ROW(q8_0, 34, 0)
-DEFINE_ROW(q4_k, deq_q4_k, 256, 144)
 DEFINE_ROW(q5_k, deq_q5_k, 256, 176)
-DEFINE_ROW(q6_k, deq_q6_k, 256, 210)
 DEFINE_ROW(f16, deq_f16, 32, 64)
 DEFINE_ROW(bf16, deq_bf16, 32, 64)
 DEFINE_ROW(f32, deq_f32, 32, 128)
@@ -768,21 +922,25 @@ DEFINE_FOLDED_ROW(q5_1, 24, 1)
 DEFINE_ROW(q2_k, deq_q2_k, 256, 84)
 DEFINE_ROW(q3_k, deq_q3_k, 256, 110)
 #endif
-DEFINE_ROW(iq4_nl, deq_iq4_nl, 32, 18)
-DEFINE_ROW(mxfp4, deq_mxfp4, 32, 17)
+DEFINE_FOLDED_ROW(iq4_nl, 18, 0)
+DEFINE_FOLDED_ROW(mxfp4, 17, 0)
 
-DEFINE_FORMAT(q4_0, deq_q4_0, 32, 18, 1)
-DEFINE_FORMAT(q4_1, deq_q4_1, 32, 20, 1)
+DEFINE_FORMAT(q4_0, deq_q4_0, 32, 18, 32)
+DEFINE_FORMAT(q4_1, deq_q4_1, 32, 20, 32)
 DEFINE_FORMAT(q8_0, deq_q8_0, 32, 34, 0)
-DEFINE_FORMAT(q4_k, deq_q4_k, 256, 144, 0)
+DEFINE_FORMAT(q4_k, deq_q4_k, 256, 144, 32)
 DEFINE_FORMAT(q5_k, deq_q5_k, 256, 176, 0)
 DEFINE_FORMAT(q6_k, deq_q6_k, 256, 210, 0)
 DEFINE_FORMAT(f16, deq_f16, 32, 64, 0)
 DEFINE_FORMAT(bf16, deq_bf16, 32, 64, 0)
 DEFINE_FORMAT(f32, deq_f32, 32, 128, 0)
-DEFINE_FORMAT(q5_0, deq_q5_0, 32, 22, 1)
-DEFINE_FORMAT(q5_1, deq_q5_1, 32, 24, 1)
+DEFINE_FORMAT(q5_0, deq_q5_0, 32, 22, 32)
+DEFINE_FORMAT(q5_1, deq_q5_1, 32, 24, 32)
+#ifdef LOW_BIT_ROWS
+DEFINE_FORMAT(q2_k, deq_q2_k, 256, 84, 16)
+#else
 DEFINE_FORMAT(q2_k, deq_q2_k, 256, 84, 0)
+#endif
 DEFINE_FORMAT(q3_k, deq_q3_k, 256, 110, 0)
 DEFINE_FORMAT(iq4_nl, deq_iq4_nl, 32, 18, 0)
 DEFINE_FORMAT(iq4_xs, deq_iq4_xs, 256, 136, 0)

@@ -8,8 +8,8 @@
  * bits, the integer factors at most 13 together), so the only rounding is the one the
  * reference does too (Q4_1's "+ m", the K formats' "- dmin * m"), and contracting that into an
  * FMA rounds identically. The dot products accumulate in fp32 vectors; activations stay fp32.
- * The GEMV of the 32-value formats with a linear scale (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) folds the block
- * constants out of the inner loop instead (d * sum(q * x) + m * sum(x)): the same weights, the sum reassociated.
+ * The GEMV rows of most formats fold the block or sub-block constants out of the inner loop instead
+ * (d * sum(q * x) + m * sum(x)): the same weights, the sum reassociated.
  *
  * Built three times from this one file (kernels/__init__.py): with AVX-512 (VW = 16), with AVX2
  * + FMA (VW = 8) and for the baseline ISA (portable), through GCC's vector extensions, and

@@ -162,7 +162,6 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     _only("otlp_traces_endpoint", None, "tracing is not supported"),
     _only("collect_detailed_traces", None, "tracing is not supported"),
     _only("enable_sleep_mode", False, "sleep mode is not supported", cli_type=bool),
-    _only("async_scheduling", False, "the scheduler does not schedule step N+1 while step N runs", None, cli_type=bool),
     _only("disable_sliding_window", False, "attention follows the model's config", cli_type=bool),
     _only("num_lookahead_slots", 0, "speculative decoding is not supported", cli_type=int),
     _only("max_num_partial_prefills", 1, "one partial prefill at a time", cli_type=int),

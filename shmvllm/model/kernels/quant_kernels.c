@@ -782,14 +782,24 @@ static inline __attribute__((always_inline)) void iq4_xs_row(const int M, float 
         const uint8_t *blk = row + b * 136;
         const float d = fp16_to_fp32(load_u16(blk));
         const uint16_t scales_h = load_u16(blk + 2);
-        for (int r = 0; r < 8; r++) {
-            const int scale = (((blk[4 + r / 2] >> (4 * (r % 2))) & 0x0f) | (((scales_h >> (2 * r)) & 3) << 4)) - 32;
 #ifdef TABLE_FOLDED_ROWS
-            const vf ds = splat(d * (float)scale);
+        /* the eight scales times d in one pass of 32-bit lanes (lane r: scale r), not eight scalar
+         * extractions and conversions */
+        float dss[VW];
+        const vi lane = (vi)lane_ids(); /* VW is 8 in the builds with these rows */
+        const vi low = ((int32_t)load_u32(blk + 4) - (vi){0}) >> (lane * 4) & 0x0f;
+        const vi high = ((int32_t)scales_h - (vi){0}) >> (lane * 2) & 3;
+        const vf dsv = splat(d) * int_to_float((low | high << 4) - 32);
+        memcpy(dss, &dsv, sizeof dss);
+#endif
+        for (int r = 0; r < 8; r++) {
+#ifdef TABLE_FOLDED_ROWS
+            const vf ds = splat(dss[r]);
             vf q[32 / VW];
             nibble_table_q(IQ4_VALUES, blk + 8 + 16 * r, q);
             for (int m = 0; m < M; m++) acc[m][r & 1] += ds * dot_run(q, x + m * ldx + b * 256 + 32 * r, 32 / VW);
 #else
+            const int scale = (((blk[4 + r / 2] >> (4 * (r % 2))) & 0x0f) | (((scales_h >> (2 * r)) & 3) << 4)) - 32;
             vf w[32 / VW];
             deq_nibble_table(IQ4_VALUES, d * (float)scale, blk + 8 + 16 * r, w);
             for (int m = 0; m < M; m++)

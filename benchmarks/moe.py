@@ -87,7 +87,7 @@ def tensor_bytes(shape: Shape, vocab: int) -> dict[str, int]:
     norms = 4 * (2 * h + 2 * shape.head_dim)
     return {"attention": L * attn, "router": L * 4 * h * shape.experts, "expert": L * expert,
             "experts_all": L * expert * shape.experts, "lm_head": q8(vocab * h), "embedding_row": q8(h),
-            "norms": L * norms}
+            "norms": L * norms + 4 * h}  # the layers' norms and the final one
 
 
 def write_model(path: Path, shape: Shape, seed: int = 0) -> Path:

@@ -187,3 +187,23 @@ def test_gguf_config_reads_the_experts_width(gguf_model_dir, tmp_path):
     config = locate_model(str(path)).hf_config()
     assert (config.moe_intermediate_size, config.num_local_experts, config.num_experts_per_tok) == (64, 8, 2)
     assert config.norm_topk_prob is True
+
+
+def test_benchmark_model_bytes_add_up(tmp_path):
+    """benchmarks/moe.py's random Q8_0 Qwen3-MoE file: its tensors are the bytes the benchmark
+    counts (the active-expert and dense-equivalent figures rest on them)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import moe as bench
+
+    from shmvllm.model.quant import gguf_tensor_infos
+
+    shape = bench.Shape(layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32, experts=4, top_k=2, expert_ff=32)
+    path = bench.write_model(tmp_path / "tiny-moe.gguf", shape)
+    infos = {info.name: info.nbytes for info in gguf_tensor_infos(path)}
+    parts = bench.tensor_bytes(shape, bench._vocab_size(str(path)))
+    assert infos["blk.1.ffn_down_exps.weight"] * 3 * shape.layers == parts["experts_all"]
+    embedding = infos.pop("token_embd.weight")
+    assert sum(infos.values()) == parts["attention"] + parts["router"] + parts["experts_all"] + parts["lm_head"] + parts["norms"]
+    assert embedding == parts["embedding_row"] * bench._vocab_size(str(path))

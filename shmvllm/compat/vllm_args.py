@@ -44,7 +44,8 @@ _CPU_TP = "shmvllm's parallelism is data_parallel_size engines and tensor_parall
 _NO_DOWNLOAD = "shmvllm loads local models only and downloads nothing"
 _NO_MM = "shmvllm serves text-only models; this only matters for multimodal ones"
 _NO_LORA = "LoRA adapters are not supported (enable_lora=True is refused)"
-_NO_MOE = "only matters for mixture-of-experts models across devices; shmvllm serves dense models"
+_NO_MOE = ("expert placement across devices; shmvllm places no experts: its tensor parallel splits every "
+           "expert's intermediate rows over the CPU ranks of one machine")
 
 VLLM_ARGS: tuple[VllmArg, ...] = (
     # ---- accepted at any value: no effect here ---------------------------------------------
@@ -168,7 +169,7 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     _only("long_prefill_token_threshold", 0, "one partial prefill at a time", cli_type=int),
     _only("model_loader_extra_config", None, "the loader has no options", {}),
     _only("logprobs_mode", "raw_logprobs", "logprobs are those of the raw logits, as vLLM's default"),
-    _only("enable_return_routed_experts", False, _NO_MOE, cli_type=bool),
+    _only("enable_return_routed_experts", False, "the outputs carry no routed expert ids", cli_type=bool),
     _only("profiler_config", None, "the torch profiler is not wired in"),
     _only("_api_process_count", 1, "no API server processes", cli_type=int),
     _only("_api_process_rank", 0, "no API server processes", cli_type=int),

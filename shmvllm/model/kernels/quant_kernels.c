@@ -8,8 +8,8 @@
  * bits, the integer factors at most 13 together), so the only rounding is the one the
  * reference does too (Q4_1's "+ m", the K formats' "- dmin * m"), and contracting that into an
  * FMA rounds identically. The dot products accumulate in fp32 vectors; activations stay fp32.
- * The GEMV of the 32-value formats with a linear scale (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) folds the block
- * constants out of the inner loop instead (d * sum(q * x) + m * sum(x)): the same weights, the sum reassociated.
+ * The GEMV rows of most formats fold the block or sub-block constants out of the inner loop instead
+ * (d * sum(q * x) + m * sum(x)): the same weights, the sum reassociated.
  *
  * Built three times from this one file (kernels/__init__.py): with AVX-512 (VW = 16), with AVX2
  * + FMA (VW = 8) and for the baseline ISA (portable), through GCC's vector extensions, and
@@ -512,8 +512,7 @@ static inline void block_sums(float *xs, int M, const float *x, int64_t ldx, int
 }
 
 /* Q5_0 / Q5_1: the 16 nibble bytes at qs (values i and 16 + i) with the fifth bits of all 32
- * values in qh (little-endian uint32). AVX-512 ORs the fifth bits in as a lane mask; AVX2 looks
- * each byte of them up in a table of 8 lanes (8 KiB, L1-resident), one load per 8 values. */
+ * values in qh (little-endian uint32). AVX-512 ORs the fifth bits in as a lane mask. */
 #if VW == 16 && defined(__AVX512F__)
 static inline void q5_to_float(const uint8_t *qs, uint32_t qh, vf q[32 / VW]) {
     const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs)), sixteen = _mm512_set1_epi32(16);
@@ -522,21 +521,18 @@ static inline void q5_to_float(const uint8_t *qs, uint32_t qh, vf q[32 / VW]) {
     q[1] = (vf)_mm512_cvtepi32_ps(_mm512_mask_or_epi32(hi, (__mmask16)(qh >> 16), hi, sixteen));
 }
 #elif VW == 8 && defined(__AVX2__)
-/* Q5_HIGH[byte][i]: 16 where bit i of byte is set: the fifth bits of 8 values in one load */
-#define Q5H1(b) {((b) & 1) << 4, ((b) >> 1 & 1) << 4, ((b) >> 2 & 1) << 4, ((b) >> 3 & 1) << 4, \
-                 ((b) >> 4 & 1) << 4, ((b) >> 5 & 1) << 4, ((b) >> 6 & 1) << 4, ((b) >> 7 & 1) << 4}
-#define Q5H4(b) Q5H1(b), Q5H1(b + 1), Q5H1(b + 2), Q5H1(b + 3)
-#define Q5H16(b) Q5H4(b), Q5H4(b + 4), Q5H4(b + 8), Q5H4(b + 12)
-#define Q5H64(b) Q5H16(b), Q5H16(b + 16), Q5H16(b + 32), Q5H16(b + 48)
-static const uint32_t Q5_HIGH[256][8] __attribute__((aligned(32))) = {Q5H64(0), Q5H64(64), Q5H64(128), Q5H64(192)};
+/* the fifth bit of value v moved to bit 4 of its lane by a variable shift of qh broadcast (of qh << 4
+ * for values 0..15, so that no count is negative), then masked: no table, no scalar work per lane */
 static inline void q5_to_float(const uint8_t *qs, uint32_t qh, vf q[32 / VW]) {
-    const __m256i mask = _mm256_set1_epi32(0x0f);
+    const __m256i mask = _mm256_set1_epi32(0x0f), sixteen = _mm256_set1_epi32(16);
+    const __m256i low_bits = _mm256_set1_epi32((int)(qh << 4)), high_bits = _mm256_set1_epi32((int)qh);
     for (int c = 0; c < 2; c++) {
+        const __m256i counts = _mm256_setr_epi32(8 * c, 8 * c + 1, 8 * c + 2, 8 * c + 3, 8 * c + 4, 8 * c + 5, 8 * c + 6, 8 * c + 7);
         const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * c)));
         const __m256i lo = _mm256_or_si256(_mm256_and_si256(wide, mask),
-                                           _mm256_load_si256((const __m256i *)Q5_HIGH[(qh >> (8 * c)) & 0xff]));
+                                           _mm256_and_si256(_mm256_srlv_epi32(low_bits, counts), sixteen));
         const __m256i hi = _mm256_or_si256(_mm256_srli_epi32(wide, 4),
-                                           _mm256_load_si256((const __m256i *)Q5_HIGH[(qh >> (16 + 8 * c)) & 0xff]));
+                                           _mm256_and_si256(_mm256_srlv_epi32(high_bits, _mm256_add_epi32(counts, _mm256_set1_epi32(12))), sixteen));
         q[c] = (vf)_mm256_cvtepi32_ps(lo);
         q[2 + c] = (vf)_mm256_cvtepi32_ps(hi);
     }
@@ -573,12 +569,14 @@ static inline float q5_0_m(const uint8_t *blk) { return -16.0f * fp16_to_fp32(lo
 static inline void q5_1_q(const uint8_t *blk, vf q[32 / VW]) { q5_to_float(blk + 8, load_u32(blk + 4), q); }
 static inline float q5_1_m(const uint8_t *blk) { return fp16_to_fp32(load_u16(blk + 2)); }
 
+#ifdef TABLE_FOLDED_ROWS
 /* IQ4_NL / MXFP4's table values, unscaled, of 16 bytes of nibbles (values i: low, 16 + i: high) */
 static inline void iq4_nl_q(const uint8_t *blk, vf q[32 / VW]) { nibble_table_q(IQ4_VALUES, blk + 2, q); }
 static inline float iq4_nl_m(const uint8_t *blk) { (void)blk; return 0.0f; }
 static inline float mxfp4_d(const uint8_t *blk) { return e8m0_to_fp32_half(blk[0]); }
 static inline void mxfp4_q(const uint8_t *blk, vf q[32 / VW]) { nibble_table_q(MXFP4_VALUES, blk + 1, q); }
 static inline float mxfp4_m(const uint8_t *blk) { (void)blk; return 0.0f; }
+#endif
 
 /* BB-byte blocks of 32 (NAME##_q, NAME##_m above). Blocks go in pairs, each into its own
  * accumulator (two chains a row). */
@@ -771,7 +769,7 @@ static inline void store_folded_out(const int M, vf acc[FEW_ROWS][2], const floa
 }
 
 /* IQ4_XS: d, the 2 high bits of eight 6-bit signed scales (one uint16), their 4 low bits, eight
- * runs of 32 values as IQ4_NL's nibbles */
+ * runs of 32 values as IQ4_NL's nibbles (AVX-512: looked up in the table times d * scale) */
 static inline __attribute__((always_inline)) void iq4_xs_row(const int M, float *out, int64_t ldo, const float *x,
                                                              int64_t ldx, const uint8_t *row, const float *bias,
                                                              const float *residual, int64_t ldr, int64_t j, int64_t k,
@@ -786,10 +784,17 @@ static inline __attribute__((always_inline)) void iq4_xs_row(const int M, float 
         const uint16_t scales_h = load_u16(blk + 2);
         for (int r = 0; r < 8; r++) {
             const int scale = (((blk[4 + r / 2] >> (4 * (r % 2))) & 0x0f) | (((scales_h >> (2 * r)) & 3) << 4)) - 32;
+#ifdef TABLE_FOLDED_ROWS
             const vf ds = splat(d * (float)scale);
             vf q[32 / VW];
             nibble_table_q(IQ4_VALUES, blk + 8 + 16 * r, q);
             for (int m = 0; m < M; m++) acc[m][r & 1] += ds * dot_run(q, x + m * ldx + b * 256 + 32 * r, 32 / VW);
+#else
+            vf w[32 / VW];
+            deq_nibble_table(IQ4_VALUES, d * (float)scale, blk + 8 + 16 * r, w);
+            for (int m = 0; m < M; m++)
+                for (int t = 0; t < 32 / VW; t++) acc[m][t & 1] += w[t] * loadf(x + m * ldx + b * 256 + 32 * r + t * VW);
+#endif
         }
     }
     store_folded_out(M, acc, macc, out, ldo, bias, residual, ldr, j);
@@ -922,8 +927,13 @@ DEFINE_FOLDED_ROW(q5_1, 24, 1)
 DEFINE_ROW(q2_k, deq_q2_k, 256, 84)
 DEFINE_ROW(q3_k, deq_q3_k, 256, 110)
 #endif
+#ifdef TABLE_FOLDED_ROWS
 DEFINE_FOLDED_ROW(iq4_nl, 18, 0)
 DEFINE_FOLDED_ROW(mxfp4, 17, 0)
+#else
+DEFINE_ROW(iq4_nl, deq_iq4_nl, 32, 18)
+DEFINE_ROW(mxfp4, deq_mxfp4, 32, 17)
+#endif
 
 DEFINE_FORMAT(q4_0, deq_q4_0, 32, 18, 32)
 DEFINE_FORMAT(q4_1, deq_q4_1, 32, 20, 32)

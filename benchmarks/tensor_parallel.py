@@ -1,7 +1,7 @@
 """Tensor parallelism on the default model: TP=1 against TP=2, single request and batch, one run.
 
 The engines load SmolLM2-135M-Instruct on its GGUF blocks (Q4_1 layers, Q8_0 tied embedding;
-under TP=2 each rank holds its shard of the blocks, see shmvllm/model/parallel/layers.py), and,
+under TP=2 each rank builds and loads only its share, see shmvllm/model/parallel/layers.py), and,
 unless --no-fp32, dequantized to fp32 (quantization='none') as a second pair; each engine in its
 own process for the whole run. TP=2 is rank 0 in the engine and rank 1 a worker program, each
 with cpu_count // 2 torch threads, while TP=1 has all of them. SmolLM2-135M has 3 KV heads and 9
@@ -15,9 +15,11 @@ machine's noise falls on all alike. Per repetition:
 On the blocks, two TP=2 engines: the layers' all-reduces through gloo (the default) and through
 the shared-memory arena (SHMVLLM_TP_ALLREDUCE=shm, engine "TP=2 shm").
 
-Prefix caching is off, so every repetition pays its prefills. CHECKs: each TP=2's greedy tokens
-equal the TP=1's on the same weights (a divergence forgiven at a top-2 logprob margin below
-1e-3); the arena beats gloo (which would make it the default).
+Prefix caching is off, so every repetition pays its prefills. After the warm-up, each engine's
+peak resident memory per rank (VmHWM of the engine process, rank 0, and of its worker children).
+CHECKs: each TP=2's greedy tokens equal the TP=1's on the same weights (a divergence forgiven at
+a top-2 logprob margin below 1e-3); the arena beats gloo (which would make it the default); every
+TP=2 rank's peak memory is below its TP=1's (a rank loads its share, not the model).
 
     flock /tmp/shmvllm-cpu.lock python benchmarks/tensor_parallel.py --repeats 3 \\
         --json benchmarks/results/tensor_parallel.json --plot benchmarks/results/tensor_parallel.png
@@ -82,6 +84,28 @@ ENGINES = [
 ]
 
 
+def _proc_field(pid: int, index: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[index]
+
+
+def rank_peaks_mib(llm: Any) -> list[float]:
+    """Peak resident memory (VmHWM, MiB) of the engine process (rank 0) and of its children (the other ranks)."""
+    engine = llm.llm_engine.engine_core.engine_pid
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int(_proc_field(int(entry.name), 1)) == engine:
+                    children.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    peaks = []
+    for pid in [engine, *sorted(children)]:
+        status = Path(f"/proc/{pid}/status").read_text()
+        peaks.append(int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) / 1024)
+    return peaks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per engine (default 3)")
@@ -112,6 +136,7 @@ def main() -> None:
         tokens: dict[tuple[str, str], Any] = {}
         for name in engines:  # warm-up: first-call costs (oneDNN, allocations) out of the timings
             run(engines[name], batch[:2], args.max_tokens)
+        peaks = {name: rank_peaks_mib(llm) for name, llm in engines.items()}
         for rep in range(args.repeats):
             order = list(engines)[rep % len(engines):] + list(engines)[: rep % len(engines)]
             for workload, requests in (("single", batch[:1]), ("batch", batch)):
@@ -130,7 +155,7 @@ def main() -> None:
         tp, _, quantization, _ = specs[name]
         rows.append({"engine": name, "workload": workload, "weights": "fp32" if quantization == "none" else "GGUF blocks",
                      "threads_per_rank": max(1, cores // tp), "tok_per_s": statistics.median(rates),
-                     "min": min(rates), "max": max(rates), "load_s": load_s[name]})
+                     "min": min(rates), "max": max(rates), "load_s": load_s[name], "peak_rss_mib_per_rank": peaks[name]})
     print(f"{cores} cores; SmolLM2-135M (GGUF Q4_1 blocks{'' if args.no_fp32 else '; fp32'}); {PROMPT_TOKENS} prompt "
           f"tokens, {args.max_tokens} greedy tokens, batch {args.batch}; median of {args.repeats} (min..max)")
     print(f"{'engine':10} {'workload':8} {'threads/rank':>12} {'output tok/s':>22} {'load s':>7}")
@@ -139,6 +164,12 @@ def main() -> None:
               f"{r['tok_per_s']:8.1f} ({r['min']:.1f}..{r['max']:.1f}) {r['load_s']:7.1f}")
     by = {(r["engine"], r["workload"]): r for r in rows}
     checks = []
+    for name, (_, _, _, reference) in specs.items():
+        print(f"{name}: peak RSS per rank (MiB) {' + '.join(f'{p:.0f}' for p in peaks[name])}")
+        if reference is not None and specs[name][0] > 1:
+            worst, whole = max(peaks[name]), max(peaks[reference])
+            checks.append(f"CHECK {name} every rank's peak RSS below {reference}'s = {worst:.0f} / {whole:.0f} MiB = "
+                          f"{worst / whole:.2f}x (< 1.0x): {'holds' if worst < whole else 'FAILS'}")
     for workload in ("single", "batch"):
         for name, (_, _, _, reference) in specs.items():
             if reference is not None:

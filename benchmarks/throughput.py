@@ -11,12 +11,14 @@ gives the roofline of each dtype.
 
     python benchmarks/throughput.py --json out/throughput.json --plot out/throughput.png \
         [--vllm-python .venv-vllm/bin/python] [--dtypes float32,bfloat16] \
-        [--variant shmvllm-fp32='{"quantization": "none"}']
+        [--variant shmvllm-fp32='{"quantization": "none"}'] [--async-scheduling]
 
 `--variant NAME=JSON` adds a shmvllm row with these engine arguments (its dtype: the JSON's
 "dtype", default float32); a variant with `"quantization": "none"` (the dense fp32 weights)
 gets a CHECK that the default (GGUF blocks) is at least as fast and holds less memory. shmvllm
 rows carry the engine process's resident memory after the throughput run (`engine_rss_mib`).
+`--async-scheduling` adds the row `shmvllm-async` (`async_scheduling=True`: step N+1 scheduled
+while step N runs) beside `shmvllm`, with its ratios and CHECKs against it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ NUM_PROMPTS = 64
 MAX_TOKENS = 128
 MODEL = "smollm2-135m-instruct"
 _RESULT_MARK = "THROUGHPUT-RESULT "
+ASYNC_VARIANT = 'shmvllm-async={"async_scheduling": true}'
 
 VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
     # row name: (engine, dtype, extra engine arguments)
@@ -279,10 +282,12 @@ def main() -> None:
                         help="run each workload this many times per engine and keep the fastest (default: 1)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                         help="an extra shmvllm row with these engine arguments (repeatable)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="also run shmvllm with async_scheduling=True (row shmvllm-async) against it")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    variants = [add_variant(spec) for spec in args.variant]
+    variants = [add_variant(spec) for spec in args.variant + ([ASYNC_VARIANT] if args.async_scheduling else [])]
     if args.child:
         _child(args.child, args.model_dir, args.repeats)
         return
@@ -368,12 +373,16 @@ def report(rows: list[dict[str, Any]], rooflines: list[dict[str, Any]], cpu_line
             if single_ours and single_theirs:
                 print(f"single-request decode {ours_name}/{peer}: "
                       f"{single_ours['decode_tok_per_s'] / single_theirs['decode_tok_per_s']:.2f}x")
-    for top, bottom in (("shmvllm-bf16", "shmvllm"), ("shmvllm", dense)):
+    for top, bottom in (("shmvllm-bf16", "shmvllm"), ("shmvllm", dense), ("shmvllm-async", "shmvllm")):
         a, b = by.get((top, "throughput")), by.get((bottom, "throughput"))
         if a and b:
             same = sum(x == y for x, y in zip(a["token_ids"], b["token_ids"]))
             print(f"throughput {top}/{bottom}: {a['tok_per_s'] / b['tok_per_s']:.2f}x  "
                   f"(same tokens: {same}/{len(a['token_ids'])} sequences)")
+    a, b = by.get(("shmvllm-async", "single")), by.get(("shmvllm", "single"))
+    if a and b:
+        print(f"single-request decode shmvllm-async/shmvllm: {a['decode_tok_per_s'] / b['decode_tok_per_s']:.2f}x, "
+              f"TTFT {a['ttft_s'] / b['ttft_s']:.2f}x")
     for line in acceptance(by, "CPU bf16: yes" in cpu_line, dense):
         print(line)
 
@@ -412,6 +421,11 @@ def acceptance(by: dict[tuple[str, str], dict[str, Any]], cpu_bf16: bool = True,
               at_most=True)
     if ours:
         check("LLM() ready", ours["load_s"], 15, " s", at_most=True)
+    # async scheduling is on by default only where it gains: these say whether it does here
+    for workload, key in (("throughput", "tok_per_s"), ("single", "decode_tok_per_s")):
+        value = ratio("shmvllm-async", "shmvllm", key, workload)
+        if value is not None:
+            check(f"{workload} async_scheduling on vs off", value, 1.0, "x")
     return lines
 
 

@@ -196,6 +196,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     policy: Literal["fcfs", "priority"] = "fcfs"
+    async_scheduling: bool = False  # schedule step N+1 while step N runs (EngineCore, Scheduler)
 
 
 @dataclass

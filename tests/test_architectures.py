@@ -49,8 +49,7 @@ def assert_engine_matches(model_dir: Path, engine, prompts: list[list[int]], ref
 
 
 # the tiny families that decode layer by layer, and the reason the native step gives
-LAYER_BY_LAYER = {"phi3": "partial rotary",  # test_architectures_more's Phi-4-mini options
-                  "qwen3_moe": "mixture-of-experts", "mixtral": "mixture-of-experts"}  # test_moe's
+LAYER_BY_LAYER = {"phi3": "partial rotary"}  # test_architectures_more's Phi-4-mini options
 
 
 def assert_native_step_ran(engine, family: str) -> None:

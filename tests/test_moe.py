@@ -49,6 +49,33 @@ def test_moe_layer_routes_and_sums_as_transformers(family_dir):
         torch.testing.assert_close(ours(x), block(x.unsqueeze(0))[0], rtol=1e-5, atol=1e-6)
 
 
+def test_native_decode_step_equals_the_layer_path(family_dir):
+    """One and three requests (rows sharing an expert run it once on both rows): the native step's
+    routing (C's expf softmax, top-k, the experts' GEMVs, the weighted sum) gives the layer path's
+    hidden states."""
+    import numpy as np
+
+    from test_model_llama import PagedModel
+    from tiny_models import VOCAB
+
+    paged = PagedModel(family_dir, num_blocks=64, max_model_len=256)
+    step = paged.model.model.decode_step
+    assert step is not None
+    for lengths in ([5], [9, 70, 21]):
+        prompts = [np.random.default_rng(n).integers(4, VOCAB, size=n).tolist() for n in lengths]
+        tables = [paged.blocks_for(len(p) + 3) for p in prompts]
+        paged.step([(p, 0, len(p), t) for p, t in zip(prompts, tables)])
+        seqs = [(p + [7], len(p), 1, t) for p, t in zip(prompts, tables)]
+        paged.model.model.decode_step = step
+        ran = step.steps
+        fused = paged.step(seqs)
+        assert step.steps == ran + 1
+        paged.model.model.decode_step = None
+        layered = paged.step(seqs)
+        for a, b in zip(fused, layered):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_experts_no_token_chose_are_not_read(family_dir):
     """Every expert no token chose gets NaN weights: the output stays finite (it never read them),
     and poisoning a chosen one shows."""
@@ -160,3 +187,23 @@ def test_gguf_config_reads_the_experts_width(gguf_model_dir, tmp_path):
     config = locate_model(str(path)).hf_config()
     assert (config.moe_intermediate_size, config.num_local_experts, config.num_experts_per_tok) == (64, 8, 2)
     assert config.norm_topk_prob is True
+
+
+def test_benchmark_model_bytes_add_up(tmp_path):
+    """benchmarks/moe.py's random Q8_0 Qwen3-MoE file: its tensors are the bytes the benchmark
+    counts (the active-expert and dense-equivalent figures rest on them)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import moe as bench
+
+    from shmvllm.model.quant import gguf_tensor_infos
+
+    shape = bench.Shape(layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32, experts=4, top_k=2, expert_ff=32)
+    path = bench.write_model(tmp_path / "tiny-moe.gguf", shape)
+    infos = {info.name: info.nbytes for info in gguf_tensor_infos(path)}
+    parts = bench.tensor_bytes(shape, bench._vocab_size(str(path)))
+    assert infos["blk.1.ffn_down_exps.weight"] * 3 * shape.layers == parts["experts_all"]
+    embedding = infos.pop("token_embd.weight")
+    assert sum(infos.values()) == parts["attention"] + parts["router"] + parts["experts_all"] + parts["lm_head"] + parts["norms"]
+    assert embedding == parts["embedding_row"] * bench._vocab_size(str(path))

@@ -4,8 +4,8 @@ Qwen2 models with 2 KV heads (and one with 3, split unevenly); a worker killed m
 idle TP=2 engine's CPU; the split itself; knobs refused by name. On GGML blocks: TP=2 against
 TP=1 on the shipped SmolLM2 GGUF, on tiny GGUF files in Q4_0 / Q8_0, in Q4_K / Q6_K and in the
 later formats (Q5_0 ... MXFP4, a Q3_K o_proj; the 256-value ones' o_proj split falls inside a
-block), and on quantization='q8_0'; what each rank holds; a
-row-parallel layer's shards summed against the full product."""
+block), and on quantization='q8_0'; what each rank builds and holds; a rank's peak memory against a
+whole load's; a row-parallel layer's shards summed against the full product."""
 
 from __future__ import annotations
 

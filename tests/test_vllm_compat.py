@@ -184,7 +184,8 @@ def test_ignored_arguments_are_accepted_at_any_value_and_change_nothing(llm, tin
     ("tensor_parallel_size", 4), ("pipeline_parallel_size", 2), ("kv_cache_dtype", "fp8"), ("revision", "main"),
     ("hf_overrides", {"num_hidden_layers": 1}), ("runner", "draft"), ("convert", "classify"),
     ("tokenizer_mode", "mistral"), ("logits_processors", ["my.Processor"]), ("cpu_offload_gb", 4),
-    ("enable_sleep_mode", True), ("async_scheduling", True), ("distributed_executor_backend", "ray"), ("dtype", "int8"),
+    ("enable_sleep_mode", True), ("distributed_executor_backend", "ray"), ("dtype", "int8"),
+    ("enable_expert_parallel", True), ("enable_eplb", True), ("num_redundant_experts", 2),
 ])
 def test_unsupported_arguments_raise_value_error_naming_them(tiny_llama_dir, name, value):
     with pytest.raises(ValueError, match=name):

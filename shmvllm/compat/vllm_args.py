@@ -44,7 +44,11 @@ _CPU_TP = "shmvllm's parallelism is data_parallel_size engines and tensor_parall
 _NO_DOWNLOAD = "shmvllm loads local models only and downloads nothing"
 _NO_MM = "shmvllm serves text-only models; this only matters for multimodal ones"
 _NO_LORA = "LoRA adapters are not supported (enable_lora=True is refused)"
-_NO_MOE = "only matters for mixture-of-experts models across devices; shmvllm serves dense models"
+_EXPERTS_SPLIT = ("shmvllm's tensor parallel splits every expert's intermediate rows over the ranks; "
+                  "it has no expert parallelism (whole experts per rank), no expert load balancing and no "
+                  "redundant experts")
+_NO_MOE = ("tunes expert parallelism or expert load balancing, which shmvllm refuses (enable_expert_parallel, "
+           "enable_eplb): its tensor parallel splits every expert's intermediate rows over the CPU ranks of one machine")
 
 VLLM_ARGS: tuple[VllmArg, ...] = (
     # ---- accepted at any value: no effect here ---------------------------------------------
@@ -94,10 +98,7 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     _ignored("lora_dtype", "auto", _NO_LORA),
     _ignored("lora_extra_vocab_size", 256, _NO_LORA, int),
     _ignored("default_mm_loras", None, _NO_LORA),
-    _ignored("enable_expert_parallel", False, _NO_MOE, bool),
-    _ignored("enable_eplb", False, _NO_MOE, bool),
     _ignored("eplb_config", None, _NO_MOE),
-    _ignored("num_redundant_experts", 0, _NO_MOE, int),
     _ignored("eplb_window_size", 1000, _NO_MOE, int),
     _ignored("eplb_step_interval", 3000, _NO_MOE, int),
     _ignored("eplb_log_balancedness", False, _NO_MOE, bool),
@@ -120,6 +121,9 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     _ignored("ignore_patterns", None, "which files of a hub download to skip: " + _NO_DOWNLOAD),
     # ---- accepted only at the values listed: anything else asks for what shmvllm lacks ------
     _only("kv_cache_dtype", "auto", "the KV cache has the model's dtype"),
+    _only("enable_expert_parallel", False, _EXPERTS_SPLIT, cli_type=bool),
+    _only("enable_eplb", False, _EXPERTS_SPLIT, cli_type=bool),
+    _only("num_redundant_experts", 0, _EXPERTS_SPLIT, cli_type=int),
     _only("load_format", "auto", "weights load from safetensors or a .gguf file", "safetensors", "gguf"),
     _only("config_format", "auto", "configs are Hugging Face config.json files", "hf"),
     _only("revision", None, _NO_DOWNLOAD),
@@ -161,7 +165,6 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     _only("otlp_traces_endpoint", None, "tracing is not supported"),
     _only("collect_detailed_traces", None, "tracing is not supported"),
     _only("enable_sleep_mode", False, "sleep mode is not supported", cli_type=bool),
-    _only("async_scheduling", False, "the scheduler does not schedule step N+1 while step N runs", None, cli_type=bool),
     _only("disable_sliding_window", False, "attention follows the model's config", cli_type=bool),
     _only("num_lookahead_slots", 0, "speculative decoding is not supported", cli_type=int),
     _only("max_num_partial_prefills", 1, "one partial prefill at a time", cli_type=int),
@@ -169,7 +172,7 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     _only("long_prefill_token_threshold", 0, "one partial prefill at a time", cli_type=int),
     _only("model_loader_extra_config", None, "the loader has no options", {}),
     _only("logprobs_mode", "raw_logprobs", "logprobs are those of the raw logits, as vLLM's default"),
-    _only("enable_return_routed_experts", False, _NO_MOE, cli_type=bool),
+    _only("enable_return_routed_experts", False, "the outputs carry no routed expert ids", cli_type=bool),
     _only("profiler_config", None, "the torch profiler is not wired in"),
     _only("_api_process_count", 1, "no API server processes", cli_type=int),
     _only("_api_process_rank", 0, "no API server processes", cli_type=int),

@@ -75,6 +75,7 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: Optional[int] = None
         self.block_hashes: list[bytes] = []
+        self.num_output_placeholders = 0  # async scheduling: tokens of steps in flight, not yet known
         self.sched_key: tuple[int, int] = (0, 0)  # set by the scheduler: its policy's order
         self.structured_output_request: Optional["StructuredOutputRequest"] = None  # set by the scheduler
 

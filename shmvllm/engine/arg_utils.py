@@ -72,6 +72,7 @@ class EngineArgs(VllmArgs):
     override_generation_config: Optional[dict[str, Any]] = None
     speculative_config: Optional[dict[str, Any]] = None  # {"method": "ngram", "num_speculative_tokens": k, ...}
     pooler_config: Optional[Any] = None  # a PoolerConfig or a dict of its fields (pooling models)
+    async_scheduling: bool = False  # schedule step N+1 while step N runs (generation only)
     override_pooler_config: Optional[Any] = None  # vLLM's older name of pooler_config
 
     @classmethod
@@ -172,6 +173,7 @@ class EngineArgs(VllmArgs):
                 max_model_len=max_model_len,
                 enable_chunked_prefill=chunked_prefill,
                 policy=self.scheduling_policy,
+                async_scheduling=self._async_scheduling(task, speculative),
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size
@@ -237,6 +239,14 @@ class EngineArgs(VllmArgs):
                 raise ValueError(f"task={self.task!r} contradicts runner={self.runner!r} / convert={self.convert!r}.")
             wanted = task
         return wanted or detected
+
+    def _async_scheduling(self, task: Task, speculative: Optional[SpeculativeConfig]) -> bool:
+        if self.async_scheduling and task != "generate":
+            raise ValueError(f"async_scheduling=True applies to generation; model {self.model!r} runs task {task!r}.")
+        if self.async_scheduling and speculative is not None:
+            # a step's proposals are drawn from the tokens the step before it sampled
+            raise ValueError(f"async_scheduling=True is not supported with speculative_config={self.speculative_config!r}.")
+        return self.async_scheduling
 
     def _pooler_config(self, task: Task, hf_config: Any, model_dir: Path) -> Optional[PoolerConfig]:
         """pooler_config (or its older name) checked against the model: a task it has, pooling

@@ -6,19 +6,27 @@ finish_reason ERROR (and an `error` text) in the next step's outputs, so one bad
 cannot stop an engine that others share. Likewise in a step: a request whose sampling or
 output processing raises finishes alone with ERROR; if the model step itself raises, the
 requests of that step do. A failure in `schedule()` (the scheduler's own state) stops the engine.
+
+With async scheduling the model step runs on a thread of its own (it releases the GIL in the
+native kernels and torch ops): `step()` schedules step N+1 and queues it behind step N, then
+waits for step N's output and updates from it, so that scheduling, output processing and the
+sending of outputs overlap the model. While a request with structured outputs is unfinished it
+steps one at a time (its next bitmask needs the token sampled before it).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional
 
 import numpy as np
 
 from shmvllm.config import EngineConfig
 from shmvllm.core.request import Request, RequestStatus
-from shmvllm.core.sched.output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from shmvllm.core.sched.output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
 from shmvllm.core.sched.scheduler import Scheduler
 from shmvllm.engine.exceptions import WorkerDeadError
 from shmvllm.model.parallel.split import split_sizes
@@ -66,6 +74,11 @@ class EngineCore:
             config.speculative_config,
         )
         self._rejected: list[EngineCoreOutput] = []
+        self._in_flight: collections.deque[tuple[SchedulerOutput, Future]] = collections.deque()
+        self._step_thread = (
+            ThreadPoolExecutor(1, thread_name_prefix="shmvllm-model-step")
+            if config.scheduler_config.async_scheduling else None
+        )
         self._totals = {"num_steps": 0, "num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         self._last_stats = SchedulerStats()
         logger.info(
@@ -159,38 +172,63 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._rejected) or self.scheduler.has_unfinished_requests()
+        return bool(self._rejected) or self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     # ---- stepping ------------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
         """One engine iteration; empty outputs when there is nothing to do."""
         rejected, self._rejected = self._rejected, []
-        if not self.scheduler.has_unfinished_requests():
-            return EngineCoreOutputs(outputs=rejected, timestamp=now()) if rejected else EngineCoreOutputs()
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.total_num_scheduled_tokens > 0:
-            try:
-                runner_output = self.executor.execute_model(scheduler_output)
-            except WorkerDeadError:
-                raise  # the model is gone with its worker: the engine stops
-            except Exception as exc:
-                # Which request is to blame is unknown here (the sampler isolates its own rows):
-                # the requests of this step finish with the error, the engine serves the rest.
-                logger.exception("the model step failed; its %d requests finish with an error",
-                                 len(scheduler_output.num_scheduled_tokens))
-                error = f"the engine's model step failed: {type(exc).__name__}: {exc}"
-                runner_output = ModelRunnerOutput(
-                    req_ids=[], sampled_token_ids=[],
-                    errors=dict.fromkeys(scheduler_output.num_scheduled_tokens, error),
-                )
+        if self._step_thread is not None:
+            outputs = self._step_async()
+        elif not self.scheduler.has_unfinished_requests():
+            outputs = None
         else:
-            runner_output = EMPTY_MODEL_RUNNER_OUTPUT
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+            scheduler_output = self.scheduler.schedule()
+            runner_output = (
+                self._execute(scheduler_output) if scheduler_output.total_num_scheduled_tokens > 0
+                else EMPTY_MODEL_RUNNER_OUTPUT
+            )
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if outputs is None:
+            return EngineCoreOutputs(outputs=rejected, timestamp=now()) if rejected else EngineCoreOutputs()
         if rejected:
             outputs.outputs = rejected + outputs.outputs
         self._record(outputs.scheduler_stats)
         return outputs
+
+    def _step_async(self) -> Optional[EngineCoreOutputs]:
+        """Schedules the next step and queues it behind the one in flight, then updates from the
+        oldest step in flight (None: nothing finished a step yet)."""
+        submitted = False
+        one_at_a_time = self.scheduler.has_structured_output_requests()
+        if self.scheduler.has_unfinished_requests() and not (one_at_a_time and self._in_flight):
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.total_num_scheduled_tokens > 0:
+                self._in_flight.append((scheduler_output, self._step_thread.submit(self._execute, scheduler_output)))
+                submitted = True
+            elif not self._in_flight:
+                return self.scheduler.update_from_output(scheduler_output, EMPTY_MODEL_RUNNER_OUTPUT)
+        if not self._in_flight or (submitted and len(self._in_flight) == 1 and not one_at_a_time):
+            return None  # the first step of a run: the next call schedules the second behind it
+        scheduler_output, future = self._in_flight.popleft()
+        return self.scheduler.update_from_output(scheduler_output, future.result())
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        try:
+            return self.executor.execute_model(scheduler_output)
+        except WorkerDeadError:
+            raise  # the model is gone with its worker: the engine stops
+        except Exception as exc:
+            # Which request is to blame is unknown here (the sampler isolates its own rows):
+            # the requests of this step finish with the error, the engine serves the rest.
+            logger.exception("the model step failed; its %d requests finish with an error",
+                             len(scheduler_output.num_scheduled_tokens))
+            error = f"the engine's model step failed: {type(exc).__name__}: {exc}"
+            return ModelRunnerOutput(
+                req_ids=[], sampled_token_ids=[],
+                errors=dict.fromkeys(scheduler_output.num_scheduled_tokens, error),
+            )
 
     def _record(self, stats: Optional[SchedulerStats]) -> None:
         if stats is None:
@@ -224,6 +262,8 @@ class EngineCore:
         }
 
     def shutdown(self) -> None:
+        if self._step_thread is not None:
+            self._step_thread.shutdown(wait=True, cancel_futures=True)
         if self.structured_output_manager is not None:
             self.structured_output_manager.shutdown()
         self.executor.shutdown()

@@ -46,6 +46,8 @@ class _Layer(ctypes.Structure):
         ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
         ("k_cache", _ptr), ("v_cache", _ptr), ("cos_table", _ptr), ("sin_table", _ptr),
         ("scale", _f32), ("softcap", _f32), ("window", _i64),
+        ("router", _Linear), ("expert_gate_up", ctypes.POINTER(_Linear)), ("expert_down", ctypes.POINTER(_Linear)),
+        ("num_experts", _i64), ("top_k", _i64), ("norm_topk", _i64), ("expert_intermediate", _i64),
     ]
 
 
@@ -58,6 +60,7 @@ class _Model(ctypes.Structure):
         ("layers", ctypes.POINTER(_Layer)), ("final_norm", _ptr),
         ("rms_norm", _ptr), ("rotary", _ptr), ("write_kv", _ptr), ("attention_task", _ptr),
         ("attention_combine", _ptr), ("glu", _ptr), ("linear_rows", _ptr),
+        ("moe_slots", _i64), ("max_experts", _i64),
     ]
 
 
@@ -84,19 +87,16 @@ def fallback_reasons(model: Any) -> list[str]:
     """Why the native step cannot run `model` (a DecoderModel); empty: it can (on a CPU with the
     kernels). What the step leaves to the layer-by-layer path: rotary tables that depend on the
     sequence's length (dynamic NTK, LongRoPE past its threshold) or rotate part of each head
-    (partial rotary), non-fp32 weights or norms, and mixture-of-experts layers."""
+    (partial rotary), and non-fp32 weights or norms."""
     reasons = []
     for key, table in model.rotary.items():
         if table.length_dependent:
             reasons.append(f"rope {key!r} depends on the sequence length ({table.rope_type})")
         if table.rotary_dim != table.head_dim:
             reasons.append(f"rope {key!r} rotates {table.rotary_dim} of {table.head_dim} features (partial rotary)")
-    if any(isinstance(layer.mlp, MoEMLP) for layer in model.layers):
-        reasons.append("mixture-of-experts layers")
-        return reasons
     for layer in model.layers:
         attn = layer.self_attn
-        for linear in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        for linear in (attn.qkv_proj, attn.o_proj, *_mlp_linears(layer.mlp)):
             if linear.blocks is None and (linear.weight.dtype != torch.float32 or linear.weight.device.type != "cpu"):
                 reasons.append(f"weights of dtype {linear.weight.dtype} on {linear.weight.device.type}")
                 break
@@ -108,6 +108,12 @@ def fallback_reasons(model: Any) -> list[str]:
         if reasons:
             break
     return sorted(set(reasons))
+
+
+def _mlp_linears(mlp: Any) -> list[Linear]:
+    if isinstance(mlp, MoEMLP):
+        return [mlp.gate, *(linear for expert in mlp.experts for linear in (expert.gate_up_proj, expert.down_proj))]
+    return [mlp.gate_up_proj, mlp.down_proj]
 
 
 class DecodeStep:
@@ -156,12 +162,23 @@ class DecodeStep:
             eps |= {norm.eps for norm in (*norms, *qk) if norm is not None}
             pointers = [w.data_ptr() if w is not None else None for w in map(_norm_weight, (*norms, *qk))]
             rope = model.rotary[a.rope] if a.rope is not None else None
+            mlp = layer.mlp
+            if isinstance(mlp, MoEMLP):
+                none = _Linear(None, 0, 0, 0, None)
+                mlp_fields = (none, none)
+                gate_up = (_Linear * mlp.num_experts)(*[self._linear(e.gate_up_proj) for e in mlp.experts])
+                down = (_Linear * mlp.num_experts)(*[self._linear(e.down_proj) for e in mlp.experts])
+                self._keep += [gate_up, down]
+                moe = (self._linear(mlp.gate), gate_up, down, mlp.num_experts, mlp.top_k, int(mlp.norm_topk_prob),
+                       mlp.intermediate_size)
+            else:
+                mlp_fields = (self._linear(mlp.gate_up_proj), self._linear(mlp.down_proj))
+                moe = (_Linear(None, 0, 0, 0, None), None, None, 0, 0, 0, 0)
             layers[i] = _Layer(
-                *pointers, self._linear(a.qkv_proj), self._linear(a.o_proj), self._linear(layer.mlp.gate_up_proj),
-                self._linear(layer.mlp.down_proj), cache_k.data_ptr(), cache_v.data_ptr(),
-                rope.cos_cache.data_ptr() if rope is not None else None,
+                *pointers, self._linear(a.qkv_proj), self._linear(a.o_proj), *mlp_fields, cache_k.data_ptr(),
+                cache_v.data_ptr(), rope.cos_cache.data_ptr() if rope is not None else None,
                 rope.sin_cache.data_ptr() if rope is not None else None,
-                a.attn.scale, a.attn.softcap or 0.0, a.attn.sliding_window or 0,
+                a.attn.scale, a.attn.softcap or 0.0, a.attn.sliding_window or 0, *moe,
             )
         self._keep.append(layers)
         if len(eps) != 1:
@@ -172,15 +189,20 @@ class DecodeStep:
         for table in model.rotary.values():
             max_len = min(max_len, table.cos_cache.shape[0])
         cpu = self.cpu
+        moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoEMLP)]
+        # the gate-up and activation buffers hold a dense layer's rows or every chosen expert's
+        intermediate = max(m.top_k * m.intermediate_size if isinstance(m, MoEMLP) else m.intermediate_size
+                           for m in (layer.mlp for layer in model.layers))
         return _Model(
             len(model.layers), model.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            first.mlp.intermediate_size, k_cache.shape[1] * k_cache.shape[2], k_cache.shape[2],
+            intermediate, k_cache.shape[1] * k_cache.shape[2], k_cache.shape[2],
             model.norm.eps, first.residual_scale, int(first.fused_residual),
             attn.head_dim if first.self_attn.qk_norm == "head" else 0, max_len, torch.get_num_threads(),
             layers, _norm_weight(model.norm).data_ptr(),
             _fn(cpu, "shm_rms_norm"), _fn(cpu, "shm_rotary"), _fn(cpu, "shm_write_kv_cache"),
             _fn(cpu, "shm_attention_task"), _fn(cpu, "shm_attention_combine"), _fn(cpu, _GLU[first.mlp.activation]),
             _fn(cpu, "shm_linear_rows"),
+            max((m.top_k for m in moes), default=0), max((m.num_experts for m in moes), default=0),
         )
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> Optional[torch.Tensor]:

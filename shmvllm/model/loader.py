@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import logging
 import time
 from pathlib import Path

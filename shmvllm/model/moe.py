@@ -77,7 +77,7 @@ class MoEMLP(nn.Module):
         if not 0 < options.top_k <= options.num_experts:
             raise ValueError(f"num_experts_per_tok must lie in [1, {options.num_experts}], got {options.top_k}.")
         self.num_experts, self.top_k, self.norm_topk_prob = options.num_experts, options.top_k, options.norm_topk_prob
-        self.intermediate_size = options.intermediate_size
+        self.intermediate_size, self.activation = options.intermediate_size, activation
         group = placement.group
         # the router: all its rows on every rank
         self.gate = ColumnParallelLinear(hidden, [options.num_experts], [(0, options.num_experts)], False, group)

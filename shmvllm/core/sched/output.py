@@ -77,6 +77,7 @@ class SchedulerOutput:
     grammar_bitmask: Optional[np.ndarray] = None
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     kept_block_ids: dict[str, int] = field(default_factory=dict)
+    placeholder_req_ids: set[str] = field(default_factory=set)  # async scheduling: those that sample this step
 
 
 @dataclass

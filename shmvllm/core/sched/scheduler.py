@@ -22,6 +22,14 @@ step) scheduled after its last one, within the token budget, max_model_len
 and max_tokens; it falls back to one token when the blocks for them are not free. After the
 step, num_computed_tokens drops back past the rejected proposals and the blocks past the
 request's tokens are freed (the runner hears of it through kept_block_ids).
+
+With async scheduling (vLLM's AsyncScheduler) the next step is scheduled while the one before
+it still runs: a request that samples in a step in flight counts one placeholder for its token
+not yet known (`num_output_placeholders`), is scheduled past it (the runner feeds the token it
+sampled itself), and drops the placeholder when the step's output comes. A request is not
+scheduled past its max_tokens or max_model_len counting placeholders; one preempted while its
+step was in flight keeps that step's token and waits for it before it is scheduled again; the
+output of a step for a request that finished meanwhile is dropped.
 """
 
 from __future__ import annotations
@@ -99,6 +107,7 @@ class Scheduler:
         self._draft_tokens: dict[str, list[int]] = {}  # draft model: req_id -> proposals for its next step
         self.spec_stats = SpecDecodingStats(speculative_config.num_speculative_tokens) if speculative_config else None
         self._kept_blocks: dict[str, int] = {}  # req_id -> blocks kept after a rollback, until it is scheduled
+        self.async_scheduling = scheduler_config.async_scheduling
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -141,6 +150,9 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_structured_output_requests(self) -> bool:
+        return self._num_structured > 0
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
@@ -160,8 +172,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget)
+            if num_new <= 0 or (request.num_output_placeholders and self._ends_in_flight(request)):
                 i += 1
                 continue
             new_blocks = None
@@ -188,8 +200,15 @@ class Scheduler:
         if not preempted:
             budget = self._schedule_waiting(budget, num_scheduled, new_reqs)
 
+        placeholders: set[str] = set()
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            if self.async_scheduling and not request.is_pooling and (
+                request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders
+            ):  # it samples in this step: its token is a placeholder until the step's output comes
+                request.num_output_placeholders += 1
+                placeholders.add(req_id)
         total = sum(num_scheduled.values())
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -199,12 +218,22 @@ class Scheduler:
             preempted_req_ids=preempted,
             scheduled_spec_decode_tokens=proposals,
             kept_block_ids=kept_blocks,
+            placeholder_req_ids=placeholders,
         )
         if self._num_structured:
             self._add_grammar_bitmask(output)
         if total > 0:  # a step with no tokens does not reach the runner; keep the news for later
             output.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         return output
+
+    def _ends_in_flight(self, request: Request) -> bool:
+        """Whether the steps in flight reach the request's max_tokens or max_model_len (if
+        nothing stops it earlier): it needs no further step."""
+        params = request.sampling_params
+        pending = request.num_output_placeholders
+        if request.num_tokens + pending >= self.max_model_len:
+            return True
+        return params is not None and params.max_tokens is not None and request.num_output_tokens + pending >= params.max_tokens
 
     def _propose(self, request: Request, budget: int) -> Optional[list[int]]:
         """Proposals for a decoding request, or None where its sampling at a later position
@@ -304,6 +333,8 @@ class Scheduler:
         chunking = self.config.enable_chunked_prefill
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if request.num_output_placeholders:
+                break  # preempted while its step was in flight: its token comes with that step's output
             hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget and (not chunking or request.is_pooling):
@@ -351,8 +382,14 @@ class Scheduler:
             finished = [o.request_id for o in outputs]
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # finished or preempted since it was scheduled
+            if request is None:
+                continue  # finished since it was scheduled
+            if req_id in scheduler_output.placeholder_req_ids:
+                request.num_output_placeholders -= 1
+            # async scheduling: preempted by the step scheduled after this one; its token still counts
+            preempted = request.status == RequestStatus.PREEMPTED and req_id in scheduler_output.placeholder_req_ids
+            if request.status != RequestStatus.RUNNING and not preempted:
+                continue
             error = errors.get(req_id)
             output = None
             proposed = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
@@ -373,7 +410,7 @@ class Scheduler:
                 outputs.append(output)
             if request.is_finished:
                 finished.append(req_id)
-                self.running.remove(request)
+                (self.waiting if preempted else self.running).remove(request)
                 self._free_request(request)
             else:
                 if proposed is not None:

@@ -180,16 +180,12 @@ static inline void deq_nibble_table(const int8_t *values, float d, const uint8_t
 }
 #endif
 
-/* The table's values of 16 bytes of nibbles (values i: low, 16 + i: high) as floats, unscaled (the
- * folded rows multiply d in once per block). */
-#if VW == 16 && defined(__AVX512F__)
-static inline void nibble_table_q(const float *table, const uint8_t *qs, vf q[32 / VW]) {
-    const __m512 t = _mm512_loadu_ps(table);
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
-    q[0] = (vf)_mm512_permutexvar_ps(v, t);
-    q[1] = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t);
-}
-#elif defined(__AVX2__)
+/* The table's values of 16 bytes of nibbles (values i: low, 16 + i: high) as floats, unscaled, for
+ * the folded rows of AVX2 and the portable build (AVX-512's lookup in the scaled table gives the
+ * weights in one permute: folding the scale out would add work there). */
+#if !(VW == 16 && defined(__AVX512F__))
+#define TABLE_FOLDED_ROWS 1
+#if defined(__AVX2__)
 static inline void nibble_table_q(const int8_t *values, const uint8_t *qs, vf q[32 / VW]) {
     const __m128i table = _mm_loadu_si128((const __m128i *)values);
     const __m128i b = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0f);
@@ -204,6 +200,7 @@ static inline void nibble_table_q(const int8_t *values, const uint8_t *qs, vf q[
 static inline void nibble_table_q(const int8_t *values, const uint8_t *qs, vf q[32 / VW]) {
     for (int i = 0; i < 32; i++) q[i / VW][i % VW] = (float)values[i < 16 ? qs[i] & 0x0f : qs[i - 16] >> 4];
 }
+#endif
 #endif
 
 LUT(IQ4_VALUES, IQ4_TABLE);

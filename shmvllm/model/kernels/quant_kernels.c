@@ -8,8 +8,8 @@
  * bits, the integer factors at most 13 together), so the only rounding is the one the
  * reference does too (Q4_1's "+ m", the K formats' "- dmin * m"), and contracting that into an
  * FMA rounds identically. The dot products accumulate in fp32 vectors; activations stay fp32.
- * The GEMV of the 32-value formats with a linear scale (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) folds the block
- * constants out of the inner loop instead (d * sum(q * x) + m * sum(x)): the same weights, the sum reassociated.
+ * The GEMV rows of most formats fold the block or sub-block constants out of the inner loop instead
+ * (d * sum(q * x) + m * sum(x)): the same weights, the sum reassociated.
  *
  * Built three times from this one file (kernels/__init__.py): with AVX-512 (VW = 16), with AVX2
  * + FMA (VW = 8) and for the baseline ISA (portable), through GCC's vector extensions, and
@@ -501,19 +501,18 @@ static inline void int8s_to_float(const uint8_t *qs, vf q[32 / VW]) {
 }
 #endif
 
-/* xs[m * (k / 32) + b] = sum of x[m][32 b, 32 b + 32) */
-static inline void block_sums(float *xs, int M, const float *x, int64_t ldx, int64_t k) {
+/* xs[m * (k / g) + b] = sum of x[m][g b, g b + g), for runs of g = 16 or 32 */
+static inline void block_sums(float *xs, int M, const float *x, int64_t ldx, int64_t k, int g) {
     for (int m = 0; m < M; m++)
-        for (int64_t b = 0; b < k / 32; b++) {
-            vf s = loadf(x + m * ldx + 32 * b);
-            for (int t = 1; t < 32 / VW; t++) s += loadf(x + m * ldx + 32 * b + t * VW);
-            xs[m * (k / 32) + b] = hsum(s);
+        for (int64_t b = 0; b < k / g; b++) {
+            vf s = loadf(x + m * ldx + g * b);
+            for (int t = 1; t < g / VW; t++) s += loadf(x + m * ldx + g * b + t * VW);
+            xs[m * (k / g) + b] = hsum(s);
         }
 }
 
 /* Q5_0 / Q5_1: the 16 nibble bytes at qs (values i and 16 + i) with the fifth bits of all 32
- * values in qh (little-endian uint32). AVX-512 ORs the fifth bits in as a lane mask; AVX2 looks
- * each byte of them up in a table of 8 lanes (8 KiB, L1-resident), one load per 8 values. */
+ * values in qh (little-endian uint32). AVX-512 ORs the fifth bits in as a lane mask. */
 #if VW == 16 && defined(__AVX512F__)
 static inline void q5_to_float(const uint8_t *qs, uint32_t qh, vf q[32 / VW]) {
     const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs)), sixteen = _mm512_set1_epi32(16);
@@ -522,21 +521,18 @@ static inline void q5_to_float(const uint8_t *qs, uint32_t qh, vf q[32 / VW]) {
     q[1] = (vf)_mm512_cvtepi32_ps(_mm512_mask_or_epi32(hi, (__mmask16)(qh >> 16), hi, sixteen));
 }
 #elif VW == 8 && defined(__AVX2__)
-/* Q5_HIGH[byte][i]: 16 where bit i of byte is set: the fifth bits of 8 values in one load */
-#define Q5H1(b) {((b) & 1) << 4, ((b) >> 1 & 1) << 4, ((b) >> 2 & 1) << 4, ((b) >> 3 & 1) << 4, \
-                 ((b) >> 4 & 1) << 4, ((b) >> 5 & 1) << 4, ((b) >> 6 & 1) << 4, ((b) >> 7 & 1) << 4}
-#define Q5H4(b) Q5H1(b), Q5H1(b + 1), Q5H1(b + 2), Q5H1(b + 3)
-#define Q5H16(b) Q5H4(b), Q5H4(b + 4), Q5H4(b + 8), Q5H4(b + 12)
-#define Q5H64(b) Q5H16(b), Q5H16(b + 16), Q5H16(b + 32), Q5H16(b + 48)
-static const uint32_t Q5_HIGH[256][8] __attribute__((aligned(32))) = {Q5H64(0), Q5H64(64), Q5H64(128), Q5H64(192)};
+/* the fifth bit of value v moved to bit 4 of its lane by a variable shift of qh broadcast (of qh << 4
+ * for values 0..15, so that no count is negative), then masked: no table, no scalar work per lane */
 static inline void q5_to_float(const uint8_t *qs, uint32_t qh, vf q[32 / VW]) {
-    const __m256i mask = _mm256_set1_epi32(0x0f);
+    const __m256i mask = _mm256_set1_epi32(0x0f), sixteen = _mm256_set1_epi32(16);
+    const __m256i low_bits = _mm256_set1_epi32((int)(qh << 4)), high_bits = _mm256_set1_epi32((int)qh);
     for (int c = 0; c < 2; c++) {
+        const __m256i counts = _mm256_setr_epi32(8 * c, 8 * c + 1, 8 * c + 2, 8 * c + 3, 8 * c + 4, 8 * c + 5, 8 * c + 6, 8 * c + 7);
         const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * c)));
         const __m256i lo = _mm256_or_si256(_mm256_and_si256(wide, mask),
-                                           _mm256_load_si256((const __m256i *)Q5_HIGH[(qh >> (8 * c)) & 0xff]));
+                                           _mm256_and_si256(_mm256_srlv_epi32(low_bits, counts), sixteen));
         const __m256i hi = _mm256_or_si256(_mm256_srli_epi32(wide, 4),
-                                           _mm256_load_si256((const __m256i *)Q5_HIGH[(qh >> (16 + 8 * c)) & 0xff]));
+                                           _mm256_and_si256(_mm256_srlv_epi32(high_bits, _mm256_add_epi32(counts, _mm256_set1_epi32(12))), sixteen));
         q[c] = (vf)_mm256_cvtepi32_ps(lo);
         q[2 + c] = (vf)_mm256_cvtepi32_ps(hi);
     }
@@ -573,12 +569,14 @@ static inline float q5_0_m(const uint8_t *blk) { return -16.0f * fp16_to_fp32(lo
 static inline void q5_1_q(const uint8_t *blk, vf q[32 / VW]) { q5_to_float(blk + 8, load_u32(blk + 4), q); }
 static inline float q5_1_m(const uint8_t *blk) { return fp16_to_fp32(load_u16(blk + 2)); }
 
+#ifdef TABLE_FOLDED_ROWS
 /* IQ4_NL / MXFP4's table values, unscaled, of 16 bytes of nibbles (values i: low, 16 + i: high) */
 static inline void iq4_nl_q(const uint8_t *blk, vf q[32 / VW]) { nibble_table_q(IQ4_VALUES, blk + 2, q); }
 static inline float iq4_nl_m(const uint8_t *blk) { (void)blk; return 0.0f; }
 static inline float mxfp4_d(const uint8_t *blk) { return e8m0_to_fp32_half(blk[0]); }
 static inline void mxfp4_q(const uint8_t *blk, vf q[32 / VW]) { nibble_table_q(MXFP4_VALUES, blk + 1, q); }
 static inline float mxfp4_m(const uint8_t *blk) { (void)blk; return 0.0f; }
+#endif
 
 /* BB-byte blocks of 32 (NAME##_q, NAME##_m above). Blocks go in pairs, each into its own
  * accumulator (two chains a row). */
@@ -616,68 +614,95 @@ static inline float mxfp4_m(const uint8_t *blk) { (void)blk; return 0.0f; }
                                (residual != NULL ? residual[m * ldr + j] : 0.0f);                               \
     }
 
-/* Q2_K / Q3_K rows (the AVX2 and AVX-512 builds, both on 8-lane vectors: measured faster than
- * 16 lanes for these on Zen 4, which splits 512-bit operations in two anyway). A sub-block's
- * dequantized values, all 4 (Q2_K: dl * q - ml) or 8 (Q3_K: dl * (q - 4)) of them, are a table of
- * floats in one register, built with one FMA (the reference's rounding: dl * q is exact); each
- * value's bits, shifted into place in its 32-bit lane, index it with one permute (vpermilps reads
- * the low 2 bits of a lane, vpermps the low 3, so the bits above need no mask). A value then costs
- * a shift, a permute and its FMA with x, against extract, convert, scale and FMA before. */
+/* Q2_K / Q3_K rows (AVX2 and AVX-512 builds), folded as the rows above: per sub-block of 16, the
+ * 2-bit (Q2_K) or 3-bit (Q3_K) integers as floats times x, then times the sub-block's scale dl
+ * once; Q2_K's mins as dmin * m times the sub-block's sum of x (once per call for all rows). The
+ * integers come from a constant table in one register indexed by each value's 2 low bits, shifted
+ * into place in its 32-bit lane (vpermilps reads the low 2 bits of a lane: the bits above need no
+ * mask); Q3_K's values with the high bit set are 4 higher, added under a lane mask (AVX-512) or
+ * an and-mask (AVX2). The scales of a row are computed first, into memory the loop reads them from. */
 #if defined(__AVX2__)
 #define LOW_BIT_ROWS 1
-typedef float f8 __attribute__((vector_size(32)));
-typedef int32_t i8 __attribute__((vector_size(32)));
-
-static inline f8 load_f8(const float *p) {
-    f8 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-static inline i8 load_8_bytes(const uint8_t *p) { return (i8)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
-static inline f8 splat8(float s) { return s - (f8){0}; }
-static inline float hsum8(f8 v) {
-    const vf4 h4 = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
-    return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+static inline vf permute4(vf table, vi idx) {
+#if VW == 16
+    return (vf)_mm512_permutevar_ps((__m512)table, (__m512i)idx);
+#else
+    return (vf)_mm256_permutevar_ps((__m256)table, (__m256i)idx);
+#endif
 }
 
-static inline void store_row_out(const int M, f8 acc[FEW_ROWS][2], float *out, int64_t ldo, const float *bias,
-                                 const float *residual, int64_t ldr, int64_t j) {
+static inline void low_bit_out(const int M, vf acc[FEW_ROWS][2], const float *macc, float *out, int64_t ldo,
+                               const float *bias, const float *residual, int64_t ldr, int64_t j) {
     const float add = bias != NULL ? bias[j] : 0.0f;
     for (int m = 0; m < M; m++)
-        out[m * ldo + j] = hsum8(acc[m][0] + acc[m][1]) + add + (residual != NULL ? residual[m * ldr + j] : 0.0f);
+        out[m * ldo + j] = (hsum(acc[m][0] + acc[m][1]) - macc[m]) + add + (residual != NULL ? residual[m * ldr + j] : 0.0f);
+}
+
+/* the 2 * 16 / VW vectors of 16 values of field s (bits 2s, 2s + 1) of q[half * 16 / VW ..] looked
+ * up in `table`, Q3_K's high bits (hmask bit hbit, hm != NULL) adding 4, times x, summed */
+static inline vf sub_block_dot(vf table, const vi *q, int s, const uint8_t *hm, int hbit, const float *xe) {
+    vf sum = (vf){0};
+    for (int v = 0; v < 16 / VW; v++) {
+        vf w = permute4(table, q[v] >> (2 * s));
+        if (hm != NULL) {
+#if VW == 16
+            const __mmask16 high = _mm_test_epi8_mask(_mm_loadu_si128((const __m128i *)hm), _mm_set1_epi8((char)(1 << hbit)));
+            w = (vf)_mm512_mask_add_ps((__m512)w, high, (__m512)w, _mm512_set1_ps(4.0f));
+#else
+            vb hb;
+            memcpy(&hb, hm + v * VW, VW);
+            const vi sign = bytes_to_int(hb) << (31 - hbit) >> 31; /* the bit spread over its lane */
+            w += (vf)(sign & (vi)splat(4.0f));
+#endif
+        }
+        sum += w * loadf(xe + v * VW);
+    }
+    return sum;
 }
 
 static inline __attribute__((always_inline)) void q2_k_row(const int M, float *out, int64_t ldo, const float *x,
                                                            int64_t ldx, const uint8_t *row, const float *bias,
                                                            const float *residual, int64_t ldr, int64_t j, int64_t k,
                                                            const float *xs) {
-    (void)xs;
-    f8 acc[FEW_ROWS][2];
-    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = (f8){0};
-    const f8 pat = {0, 1, 2, 3, 0, 1, 2, 3};
+    vf acc[FEW_ROWS][2];
+    float macc[FEW_ROWS];
+    vf mv[FEW_ROWS];
+    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = mv[m] = (vf){0};
+    float dls[k / 16];
     for (int64_t b = 0; b < k / 256; b++) {
-        const uint8_t *blk = row + b * 84, *qs = blk + 16;
-        const f8 d = splat8(fp16_to_fp32(load_u16(blk + 80))), dmin = splat8(fp16_to_fp32(load_u16(blk + 82)));
-        float dl[16], ml[16];
-        for (int c = 0; c < 2; c++) {
-            const i8 sc = load_8_bytes(blk + 8 * c);
-            const f8 a = d * __builtin_convertvector(sc & 0x0f, f8), mn = dmin * __builtin_convertvector(sc >> 4, f8);
-            memcpy(dl + 8 * c, &a, sizeof a);
-            memcpy(ml + 8 * c, &mn, sizeof mn);
+        const uint8_t *blk = row + b * 84;
+        const vf d = splat(fp16_to_fp32(load_u16(blk + 80))), dmin = splat(fp16_to_fp32(load_u16(blk + 82)));
+        for (int c = 0; c < 16 / VW; c++) {
+            vb bytes;
+            memcpy(&bytes, blk + c * VW, VW);
+            const vi sc = bytes_to_int(bytes);
+            const vf dl = d * int_to_float(sc & 0x0f), ml = dmin * int_to_float(sc >> 4);
+            memcpy(dls + 16 * b + c * VW, &dl, sizeof dl);
+            for (int m = 0; m < M; m++) mv[m] += ml * loadf(xs + m * (k / 16) + 16 * b + c * VW);
         }
-        for (int h = 0; h < 2; h++)
-            for (int i = 0; i < 32; i += 8) {
-                const i8 q = load_8_bytes(qs + 32 * h + i);
-                for (int s = 0; s < 4; s++) {
-                    const int sb = 8 * h + 2 * s + i / 16;
-                    const f8 table = pat * splat8(dl[sb]) - splat8(ml[sb]);
-                    const f8 w = (f8)_mm256_permutevar_ps((__m256)table, (__m256i)(q >> (2 * s)));
-                    const float *xe = x + b * 256 + 128 * h + 32 * s + i;
-                    for (int m = 0; m < M; m++) acc[m][s & 1] += w * load_f8(xe + m * ldx);
-                }
-            }
     }
-    store_row_out(M, acc, out, ldo, bias, residual, ldr, j);
+    for (int m = 0; m < M; m++) macc[m] = hsum(mv[m]);
+    vf pat;
+    for (int l = 0; l < VW; l++) pat[l] = (float)(l & 3);
+    for (int64_t b = 0; b < k / 256; b++) {
+        const uint8_t *qs = row + b * 84 + 16;
+        for (int h = 0; h < 2; h++) {
+            vi q[32 / VW];
+            for (int v = 0; v < 32 / VW; v++) {
+                vb bytes;
+                memcpy(&bytes, qs + 32 * h + v * VW, VW);
+                q[v] = bytes_to_int(bytes);
+            }
+            for (int s = 0; s < 4; s++)
+                for (int half = 0; half < 2; half++) {
+                    const vf dl = splat(dls[16 * b + 8 * h + 2 * s + half]);
+                    for (int m = 0; m < M; m++)
+                        acc[m][half] += dl * sub_block_dot(pat, q + half * (16 / VW), s, NULL, 0,
+                                                           x + m * ldx + b * 256 + 128 * h + 32 * s + 16 * half);
+                }
+        }
+    }
+    low_bit_out(M, acc, macc, out, ldo, bias, residual, ldr, j);
 }
 
 static inline __attribute__((always_inline)) void q3_k_row(const int M, float *out, int64_t ldo, const float *x,
@@ -685,37 +710,43 @@ static inline __attribute__((always_inline)) void q3_k_row(const int M, float *o
                                                            const float *residual, int64_t ldr, int64_t j, int64_t k,
                                                            const float *xs) {
     (void)xs;
-    f8 acc[FEW_ROWS][2];
-    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = (f8){0};
-    const f8 pat = {-4, -3, -2, -1, 0, 1, 2, 3};
+    vf acc[FEW_ROWS][2];
+    float macc[FEW_ROWS];
+    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = (vf){0}, macc[m] = 0.0f;
+    float dls[k / 16];
     for (int64_t b = 0; b < k / 256; b++) {
-        const uint8_t *blk = row + b * 110, *qs = blk + 32;
-        const f8 d = splat8(fp16_to_fp32(load_u16(blk + 108)));
+        const uint8_t *blk = row + b * 110;
+        const vf d = splat(fp16_to_fp32(load_u16(blk + 108)));
         uint8_t bytes16[16];
         q3_k_scales(blk + 96, bytes16);
-        float dl[16];
-        for (int c = 0; c < 2; c++) {
-            const f8 v = d * __builtin_convertvector(load_8_bytes(bytes16 + 8 * c) - 32, f8);
-            memcpy(dl + 8 * c, &v, sizeof v);
-        }
-        for (int i = 0; i < 32; i += 8) {
-            const i8 hm = load_8_bytes(blk + i);
-            for (int h = 0; h < 2; h++) {
-                const i8 q = load_8_bytes(qs + 32 * h + i);
-                for (int s = 0; s < 4; s++) {
-                    /* bits 0-1: the low part; bit 2: the high bit, brought there from bit 4 h + s */
-                    const int hb = 4 * h + s;
-                    const i8 high_bit = hb >= 2 ? hm >> (hb - 2) : hm << (2 - hb);
-                    const i8 idx = ((q >> (2 * s)) & 3) | (high_bit & 4);
-                    const int sb = 8 * h + 2 * s + i / 16;
-                    const f8 w = (f8)_mm256_permutevar8x32_ps((__m256)(pat * splat8(dl[sb])), (__m256i)idx);
-                    const float *xe = x + b * 256 + 128 * h + 32 * s + i;
-                    for (int m = 0; m < M; m++) acc[m][s & 1] += w * load_f8(xe + m * ldx);
-                }
-            }
+        for (int c = 0; c < 16 / VW; c++) {
+            vb bytes;
+            memcpy(&bytes, bytes16 + c * VW, VW);
+            const vf dl = d * int_to_float(bytes_to_int(bytes) - 32);
+            memcpy(dls + 16 * b + c * VW, &dl, sizeof dl);
         }
     }
-    store_row_out(M, acc, out, ldo, bias, residual, ldr, j);
+    vf pat;
+    for (int l = 0; l < VW; l++) pat[l] = (float)((l & 3) - 4);
+    for (int64_t b = 0; b < k / 256; b++) {
+        const uint8_t *blk = row + b * 110, *qs = blk + 32;
+        for (int h = 0; h < 2; h++) {
+            vi q[32 / VW];
+            for (int v = 0; v < 32 / VW; v++) {
+                vb bytes;
+                memcpy(&bytes, qs + 32 * h + v * VW, VW);
+                q[v] = bytes_to_int(bytes);
+            }
+            for (int s = 0; s < 4; s++)
+                for (int half = 0; half < 2; half++) {
+                    const vf dl = splat(dls[16 * b + 8 * h + 2 * s + half]);
+                    for (int m = 0; m < M; m++)
+                        acc[m][half] += dl * sub_block_dot(pat, q + half * (16 / VW), s, blk + 16 * half, 4 * h + s,
+                                                           x + m * ldx + b * 256 + 128 * h + 32 * s + 16 * half);
+                }
+        }
+    }
+    low_bit_out(M, acc, macc, out, ldo, bias, residual, ldr, j);
 }
 #endif
 
@@ -738,7 +769,7 @@ static inline void store_folded_out(const int M, vf acc[FEW_ROWS][2], const floa
 }
 
 /* IQ4_XS: d, the 2 high bits of eight 6-bit signed scales (one uint16), their 4 low bits, eight
- * runs of 32 values as IQ4_NL's nibbles */
+ * runs of 32 values as IQ4_NL's nibbles (AVX-512: looked up in the table times d * scale) */
 static inline __attribute__((always_inline)) void iq4_xs_row(const int M, float *out, int64_t ldo, const float *x,
                                                              int64_t ldx, const uint8_t *row, const float *bias,
                                                              const float *residual, int64_t ldr, int64_t j, int64_t k,
@@ -751,12 +782,29 @@ static inline __attribute__((always_inline)) void iq4_xs_row(const int M, float 
         const uint8_t *blk = row + b * 136;
         const float d = fp16_to_fp32(load_u16(blk));
         const uint16_t scales_h = load_u16(blk + 2);
+#ifdef TABLE_FOLDED_ROWS
+        /* the eight scales times d in one pass of 32-bit lanes (lane r: scale r), not eight scalar
+         * extractions and conversions */
+        float dss[VW];
+        const vi lane = (vi)lane_ids(); /* VW is 8 in the builds with these rows */
+        const vi low = ((int32_t)load_u32(blk + 4) - (vi){0}) >> (lane * 4) & 0x0f;
+        const vi high = ((int32_t)scales_h - (vi){0}) >> (lane * 2) & 3;
+        const vf dsv = splat(d) * int_to_float((low | high << 4) - 32);
+        memcpy(dss, &dsv, sizeof dss);
+#endif
         for (int r = 0; r < 8; r++) {
-            const int scale = (((blk[4 + r / 2] >> (4 * (r % 2))) & 0x0f) | (((scales_h >> (2 * r)) & 3) << 4)) - 32;
-            const vf ds = splat(d * (float)scale);
+#ifdef TABLE_FOLDED_ROWS
+            const vf ds = splat(dss[r]);
             vf q[32 / VW];
             nibble_table_q(IQ4_VALUES, blk + 8 + 16 * r, q);
             for (int m = 0; m < M; m++) acc[m][r & 1] += ds * dot_run(q, x + m * ldx + b * 256 + 32 * r, 32 / VW);
+#else
+            const int scale = (((blk[4 + r / 2] >> (4 * (r % 2))) & 0x0f) | (((scales_h >> (2 * r)) & 3) << 4)) - 32;
+            vf w[32 / VW];
+            deq_nibble_table(IQ4_VALUES, d * (float)scale, blk + 8 + 16 * r, w);
+            for (int m = 0; m < M; m++)
+                for (int t = 0; t < 32 / VW; t++) acc[m][t & 1] += w[t] * loadf(x + m * ldx + b * 256 + 32 * r + t * VW);
+#endif
         }
     }
     store_folded_out(M, acc, macc, out, ldo, bias, residual, ldr, j);
@@ -828,13 +876,13 @@ static inline __attribute__((always_inline)) void q6_k_row(const int M, float *o
 /* Per format: NAME##_range (rows [j0, j1) of the output on the calling thread: what the decode
  * step's team runs), NAME##_few (the GEMV for up to FEW_ROWS rows, the rows split over the
  * threads), NAME##_deq_row, NAME##_panel. The row body is inlined with M a constant (so the
- * accumulators live in registers). XSUM: the row wants per-block sums of x. */
+ * accumulators live in registers). XSUM: the row wants sums of x per run of XSUM values (0: none). */
 #define DEFINE_FORMAT(NAME, DEQ, QK, BB, XSUM)                                                                 \
     static void NAME##_range(int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *w,      \
                              int64_t row_bytes, const float *bias, const float *residual, int64_t ldr, int64_t j0, \
                              int64_t j1, int64_t k) {                                                           \
-        float xs[XSUM ? M * (k / 32) : 1];                                                                      \
-        if (XSUM) block_sums(xs, M, x, ldx, k);                                                                 \
+        float xs[XSUM ? M * (k / (XSUM ? XSUM : 1)) : 1];                                                       \
+        if (XSUM) block_sums(xs, M, x, ldx, k, XSUM);                                                           \
         for (int64_t j = j0; j < j1; j++) {                                                                     \
             const uint8_t *row = w + j * row_bytes;                                                             \
             switch (M) {                                                                                        \
@@ -889,21 +937,30 @@ DEFINE_FOLDED_ROW(q5_1, 24, 1)
 DEFINE_ROW(q2_k, deq_q2_k, 256, 84)
 DEFINE_ROW(q3_k, deq_q3_k, 256, 110)
 #endif
+#ifdef TABLE_FOLDED_ROWS
 DEFINE_FOLDED_ROW(iq4_nl, 18, 0)
 DEFINE_FOLDED_ROW(mxfp4, 17, 0)
+#else
+DEFINE_ROW(iq4_nl, deq_iq4_nl, 32, 18)
+DEFINE_ROW(mxfp4, deq_mxfp4, 32, 17)
+#endif
 
-DEFINE_FORMAT(q4_0, deq_q4_0, 32, 18, 1)
-DEFINE_FORMAT(q4_1, deq_q4_1, 32, 20, 1)
+DEFINE_FORMAT(q4_0, deq_q4_0, 32, 18, 32)
+DEFINE_FORMAT(q4_1, deq_q4_1, 32, 20, 32)
 DEFINE_FORMAT(q8_0, deq_q8_0, 32, 34, 0)
-DEFINE_FORMAT(q4_k, deq_q4_k, 256, 144, 1)
+DEFINE_FORMAT(q4_k, deq_q4_k, 256, 144, 32)
 DEFINE_FORMAT(q5_k, deq_q5_k, 256, 176, 0)
 DEFINE_FORMAT(q6_k, deq_q6_k, 256, 210, 0)
 DEFINE_FORMAT(f16, deq_f16, 32, 64, 0)
 DEFINE_FORMAT(bf16, deq_bf16, 32, 64, 0)
 DEFINE_FORMAT(f32, deq_f32, 32, 128, 0)
-DEFINE_FORMAT(q5_0, deq_q5_0, 32, 22, 1)
-DEFINE_FORMAT(q5_1, deq_q5_1, 32, 24, 1)
+DEFINE_FORMAT(q5_0, deq_q5_0, 32, 22, 32)
+DEFINE_FORMAT(q5_1, deq_q5_1, 32, 24, 32)
+#ifdef LOW_BIT_ROWS
+DEFINE_FORMAT(q2_k, deq_q2_k, 256, 84, 16)
+#else
 DEFINE_FORMAT(q2_k, deq_q2_k, 256, 84, 0)
+#endif
 DEFINE_FORMAT(q3_k, deq_q3_k, 256, 110, 0)
 DEFINE_FORMAT(iq4_nl, deq_iq4_nl, 32, 18, 0)
 DEFINE_FORMAT(iq4_xs, deq_iq4_xs, 256, 136, 0)

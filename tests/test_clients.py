@@ -128,12 +128,15 @@ def test_lm_eval_vllm_scores_equal_its_hf_scores(tmp_path, smollm2_dir):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
+    from shmvllm.model.registry import gguf_source
+
     _write_tasks(tmp_path)
     tasks = ["shm_choice", "shm_generate"]
+    gguf = gguf_source(smollm2_dir)  # the cached directory holds no weights: HF dequantizes the file itself
     results = {}
     for name, args in (
         ("vllm", {"pretrained": str(smollm2_dir), "dtype": "float32", "max_model_len": 1024, "gpu_memory_utilization": 0.9}),
-        ("hf", {"pretrained": str(smollm2_dir), "dtype": "float32", "device": "cpu"}),
+        ("hf", {"pretrained": str(gguf.parent), "gguf_file": gguf.name, "dtype": "float32", "device": "cpu"}),
     ):
         results[name] = simple_evaluate(model=name, model_args=args, tasks=tasks, batch_size=4,
                                         task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True)

@@ -326,6 +326,8 @@ class GGUFTensorRef(CheckpointTensor):
         self._check_columns(start, stop)
         if self.heads:
             raise ValueError(f"{self.name!r}: a column share of permuted q/k rows is not a layer's share.")
+        if (start, stop) == (0, self.shape[1]):  # every column (size 1): the rows' view of the mapping, no copy
+            return self.rows(0, self.shape[0])
         values, nbytes = GGML_BLOCKS[self.qtype]
         lo, hi = start // values * values, -(-stop // values) * values
         if (lo, hi) != (start, stop) and not (self.dense or self.dequantize):

@@ -29,6 +29,7 @@
  * (shm_decode_scratch_floats, sized for m->threads threads and contexts up to m->max_len).
  */
 typedef float act_t;
+#include <math.h>
 #include "attention.h"
 #include "quant_kernels.c"
 

@@ -214,10 +214,10 @@ def engine_channel(factory: Callable[[], tuple[Endpoint, Addresses]]) -> Iterato
 
     original = core_client.EngineCoreClient.make_client
 
-    def make_client(config: Any, multiprocess: bool = True) -> Any:
+    def make_client(config: Any, multiprocess: bool = True, started: Optional[Callable[[], None]] = None) -> Any:
         if not multiprocess:
             return original(config, multiprocess=False)
-        return core_client.MPClient(config, channel=factory)
+        return core_client.MPClient(config, channel=factory, started=started)
 
     core_client.EngineCoreClient.make_client = staticmethod(make_client)  # type: ignore[method-assign]
     try:

@@ -82,6 +82,8 @@ class LLMEngine:
         self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess,
                                                         started=start_tokenizer if fork else None)
         engine_ready = time.perf_counter()
+        if fork and not loading:  # a client that did not call `started` (InprocClient, a test's stand-in)
+            start_tokenizer()
         tokenizer = loading[0] if loading else None
         try:
             self.tokenizer = None if tokenizer is None else tokenizer.result()

@@ -128,7 +128,7 @@ def SHMVLLM_ENGINE_START() -> str:
 
 
 def set_default_engine_start(method: str) -> None:
-    """The start method when neither variable is set (install_as_vllm() sets "fork")."""
+    """The start method when neither variable is set (a Ray replica sets "program")."""
     global _default_engine_start
     if method not in ("program", "fork"):
         raise ValueError(f"the engine start method must be 'program' or 'fork', got {method!r}.")

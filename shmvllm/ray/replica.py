@@ -46,6 +46,9 @@ class Replica:
         # The engine process inherits the environment: its torch runs as many threads as Ray
         # gave this replica CPUs.
         envs.set_omp_num_threads(config.num_cpus)
+        # A Ray worker's own threads (gRPC, the core worker) run at any moment: a fork could copy
+        # a lock one of them holds, so its engine starts as a fresh program (unless the env says).
+        envs.set_default_engine_start("program")
         self.config = config
         self.llm: Optional[LLM] = None
         self.janitor: Optional[Janitor] = None  # set before starting it: __del__ calls close()

@@ -61,6 +61,26 @@ class PagedModel:
         return list(logits.split([s[2] for s in seqs]))
 
 
+def native_and_layered(paged: PagedModel, lengths: list[int], vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Prefill random prompts of `lengths`, then one decode step of all of them twice: through the
+    native decode step (asserted to have run) and layer by layer; their outputs, pairwise."""
+    step = paged.model.model.decode_step
+    assert step is not None
+    prompts = [np.random.default_rng(n).integers(4, vocab, size=n).tolist() for n in lengths]
+    tables = [paged.blocks_for(len(p) + 3) for p in prompts]
+    paged.step([(p, 0, len(p), t) for p, t in zip(prompts, tables)])
+    seqs = [(p + [7], len(p), 1, t) for p, t in zip(prompts, tables)]
+    ran = step.steps
+    fused = paged.step(seqs)
+    assert step.steps == ran + 1
+    paged.model.model.decode_step = None
+    try:
+        layered = paged.step(seqs)
+    finally:
+        paged.model.model.decode_step = step
+    return list(zip(fused, layered))
+
+
 def _hf_logits(model_dir: Path, tokens: list[int]) -> torch.Tensor:
     from conftest import hf_causal_lm
 

@@ -53,26 +53,12 @@ def test_native_decode_step_equals_the_layer_path(family_dir):
     """One and three requests (rows sharing an expert run it once on both rows): the native step's
     routing (C's expf softmax, top-k, the experts' GEMVs, the weighted sum) gives the layer path's
     hidden states."""
-    import numpy as np
-
-    from test_model_llama import PagedModel
+    from test_model_llama import PagedModel, native_and_layered
     from tiny_models import VOCAB
 
     paged = PagedModel(family_dir, num_blocks=64, max_model_len=256)
-    step = paged.model.model.decode_step
-    assert step is not None
     for lengths in ([5], [9, 70, 21]):
-        prompts = [np.random.default_rng(n).integers(4, VOCAB, size=n).tolist() for n in lengths]
-        tables = [paged.blocks_for(len(p) + 3) for p in prompts]
-        paged.step([(p, 0, len(p), t) for p, t in zip(prompts, tables)])
-        seqs = [(p + [7], len(p), 1, t) for p, t in zip(prompts, tables)]
-        paged.model.model.decode_step = step
-        ran = step.steps
-        fused = paged.step(seqs)
-        assert step.steps == ran + 1
-        paged.model.model.decode_step = None
-        layered = paged.step(seqs)
-        for a, b in zip(fused, layered):
+        for a, b in native_and_layered(paged, lengths, VOCAB):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 

@@ -18,7 +18,7 @@ from shmvllm.model.quant import FORMAT_IDS, quantize
 from shmvllm.model.registry import gguf_source
 
 from test_engine_core import assert_greedy_matches_hf, make_engine, random_prompts
-from test_model_llama import PagedModel, _tokens
+from test_model_llama import PagedModel, _tokens, native_and_layered
 
 pytestmark = pytest.mark.skipif(not quant_isas_supported(), reason="the quantized kernels could not be built")
 
@@ -126,20 +126,8 @@ def test_native_decode_step_equals_the_layer_path_for_every_family(family, tmp_p
     from tiny_models import VOCAB, build_tiny
 
     paged = PagedModel(build_tiny(family, tmp_path / family, **FAMILY_OPTIONS[family]), num_blocks=220, max_model_len=1024)
-    step = paged.model.model.decode_step
-    assert step is not None
     for lengths in ([5], [9, 700, 21]):
-        prompts = [np.random.default_rng(n).integers(4, VOCAB, size=n).tolist() for n in lengths]
-        tables = [paged.blocks_for(len(p) + 3) for p in prompts]
-        paged.step([(p, 0, len(p), t) for p, t in zip(prompts, tables)])
-        seqs = [(p + [7], len(p), 1, t) for p, t in zip(prompts, tables)]
-        paged.model.model.decode_step = step
-        ran = step.steps
-        fused = paged.step(seqs)
-        assert step.steps == ran + 1
-        paged.model.model.decode_step = None
-        layered = paged.step(seqs)
-        for a, b in zip(fused, layered):
+        for a, b in native_and_layered(paged, lengths, VOCAB):
             assert torch.equal(a, b), (family, lengths)
 
 

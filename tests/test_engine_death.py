@@ -20,6 +20,9 @@ from shmvllm.engine.exceptions import EngineDeadError
 
 ENGINE_ARGS = dict(max_model_len=256, num_kv_blocks=64)
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+# Work for seconds even on a fast machine (a tiny model decodes 200 tokens in ~0.3 s): 64 requests
+# through 64 KV blocks per engine run in waves, so the kill always lands mid-generation.
+PROMPTS = [f"prompt {i}" for i in range(64)]
 _NAME = re.compile(r"^(?:sem\.)?ipcring-(\d+)-")
 
 pytestmark = pytest.mark.usefixtures("no_engine_left_behind")
@@ -44,14 +47,14 @@ def _kill_mid_generate(llm: LLM, victim: int, tree: set[int]) -> None:
     killed_at: list[float] = []
 
     def kill() -> None:
-        time.sleep(0.5)
+        time.sleep(0.3)
         killed_at.append(time.monotonic())
         os.kill(victim, signal.SIGKILL)
 
     killer = threading.Thread(target=kill)
     killer.start()
     with pytest.raises(EngineDeadError):
-        llm.generate([f"prompt {i}" for i in range(8)], LONG, use_tqdm=False)
+        llm.generate(PROMPTS, LONG, use_tqdm=False)
     raised_at = time.monotonic()
     killer.join()
     assert killed_at, "generate ended before the kill"

@@ -326,15 +326,78 @@ def test_decoder_embedder_matches_sentence_transformers(tmp_path_factory, tiny_q
     assert _cosines(got, expected).min() >= 0.99999
 
 
-def test_bidirectional_decoder_is_refused(tmp_path):
-    """EmbeddingGemma's bidirectional attention is not run causally: the model is refused by name."""
-    from transformers import Gemma3TextConfig
+@pytest.fixture(scope="module")
+def embedding_gemma(tmp_path_factory, smollm2_dir):
+    """EmbeddingGemma's recipe at a tiny size: a Gemma3TextModel checkpoint (tensors without "model.")
+    with bidirectional attention, sliding layers of window 8 (transformers: 4 positions either side)
+    around a global one, mean pooling, two bias-free Dense layers, Normalize, and its prompts."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules as models
+    from transformers import AutoModel, AutoTokenizer, Gemma3TextConfig
 
+    source = tmp_path_factory.mktemp("gemma3-text")
+    config = Gemma3TextConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, max_position_embeddings=512, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], use_bidirectional_attention=True,
+        architectures=["Gemma3TextModel"], pad_token_id=2, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = AutoModel.from_config(config).float().eval()
+    with torch.no_grad():  # wider than the init, so that the window and the direction of attention show
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(source)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    tokenizer.chat_template = None  # else sentence-transformers 6 wraps texts in it
+    tokenizer.save_pretrained(source)
+    torch.manual_seed(1)
+    modules = [
+        models.Transformer(str(source)), models.Pooling(64, pooling_mode="mean"),
+        models.Dense(64, 128, bias=False, activation_function=torch.nn.Identity()),
+        models.Dense(128, 64, bias=False, activation_function=torch.nn.Identity()), models.Normalize(),
+    ]
+    target = tmp_path_factory.mktemp("embeddinggemma-st")
+    prompts = {"query": "task: search result | query: ", "document": "title: none | text: "}
+    SentenceTransformer(modules=modules, device="cpu", prompts=prompts).save(str(target))
+    return target
+
+
+def test_embedding_gemma_matches_sentence_transformers(embedding_gemma):
+    """Bidirectional, banded attention over the packed sequences; prompts and Matryoshka dimensions."""
+    from sentence_transformers import SentenceTransformer
+
+    reference = SentenceTransformer(str(embedding_gemma), device="cpu")
+    assert type(reference[0].auto_model).__name__ == "Gemma3TextModel"
+    texts = [t for t in TEXTS if t]
+    with LLM(model=str(embedding_gemma), multiprocess=False) as llm:
+        assert llm.pooling_task == "embed"
+        for prompt_name in ("query", "document"):
+            got = np.stack([o.outputs.numpy() for o in llm.embed(texts, use_tqdm=False, prompt_name=prompt_name)])
+            expected = reference.encode(texts, batch_size=4, prompt_name=prompt_name)
+            assert got.shape == expected.shape == (len(texts), 64)
+            assert _cosines(got, expected).min() >= 0.99999
+        small = llm.embed(texts, PoolingParams(dimensions=16), use_tqdm=False, prompt_name="query")
+        truncated = SentenceTransformer(str(embedding_gemma), device="cpu", truncate_dim=16).encode(
+            texts, prompt_name="query", normalize_embeddings=True)
+        got = np.stack([o.outputs.numpy() for o in small])
+        assert got.shape == (len(texts), 16)
+        assert _cosines(got, truncated).min() >= 0.99999
+    with pytest.raises(ValueError, match="use_bidirectional_attention=True: it embeds"):
+        LLM(model=str(embedding_gemma), task="generate")
+
+
+def test_bidirectional_flag_of_another_family_is_refused(tmp_path):
+    """Only Gemma 3 reads use_bidirectional_attention: another family's model is refused, not run causally."""
     from shmvllm.config import ModelConfig
+    from shmvllm.model.hf_config import HFConfig, config_values
     from shmvllm.worker.pooling_runner import PoolingModelRunner
+    from transformers import Qwen3Config
 
-    hf_config = Gemma3TextConfig(architectures=["Gemma3ForCausalLM"], use_bidirectional_attention=True)
-    config = ModelConfig(model="g", model_dir=tmp_path, hf_config=hf_config, task="embed", dtype="float32",
+    values = config_values(Qwen3Config(architectures=["Qwen3ForCausalLM"]))
+    hf_config = HFConfig({**values, "use_bidirectional_attention": True})
+    config = ModelConfig(model="q", model_dir=tmp_path, hf_config=hf_config, task="embed", dtype="float32",
                          device="cpu", max_model_len=128)
-    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+    with pytest.raises(ValueError, match="use_bidirectional_attention=True .* Gemma 3 only"):
         PoolingModelRunner(config)

@@ -118,6 +118,9 @@ class EngineArgs(VllmArgs):
         task = self._task(model_dir, hf_config)
         if task == "generate":
             decoder_architecture(hf_config)  # an unsupported model is refused here, before the engine starts
+            if getattr(hf_config, "use_bidirectional_attention", False):
+                raise ValueError(f"model {self.model!r} has use_bidirectional_attention=True: it embeds (task='embed'), "
+                                 "it does not generate.")
         dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         dtype = dtype if dtype != "auto" else _default_dtype(device, hf_config, task)
         max_model_len = _resolve_max_model_len(self.max_model_len, hf_config, model_dir)

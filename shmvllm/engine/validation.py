@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import types
 import typing
 from typing import Any, Literal, Optional, Union
 
@@ -50,6 +51,17 @@ def _matches(value: Any, hint: Any) -> bool:
     return isinstance(value, hint) if isinstance(hint, type) else True
 
 
+def _type_name(hint: Any) -> str:
+    """'int or None' for Optional[int], 'bool' for bool: the names a user writes."""
+    if hint is type(None):
+        return "None"
+    if isinstance(hint, type):
+        return hint.__name__
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(hint))
+    return str(hint).replace("typing.", "")
+
+
 def check_engine_args(args: Any) -> None:
     """TypeError / ValueError naming the EngineArgs field and its value; nothing is started.
 
@@ -63,7 +75,7 @@ def check_engine_args(args: Any) -> None:
         value = getattr(args, f.name)
         hint = hints.get(f.name, Any)
         if not _matches(value, hint):
-            expected = str(hint).replace("typing.", "")
+            expected = _type_name(hint)
             raise TypeError(f"{f.name} must be {expected}, got {_short(value)} ({type(value).__name__}).")
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{f.name} must be a finite number, got {value!r}.")

@@ -20,7 +20,9 @@ to its slot (slot_mapping), then
 
 Per layer, two options of the decoder families: a sliding window (the query at position p sees
 the keys at positions > p - window, as transformers' sliding-window mask) and Gemma 2's
-soft-capping of the scores (cap * tanh(score / cap), before the mask). The cache keeps every
+soft-capping of the scores (cap * tanh(score / cap), before the mask). A bidirectional layer
+(EmbeddingGemma's, pooling only) attends a whole fresh sequence both ways, its window the keys
+closer than `window` either side. The cache keeps every
 block of a request for every layer (a block that only sliding layers could drop is kept for the
 global ones), so prefix caching, chunked prefill and preemption work on it unchanged; a sliding
 layer just reads the last `window` positions.
@@ -55,16 +57,21 @@ class PrefillSeq:
     context_slots: Optional[torch.Tensor]  # [seq_len] cache slots of the whole context; None: no prefix
     mask: Optional[torch.Tensor]  # [chunk_len, seq_len] bool, True = may attend; None: plain causal
     num_computed: int = 0  # context positions before the chunk
-    masks: dict = field(default_factory=dict)  # window -> the mask of a sliding layer, built once a step
+    masks: dict = field(default_factory=dict)  # (window, causal) -> the mask of a sliding layer, built once a step
 
-    def window_mask(self, window: int, device: torch.device) -> torch.Tensor:
-        """[chunk_len, seq_len] bool: causal and within the last `window` positions."""
-        mask = self.masks.get(window)
+    def window_mask(self, window: int, device: torch.device, causal: bool = True) -> torch.Tensor:
+        """[chunk_len, seq_len] bool: causal and within the last `window` positions; not causal:
+        within `window` - 1 positions either side."""
+        mask = self.masks.get((window, causal))
         if mask is None:
             chunk = self.end - self.start
             query_pos = torch.arange(self.num_computed, self.num_computed + chunk, device=device)[:, None]
             key_pos = torch.arange(self.num_computed + chunk, device=device)[None, :]
-            mask = self.masks[window] = (key_pos <= query_pos) & (key_pos > query_pos - window)
+            if causal:
+                mask = (key_pos <= query_pos) & (key_pos > query_pos - window)
+            else:
+                mask = (key_pos - query_pos).abs() < window
+            self.masks[(window, causal)] = mask
         return mask
 
 
@@ -171,11 +178,12 @@ def _prefill_seq(
 
 
 class PagedAttention(torch.nn.Module):
-    """Causal self-attention of one layer; q/k/v come in flat as [num_tokens, heads, head_dim]."""
+    """Self-attention of one layer; q/k/v come in flat as [num_tokens, heads, head_dim].
+    causal=False: each prefill sequence attends to all of its own tokens (no cached prefix, no decodes)."""
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-        sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+        sliding_window: Optional[int] = None, softcap: Optional[float] = None, causal: bool = True,
     ) -> None:
         super().__init__()
         if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
@@ -188,6 +196,7 @@ class PagedAttention(torch.nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.softcap = softcap
+        self.causal = causal
         self.k_cache: Optional[torch.Tensor] = None  # bound by the model runner
         self.v_cache: Optional[torch.Tensor] = None
 
@@ -208,6 +217,8 @@ class PagedAttention(torch.nn.Module):
                 k_flat.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
                 v_flat.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         out = torch.empty_like(q)
+        if not self.causal and (meta.decodes is not None or any(seq.context_slots is not None for seq in meta.prefills)):
+            raise ValueError("bidirectional attention runs whole fresh sequences only (pooling), not decodes or cached prefixes.")
         if meta.decodes is not None:
             if meta.slot_mapping is None or self.k_cache is None or self.v_cache is None:
                 raise RuntimeError("decode needs the KV cache (got metadata without slot_mapping).")
@@ -296,13 +307,13 @@ class PagedAttention(torch.nn.Module):
             values = v_flat.index_select(1, seq.context_slots).unsqueeze(0)
         mask = seq.mask
         if self.sliding_window is not None and seq.num_computed + seq.end - seq.start > self.sliding_window:
-            mask = seq.window_mask(self.sliding_window, q.device)
+            mask = seq.window_mask(self.sliding_window, q.device, self.causal)
         if self.softcap is not None:
-            if mask is None:
-                mask = seq.window_mask(keys.shape[2], q.device)  # plain causal: a window as long as the sequence
+            if mask is None:  # a window as long as the sequence: plain causal, or everything
+                mask = seq.window_mask(keys.shape[2], q.device, self.causal)
             attn = self._softcapped(queries, keys, values, mask)
         elif mask is None:
-            attn = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=self.scale, enable_gqa=True)
+            attn = F.scaled_dot_product_attention(queries, keys, values, is_causal=self.causal, scale=self.scale, enable_gqa=True)
         else:
             attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
         return attn.squeeze(0).transpose(0, 1)

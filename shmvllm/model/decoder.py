@@ -70,7 +70,8 @@ _NORM_NAMES = {
 
 @dataclass(frozen=True)
 class LayerOptions:
-    sliding_window: Optional[int] = None  # the query sees the last `sliding_window` positions; None: all
+    # the query sees the last `sliding_window` positions (not causal: those closer than it either side); None: all
+    sliding_window: Optional[int] = None
     rope: Optional[str] = "global"  # which rotary table (one of DecoderOptions.rope); None: no rotary
     moe: bool = False  # the MLP is DecoderOptions.moe's mixture of experts
 
@@ -91,6 +92,7 @@ class DecoderOptions:
     residual_scale: float = 1.0  # each block's output times this before the residual add (Granite)
     attn_scale: Optional[float] = None  # score scale; None: head_dim ** -0.5
     attn_softcap: Optional[float] = None  # scores -> cap * tanh(score / cap) (Gemma 2)
+    causal: bool = True  # False: bidirectional attention within each sequence (EmbeddingGemma; pooling only)
     final_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     logits_scale: float = 1.0  # logits times this (Granite: 1 / logits_scaling)
     qkv_bias: bool = False
@@ -241,7 +243,8 @@ class Attention(nn.Module):
         self.rope = layer.rope
         scale = options.attn_scale if options.attn_scale is not None else self.head_dim**-0.5
         self.attn = PagedAttention(
-            self.num_heads, self.num_kv_heads, self.head_dim, scale, layer.sliding_window, options.attn_softcap
+            self.num_heads, self.num_kv_heads, self.head_dim, scale, layer.sliding_window, options.attn_softcap,
+            options.causal,
         )
 
     def forward(
@@ -427,7 +430,10 @@ class DecoderForCausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def checkpoint_name(self, name: str) -> str:
-        """A checkpoint tensor's name in this model's terms (the family's renames applied)."""
+        """A checkpoint tensor's name in this model's terms (the family's renames applied); a
+        base model's checkpoint (Gemma3TextModel: EmbeddingGemma) names its tensors without "model."."""
+        if not name.startswith(("model.", "lm_head.")):
+            name = "model." + name
         for old, new in self.options.renames:
             name = name.replace(old, new)
         return name

@@ -7,9 +7,9 @@ batch): every request arrives whole in `scheduled_new_reqs`, its tokens are pack
 others' (no padding), run once through the model, pooled, and forgotten.
 
 Models: the encoders of model/encoders.py (BERT, RoBERTa, XLM-RoBERTa, ModernBERT; packed, with
-an optional classification head) and the Llama family (Llama, Mistral, Qwen2; causal
-attention over each sequence's own fresh keys and values, no KV cache, usually last-token
-pooling as e5-mistral-style embedders use).
+an optional classification head) and the decoder families (causal attention over each
+sequence's own fresh keys and values, no KV cache, usually last-token pooling as Qwen3-Embedding
+uses; EmbeddingGemma's Gemma 3 attends both ways and mean-pools).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from shmvllm.core.sched.output import ModelRunnerOutput, NewRequestData, Schedul
 from shmvllm.model.attention import AttentionMetadata, PrefillSeq
 from shmvllm.model.encoders import ENCODER_MODEL_TYPES, is_classifier, load_encoder, max_positions, pooling_tasks
 from shmvllm.model.loader import MODEL_REGISTRY, get_model
+from shmvllm.model.models import decoder_architecture, family
 from shmvllm.model.pooler import PoolerConfig, PoolingType, finalize, load_pooler_config, pool
 from shmvllm.model.st_config import apply_activation, hf_classifier_activation, read_st_config
 from shmvllm.pooling_params import PoolingParams
@@ -40,9 +41,11 @@ class PoolingModelRunner:
                 f"model_type {hf_config.model_type!r} (architectures {architectures}) is not supported for "
                 f"embedding; supported: {ENCODER_MODEL_TYPES} and the architectures {sorted(MODEL_REGISTRY)}."
             )
-        if self.is_decoder and getattr(hf_config, "use_bidirectional_attention", False):
-            # EmbeddingGemma's: the decoder's attention is causal only, so such a model is refused, not run causally.
-            raise ValueError(f"use_bidirectional_attention=True (architectures {architectures}) is not supported for decoder embedders.")
+        if self.is_decoder and getattr(hf_config, "use_bidirectional_attention", False) and family(
+            decoder_architecture(hf_config)
+        ).options(hf_config).causal:
+            # only Gemma 3 (EmbeddingGemma) reads the flag: another family is refused, not run causally
+            raise ValueError(f"use_bidirectional_attention=True (architectures {architectures}) is supported for Gemma 3 only.")
         if self.is_decoder and is_classifier(hf_config):
             raise ValueError(f"architectures {architectures}: sequence classification is supported for {ENCODER_MODEL_TYPES} only.")
         self.model_config = model_config

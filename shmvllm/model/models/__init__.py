@@ -25,6 +25,7 @@ ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma3TextModel": "gemma3",  # a base model: EmbeddingGemma (bidirectional, pooling only)
     "Phi3ForCausalLM": "phi3",
     "GraniteForCausalLM": "granite",
     "Olmo2ForCausalLM": "olmo2",

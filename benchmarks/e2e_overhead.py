@@ -127,7 +127,9 @@ def _through_client(llm: Any, workload: str) -> tuple[float, int]:
         client.add_request(request)
     unfinished, tokens = {r.request_id for r in requests}, 0
     while unfinished:
-        for output in client.get_output().outputs:
+        outputs = client.get_output()
+        tokens += len(outputs.token_ids)
+        for output in outputs.outputs:
             tokens += len(output.new_token_ids)
             if output.finished:
                 unfinished.discard(output.request_id)

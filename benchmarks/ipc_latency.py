@@ -169,8 +169,10 @@ def _message(name: str) -> Any:
         ids = m.EngineCoreRequest.pack_token_ids(range(int(name[3:])))
         params = SamplingParams(max_tokens=64, temperature=0.8, top_p=0.95)
         return m.EngineCoreRequest("req-0000001", ids, params, arrival_time=time.time())
-    outputs = [m.EngineCoreOutput(request_id=f"req-{i:07d}", new_token_ids=[1000 + i]) for i in range(64)]
-    return m.EngineCoreOutputs(outputs=outputs, timestamp=time.time())
+    outputs = m.EngineCoreOutputs(timestamp=time.time())
+    for i in range(64):  # a decode step: each request's one new token, a row of the columns
+        outputs.add_tokens(f"req-{i:07d}", [1000 + i])
+    return outputs
 
 
 class _MessageMaker:

@@ -71,7 +71,7 @@ def run(engine: EngineCore, requests: list[EngineCoreRequest], max_steps: int = 
     for _ in range(max_steps):
         if not engine.has_unfinished_requests():
             return outputs
-        for output in engine.step().outputs:
+        for output in engine.step().all_outputs():
             outputs[output.request_id].append(output)
     raise AssertionError(f"requests unfinished after {max_steps} steps")
 
@@ -235,7 +235,7 @@ def test_abort_of_a_running_request_frees_its_blocks(tiny_llama_dir):
     engine.abort_requests(["long", "waiting-too"])
     assert engine.get_stats()["num_free_blocks"] == start
     assert not engine.has_unfinished_requests()
-    assert engine.step().outputs == []
+    assert engine.step().all_outputs() == []
 
 
 def test_unservable_requests_finish_with_error_and_the_engine_keeps_serving(tiny_llama_dir):
@@ -251,14 +251,14 @@ def test_unservable_requests_finish_with_error_and_the_engine_keeps_serving(tiny
     ]
     for request in requests:
         engine.add_request(request)
-    first = engine.step().outputs
+    first = engine.step().all_outputs()
     errors = {o.request_id: o for o in first if o.finish_reason == FinishReason.ERROR}
     assert set(errors) == {"too-long", "empty", "bad-token", "good"}
     assert "max_model_len=64" in errors["too-long"].error and "empty" in errors["empty"].error
     assert "1000000" in errors["bad-token"].error and "already in use" in errors["good"].error
     outputs = [o for o in first if o.finish_reason != FinishReason.ERROR]
     while engine.has_unfinished_requests():
-        outputs.extend(engine.step().outputs)
+        outputs.extend(engine.step().all_outputs())
     assert tokens_of(outputs) == hf_greedy(tiny_llama_dir, tuple(good), 4)
 
 
@@ -266,7 +266,7 @@ def test_idle_engine_steps_empty_and_reports_its_size(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir, num_kv_blocks=20, block_size=8)
     assert (engine.num_kv_blocks, engine.block_size) == (20, 8)
     assert not engine.has_unfinished_requests()
-    assert engine.step().outputs == []
+    assert engine.step().all_outputs() == []
     stats = engine.get_stats()
     assert stats["num_free_blocks"] == 20 and stats["num_steps"] == 0
     assert engine.reset_prefix_cache() is True

@@ -90,7 +90,7 @@ def collect_output(client, request_id: str, timeout: float = 30.0):
     """The engine's first output for `request_id`, read straight off the client."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for output in client.get_output(timeout=timeout).outputs:
+        for output in client.get_output(timeout=timeout).all_outputs():
             if output.request_id == request_id:
                 return output
     raise AssertionError(f"no output for {request_id}")

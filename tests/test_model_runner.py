@@ -403,6 +403,6 @@ def test_prompt_logprobs_cover_a_prompt_whose_prefix_is_cached(tiny_llama_dir):
         engine.add_request(EngineCoreRequest(req_id, EngineCoreRequest.pack_token_ids(prefix + tail), params))
         rows = 0
         while engine.has_unfinished_requests():
-            rows += sum(o.new_prompt_logprobs.num_rows for o in engine.step().outputs if o.new_prompt_logprobs)
+            rows += sum(o.new_prompt_logprobs.num_rows for o in engine.step().all_outputs() if o.new_prompt_logprobs)
     assert rows == len(prefix) + 1
     engine.shutdown()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from shmvllm.engine.input_processor import InputProcessor
-from shmvllm.boundary.messages import EngineCoreOutput, FinishReason, Logprobs
+from shmvllm.boundary.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, Logprobs
 from shmvllm.engine.output_processor import OutputProcessor, ParentRequest
 from shmvllm.engine.renderer import Renderer
 from shmvllm.logprobs import FlatLogprobs
@@ -34,19 +34,30 @@ def add(processor: OutputProcessor, input_processor, rid: str, params: SamplingP
 
 
 def feed(processor, rid, ids, finish_at_end=None, stop_reason=None):
-    """Feeds ids one per step; returns every step's (request_outputs, reqs_to_abort)."""
+    """Feeds ids one per step, as the engine sends them: the first and the last as an
+    EngineCoreOutput, the others as a row of the columns; returns every step's
+    (request_outputs, reqs_to_abort)."""
     steps = []
     for i, tid in enumerate(ids):
         last = i == len(ids) - 1
-        out = EngineCoreOutput(
-            request_id=rid,
-            new_token_ids=[tid],
-            finish_reason=finish_at_end if last else None,
-            stop_reason=stop_reason if last else None,
-        )
-        result = processor.process_outputs([out])
+        message = EngineCoreOutputs()
+        if i == 0 or last:
+            message.outputs.append(EngineCoreOutput(
+                request_id=rid,
+                new_token_ids=[tid],
+                finish_reason=finish_at_end if last else None,
+                stop_reason=stop_reason if last else None,
+            ))
+        else:
+            message.add_tokens(rid, [tid])
+        result = processor.process_outputs(message)
         steps.append((result.request_outputs, result.reqs_to_abort))
     return steps
+
+
+def message_of(*items):
+    """One message of these EngineCoreOutputs."""
+    return EngineCoreOutputs(outputs=list(items))
 
 
 def text_ids(tokenizer, text=TEXT):
@@ -166,12 +177,10 @@ def test_error_finishes_one_request_only(tokenizer, input_processor):
     processor = OutputProcessor(tokenizer)
     add(processor, input_processor, "bad", SamplingParams())
     add(processor, input_processor, "good", SamplingParams())
-    result = processor.process_outputs(
-        [
-            EngineCoreOutput(request_id="bad", finish_reason=FinishReason.ERROR, error="boom: no KV blocks"),
-            EngineCoreOutput(request_id="good", new_token_ids=[28]),
-        ]
-    )
+    result = processor.process_outputs(message_of(
+        EngineCoreOutput(request_id="bad", finish_reason=FinishReason.ERROR, error="boom: no KV blocks"),
+        EngineCoreOutput(request_id="good", new_token_ids=[28]),
+    ))
     bad, good = result.request_outputs
     assert bad.finished and bad.error == "boom: no KV blocks" and bad.outputs[0].finish_reason == "error"
     assert not good.finished and good.error is None
@@ -203,9 +212,9 @@ def test_children_merge_into_one_output(tokenizer, input_processor, kind):
     words = {0: text_ids(tokenizer, " zero"), 1: text_ids(tokenizer, " one"), 2: text_ids(tokenizer, " two")}
     outputs = []
     for child in (2, 0, 1):  # children finish in any order
-        outputs += processor.process_outputs(
-            [EngineCoreOutput(request_id=f"{child}_p", new_token_ids=words[child], finish_reason=FinishReason.LENGTH)]
-        ).request_outputs
+        outputs += processor.process_outputs(message_of(
+            EngineCoreOutput(request_id=f"{child}_p", new_token_ids=words[child], finish_reason=FinishReason.LENGTH)
+        )).request_outputs
     assert all(o.request_id == "p" for o in outputs)
     final = outputs[-1]
     assert final.finished and not any(o.finished for o in outputs[:-1])
@@ -238,10 +247,10 @@ def test_logprobs_become_dicts_with_ranks(tokenizer, input_processor):
         np.array([[28, 28, 29], [30, 31, 30]]), np.array([[-0.5, -0.5, -1.0], [-2.0, -0.1, -2.0]]), np.array([1, 2])
     )
     prompt_rows = Logprobs.from_arrays(np.array([[905, 905]]), np.array([[-3.0, -3.0]]), np.array([1]))
-    out = processor.process_outputs(
-        [EngineCoreOutput(request_id="r", new_token_ids=[28, 30], new_logprobs=sampled, new_prompt_logprobs=prompt_rows,
-                          finish_reason=FinishReason.LENGTH)]
-    ).request_outputs[0]
+    out = processor.process_outputs(message_of(
+        EngineCoreOutput(request_id="r", new_token_ids=[28, 30], new_logprobs=sampled, new_prompt_logprobs=prompt_rows,
+                          finish_reason=FinishReason.LENGTH)
+    )).request_outputs[0]
     completion = out.outputs[0]
     assert completion.cumulative_logprob == pytest.approx(-2.5)
     first, second = completion.logprobs
@@ -266,10 +275,10 @@ def test_flat_logprobs_hold_what_the_dicts_hold(tokenizer, input_processor, deto
         processor = OutputProcessor(tokenizer)
         params = SamplingParams(logprobs=2, prompt_logprobs=2, flat_logprobs=flat, detokenize=detokenize)
         add(processor, input_processor, "r", params, prompt="Hello world")
-        outputs[flat] = processor.process_outputs(
-            [EngineCoreOutput(request_id="r", new_token_ids=[28, 30, 7], new_logprobs=sampled,
-                              new_prompt_logprobs=prompt_rows, finish_reason=FinishReason.LENGTH)]
-        ).request_outputs[0]
+        outputs[flat] = processor.process_outputs(message_of(
+            EngineCoreOutput(request_id="r", new_token_ids=[28, 30, 7], new_logprobs=sampled,
+                              new_prompt_logprobs=prompt_rows, finish_reason=FinishReason.LENGTH)
+        )).request_outputs[0]
     listed, flat = outputs[False], outputs[True]
     assert isinstance(flat.prompt_logprobs, FlatLogprobs) and isinstance(flat.outputs[0].logprobs, FlatLogprobs)
     for got, dicts in ((flat.prompt_logprobs, listed.prompt_logprobs), (flat.outputs[0].logprobs, listed.outputs[0].logprobs)):
@@ -287,9 +296,9 @@ def test_tied_top_k_carry_ranks_one_to_k(tokenizer, input_processor, flat):
     processor = OutputProcessor(tokenizer)
     add(processor, input_processor, "r", SamplingParams(logprobs=2, flat_logprobs=flat), prompt="Hello world")
     rows = Logprobs.from_arrays(np.array([[31, 30, 31]]), np.array([[-1.0, -1.0, -1.0]]), np.array([1]))
-    out = processor.process_outputs(
-        [EngineCoreOutput(request_id="r", new_token_ids=[31], new_logprobs=rows, finish_reason=FinishReason.LENGTH)]
-    ).request_outputs[0]
+    out = processor.process_outputs(message_of(
+        EngineCoreOutput(request_id="r", new_token_ids=[31], new_logprobs=rows, finish_reason=FinishReason.LENGTH)
+    )).request_outputs[0]
     (row,) = list(out.outputs[0].logprobs)
     assert {token: lp.rank for token, lp in row.items()} == {30: 1, 31: 2}
 
@@ -304,9 +313,9 @@ def test_child_error_reaches_the_parent_output(tokenizer, input_processor):
     for i, child_id in enumerate(parent.child_ids):
         child = msgspec.structs.replace(request, request_id=child_id, sampling_params=parent.child_params(i))
         processor.add_request(child, text, ids, parent=parent, index=i)
-    processor.process_outputs([EngineCoreOutput(request_id="0_p", finish_reason=FinishReason.ERROR, error="bad child")])
-    final = processor.process_outputs(
-        [EngineCoreOutput(request_id="1_p", new_token_ids=[28], finish_reason=FinishReason.LENGTH)]
-    ).request_outputs[0]
+    processor.process_outputs(message_of(EngineCoreOutput(request_id="0_p", finish_reason=FinishReason.ERROR, error="bad child")))
+    final = processor.process_outputs(message_of(
+        EngineCoreOutput(request_id="1_p", new_token_ids=[28], finish_reason=FinishReason.LENGTH)
+    )).request_outputs[0]
     assert final.finished and final.error == "bad child"
     assert [c.finish_reason for c in final.outputs] == ["error", "length"]

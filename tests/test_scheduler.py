@@ -56,7 +56,7 @@ def run_to_end(sched: Scheduler, token=7, max_steps=200) -> dict[str, list[int]]
         if not sched.has_unfinished_requests():
             return tokens
         _, outputs = step(sched, token)
-        for o in outputs.outputs:
+        for o in outputs.all_outputs():
             tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
     raise AssertionError("requests did not finish")
 

@@ -411,7 +411,7 @@ def test_engine_fails_only_the_request_whose_grammar_does_not_compile(tiny_llama
         engine.add_request(request("free"))
         finished = {}
         for _ in range(200):
-            for output in engine.step().outputs:
+            for output in engine.step().all_outputs():
                 if output.finished:
                     finished[output.request_id] = output
             if not engine.has_unfinished_requests():

@@ -15,12 +15,13 @@ parses bytes. The scheduler and the model runner hand over these types and array
 from __future__ import annotations
 
 import enum
+import itertools
 import re
 import struct
 import sys
 import time
 import typing
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Iterator, Literal, Optional, Union
 
 import msgspec
 import numpy as np
@@ -209,7 +210,16 @@ class SchedulerStats(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
 
 
 class EngineCoreOutputs(msgspec.Struct, tag=0, **_STRUCT):  # type: ignore[call-arg]
-    """Everything one engine step (or one utility call) sends to the frontend."""
+    """Everything one engine step (or one utility call) sends to the frontend.
+
+    A step's outputs come in two forms, each request in one of them at most once. A request that
+    only got new tokens (no logprobs, not finished, not its first tokens) is a row of the columns:
+    `token_req_ids[i]` got `token_ids[i]`, or, once some request got other than one token (spec
+    decoding), the next `token_counts[i]` of `token_ids`. Every other output is an
+    `EngineCoreOutput` in `outputs`. The columns are the common case of a decode step, and they
+    decode into three lists instead of a struct, a string and a list per request (out64 in
+    benchmarks/results/ipc_messages.md).
+    """
 
     engine_index: int = 0
     outputs: list[EngineCoreOutput] = []
@@ -217,6 +227,44 @@ class EngineCoreOutputs(msgspec.Struct, tag=0, **_STRUCT):  # type: ignore[call-
     utility_output: Optional[UtilityOutput] = None
     scheduler_stats: Optional[SchedulerStats] = None
     timestamp: float = 0.0
+    token_req_ids: list[str] = []
+    token_ids: list[int] = []
+    token_counts: Optional[list[int]] = None
+
+    def add_tokens(self, request_id: str, token_ids: list[int]) -> None:
+        """Adds a row to the columns: `request_id` got `token_ids` (at least one) and nothing else."""
+        counts = self.token_counts
+        if counts is None and len(token_ids) != 1:
+            counts = self.token_counts = [1] * len(self.token_req_ids)
+        if counts is not None:
+            counts.append(len(token_ids))
+        self.token_req_ids.append(request_id)
+        self.token_ids.extend(token_ids)
+
+    def new_tokens(self) -> Iterator[tuple[str, list[int]]]:
+        """(request id, its new token ids) for each row of the columns. ValueError if the
+        columns' lengths disagree (a message no engine makes)."""
+        ids, tokens, counts = self.token_req_ids, self.token_ids, self.token_counts
+        if counts is None:
+            if len(tokens) != len(ids):
+                raise ValueError(f"EngineCoreOutputs has {len(tokens)} token_ids for {len(ids)} token_req_ids")
+            return zip(ids, ([token] for token in tokens))
+        if len(counts) != len(ids) or sum(counts) != len(tokens) or min(counts, default=1) < 1:
+            raise ValueError(
+                f"EngineCoreOutputs has token_counts {counts} for {len(ids)} token_req_ids and {len(tokens)} token_ids"
+            )
+        ends = itertools.accumulate(counts)
+        return zip(ids, (tokens[end - count : end] for end, count in zip(ends, counts)))
+
+    @property
+    def num_outputs(self) -> int:
+        """How many requests have an output in this message."""
+        return len(self.outputs) + len(self.token_req_ids)
+
+    def all_outputs(self) -> list[EngineCoreOutput]:
+        """Every request's output as an `EngineCoreOutput`, the columns' rows after `outputs`
+        (for readers that want one shape; the output processor reads the columns as they are)."""
+        return self.outputs + [EngineCoreOutput(request_id, ids) for request_id, ids in self.new_tokens()]
 
 
 class EngineReady(msgspec.Struct, tag=1, **_STRUCT):  # type: ignore[call-arg]

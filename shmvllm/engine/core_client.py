@@ -307,7 +307,7 @@ class MPClient(EngineCoreClient):
             with self._state_lock:
                 if msg.scheduler_stats is not None:
                     self.balancer.report(handle.index, msg.scheduler_stats)
-                for output in msg.outputs:
+                for output in msg.outputs:  # a finished request's output is never a row of the columns
                     if output.finish_reason is not None:
                         self.balancer.finished(output.request_id)
         return msg
@@ -471,7 +471,7 @@ class MPClient(EngineCoreClient):
                     else:
                         where = "" if self.num_engines == 1 else f"engine {outputs.engine_index}: "
                         failures.append(where + utility.failure_message)
-                elif outputs.outputs or outputs.finished_requests:
+                elif outputs.num_outputs or outputs.finished_requests:
                     self._pending.append(outputs)
         if failures:
             raise EngineUtilityError(f"EngineCore.{method}() failed in the engine: {'; '.join(failures)}")

@@ -437,7 +437,7 @@ class EngineCoreProc:
                 handle(msg)
             if core.has_unfinished_requests() and not outbox.backlogged:
                 outputs = core.step()
-                if outputs.outputs:
+                if outputs.num_outputs:
                     outputs.engine_index = index
                     outbox.send(outputs)
             self._check_parent()

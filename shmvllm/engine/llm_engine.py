@@ -252,7 +252,7 @@ class LLMEngine:
     def process_engine_outputs(self, outputs: EngineCoreOutputs) -> list[Union[RequestOutput, PoolingRequestOutput]]:
         """`step` after the wait: what one batch of engine outputs makes (threads that share the
         engine wait for outputs unlocked and run this under their lock)."""
-        processed = self.output_processor.process_outputs(outputs.outputs)
+        processed = self.output_processor.process_outputs(outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         finished_at = now()

@@ -31,7 +31,7 @@ from shmvllm.engine.detokenizer import (
     find_stop_string,
     special_token_ids,
 )
-from shmvllm.boundary.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, Logprobs
+from shmvllm.boundary.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, Logprobs
 from shmvllm.logprobs import FlatLogprobs, create_prompt_logprobs, create_sample_logprobs
 from shmvllm.outputs import (
     CompletionOutput,
@@ -249,27 +249,39 @@ class OutputProcessor:
             self.parents.pop(parent.request_id, None)
             self._release(parent.request_id, parent.child_ids)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
+    def process_outputs(self, outputs: EngineCoreOutputs) -> OutputProcessorOutput:
+        """One message's outputs: its EngineCoreOutputs, then the rows of its columns (new tokens
+        only), each without a struct of its own."""
         result = OutputProcessorOutput()
         by_external_id: dict[str, RequestOutput] = {}
-        for output in outputs:
-            state = self.request_states.get(output.request_id)
+        states = self.request_states
+        for output in outputs.outputs:
+            state = states.get(output.request_id)
             if state is None:  # a pooling request, or one aborted or finished by a stop string already
                 pooled = self._pooling_output(output)
                 if pooled is not None:
                     result.request_outputs.append(pooled)
                 continue
-            stopped_here = self._update(state, output)
-            if stopped_here:
-                result.reqs_to_abort.append(state.request_id)
-            completion = self._make_completion(state)
-            if state.finished:
-                self.request_states.pop(state.request_id)
-                if state.parent is None:
-                    self._release(state.request_id)
-            self._collect(state, completion, by_external_id)
+            self._process(state, output.new_token_ids, output, result, by_external_id)
+        for request_id, new_token_ids in outputs.new_tokens():
+            state = states.get(request_id)
+            if state is not None:  # else aborted, or finished by a stop string already
+                self._process(state, new_token_ids, None, result, by_external_id)
         result.request_outputs.extend(by_external_id.values())
         return result
+
+    def _process(
+        self, state: RequestState, new_token_ids: list[int], output: Optional[EngineCoreOutput],
+        result: OutputProcessorOutput, by_external_id: dict[str, RequestOutput],
+    ) -> None:
+        if self._update(state, new_token_ids, output):
+            result.reqs_to_abort.append(state.request_id)
+        completion = self._make_completion(state)
+        if state.finished:
+            self.request_states.pop(state.request_id)
+            if state.parent is None:
+                self._release(state.request_id)
+        self._collect(state, completion, by_external_id)
 
     def _pooling_output(self, output: EngineCoreOutput) -> Optional[PoolingRequestOutput]:
         """The finished PoolingRequestOutput of a pooling request's output (None: not one)."""
@@ -290,21 +302,25 @@ class OutputProcessor:
             error=output.error,
         )
 
-    def _update(self, state: RequestState, output: EngineCoreOutput) -> bool:
-        """Applies one step's output; returns True if a stop string finished it here."""
+    def _update(self, state: RequestState, new_ids: list[int], output: Optional[EngineCoreOutput]) -> bool:
+        """Applies one step's new tokens and, if there is one, the rest of its output (None: a
+        row of the columns, new tokens only); returns True if a stop string finished it here."""
         params = state.params
-        state.num_cached_tokens = output.num_cached_tokens or state.num_cached_tokens
-        if output.new_token_ids:
-            _record_tokens(state.stats, len(output.new_token_ids))
-        if output.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
-            self._extend_logprobs(state.prompt_logprobs, output.new_prompt_logprobs, params.detokenize)
-        if output.new_logprobs is not None and state.logprobs is not None:
-            self._extend_logprobs(state.logprobs, output.new_logprobs, params.detokenize)
-            _, lps, _ = output.new_logprobs.arrays()
-            state.cumulative_logprob += float(lps[:, 0].astype("float64").sum())
-        new_ids = output.new_token_ids
+        if new_ids:
+            _record_tokens(state.stats, len(new_ids))
+        finished = False
+        if output is not None:
+            finished = output.finished
+            state.num_cached_tokens = output.num_cached_tokens or state.num_cached_tokens
+            if output.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
+                self._extend_logprobs(state.prompt_logprobs, output.new_prompt_logprobs, params.detokenize)
+            if output.new_logprobs is not None and state.logprobs is not None:
+                self._extend_logprobs(state.logprobs, output.new_logprobs, params.detokenize)
+                _, lps, _ = output.new_logprobs.arrays()
+                state.cumulative_logprob += float(lps[:, 0].astype("float64").sum())
         stop_token_hit = (
-            output.finish_reason == FinishReason.STOP
+            finished
+            and output.finish_reason == FinishReason.STOP
             and bool(new_ids)
             and new_ids[-1] in params.all_stop_token_ids
             and not params.include_stop_str_in_output
@@ -313,15 +329,15 @@ class OutputProcessor:
         old_len = len(detok.output_text)
         if params.detokenize and self.tokenizer is not None:
             detok.update(new_ids, skip_last=stop_token_hit)
-            if output.finished:
+            if finished:
                 detok.flush()
         else:
             detok.token_ids.extend(new_ids)
         stop = self._find_stop_string(state, old_len)
         if stop is not None:
             state.finish_reason, state.stop_reason = str(FinishReason.STOP), stop
-            return not output.finished
-        if output.finished:
+            return not finished
+        if finished:
             state.finish_reason = str(output.finish_reason)
             state.stop_reason = output.stop_reason
             state.error = output.error

@@ -375,11 +375,11 @@ class Scheduler:
         A request whose processing failed (in the runner, or here) finishes alone with ERROR."""
         index = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
         errors = model_runner_output.errors
-        outputs: list[EngineCoreOutput] = []
+        outputs = EngineCoreOutputs()
         finished: list[str] = []
         if self._grammar_failures:
-            outputs, self._grammar_failures = self._grammar_failures, []
-            finished = [o.request_id for o in outputs]
+            outputs.outputs, self._grammar_failures = self._grammar_failures, []
+            finished = [o.request_id for o in outputs.outputs]
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None:
@@ -391,7 +391,6 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING and not preempted:
                 continue
             error = errors.get(req_id)
-            output = None
             proposed = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if error is None:
                 i = index.get(req_id)
@@ -399,15 +398,13 @@ class Scheduler:
                 if proposed is not None:
                     self._roll_back(request, len(proposed), len(sampled))
                 try:
-                    output = self._update_request(request, sampled, model_runner_output)
+                    self._update_request(request, sampled, model_runner_output, outputs)
                 except Exception as exc:
                     logger.exception("request %r failed in update_from_output", req_id)
                     error = f"{type(exc).__name__}: {exc}"
             if error is not None:
                 request.status = RequestStatus.FINISHED_ERROR
-                output = EngineCoreOutput(request_id=req_id, finish_reason=FinishReason.ERROR, error=error)
-            if output is not None:
-                outputs.append(output)
+                outputs.outputs.append(EngineCoreOutput(request_id=req_id, finish_reason=FinishReason.ERROR, error=error))
             if request.is_finished:
                 finished.append(req_id)
                 (self.waiting if preempted else self.running).remove(request)
@@ -423,12 +420,10 @@ class Scheduler:
                         self._draft_tokens[req_id] = drafts
                     else:
                         self._draft_tokens.pop(req_id, None)
-        return EngineCoreOutputs(
-            outputs=outputs,
-            finished_requests=finished or None,
-            scheduler_stats=self.make_stats(),
-            timestamp=now(),
-        )
+        outputs.finished_requests = finished or None
+        outputs.scheduler_stats = self.make_stats()
+        outputs.timestamp = now()
+        return outputs
 
     def _roll_back(self, request: Request, num_proposed: int, num_sampled: int) -> None:
         """After verification: the KV of the rejected proposals (and of the last sampled token,
@@ -438,8 +433,11 @@ class Scheduler:
             self.spec_stats.observe(num_proposed, num_sampled - 1)
 
     def _update_request(
-        self, request: Request, sampled: list[int], runner_output: ModelRunnerOutput
-    ) -> Optional[EngineCoreOutput]:
+        self, request: Request, sampled: list[int], runner_output: ModelRunnerOutput, into: EngineCoreOutputs
+    ) -> None:
+        """Appends the sampled tokens to the request and its output, if it has one, to `into`:
+        a row of the columns when it is only new tokens, else an EngineCoreOutput (whose first
+        one carries num_cached_tokens, which the frontend then keeps)."""
         req_id = request.request_id
         new_token_ids: list[int] = []
         pooling_output: Optional[np.ndarray] = None
@@ -465,18 +463,27 @@ class Scheduler:
                     break
         prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
         if not new_token_ids and pooling_output is None and prompt_logprobs is None:
-            return None
-        return EngineCoreOutput(
+            return
+        logprobs = runner_output.logprobs.get(req_id) if new_token_ids else None
+        finish_reason = request.get_finish_reason()
+        error = request.structured_output_request.error if request.structured_output_request is not None else None
+        if (
+            new_token_ids and logprobs is None and prompt_logprobs is None and finish_reason is None
+            and error is None and request.stop_reason is None and request.num_output_tokens > len(new_token_ids)
+        ):
+            into.add_tokens(req_id, new_token_ids)
+            return
+        into.outputs.append(EngineCoreOutput(
             request_id=req_id,
             new_token_ids=new_token_ids,
-            new_logprobs=runner_output.logprobs.get(req_id) if new_token_ids else None,
+            new_logprobs=logprobs,
             new_prompt_logprobs=prompt_logprobs,
-            finish_reason=request.get_finish_reason(),
+            finish_reason=finish_reason,
             stop_reason=request.stop_reason,
             pooling_output=pooling_output,
             num_cached_tokens=max(request.num_cached_tokens, 0),
-            error=request.structured_output_request.error if request.structured_output_request is not None else None,
-        )
+            error=error,
+        ))
 
     def _check_stop(self, request: Request) -> bool:
         """Sets a finished status if the last token ends the request. Stop tokens count only

@@ -205,10 +205,13 @@ QUANT_FORMATS_SOURCE = Path(__file__).with_name("quant_formats.h")
 QUANT_INT8_SOURCE = Path(__file__).with_name("quant_int8.h")
 # decode_step.c includes quant_kernels.c: one library per ISA holds both.
 STEP_SOURCE = Path(__file__).with_name("decode_step.c")
+MOE_SOURCE = Path(__file__).with_name("moe.c")  # included by decode_step.c
 _QUANT_SIGNATURES = {
     "shm_decode_step": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]),
     "shm_decode_scratch_floats": (_i64, [_ptr, _i64]),
     "shm_read_probe": (ctypes.c_double, [_ptr, _i64, ctypes.c_int]),
+    "shm_moe_experts": (ctypes.c_int, [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, ctypes.c_int]),
+    "shm_moe_scratch_floats": (_i64, [_ptr, _i64]),
     "shm_qgemm": (ctypes.c_int, [_ptr, _i64, _ptr, _i64, _ptr, _i64, ctypes.c_int, _ptr, _ptr, _i64, _i64, _i64, _i64]),
     "shm_qdequant_rows": (ctypes.c_int, [_ptr, _ptr, _i64, ctypes.c_int, _ptr, _i64, _i64, _i64]),
     "shm_qblock_bytes": (ctypes.c_int, [ctypes.c_int]),
@@ -233,7 +236,7 @@ _QUANT_BASE_FLAGS = ["-O3", "-mtune=native", "-fopenmp", "-fPIC", "-std=gnu11", 
 def _quant_build(isa: str) -> Optional[ctypes.CDLL]:
     flags = next(f for name, _, f in QUANT_ISAS if name == isa)
     return _build(f"quant_kernels-{isa}", STEP_SOURCE, _QUANT_BASE_FLAGS + flags, _QUANT_SIGNATURES,
-                  (QUANT_SOURCE, QUANT_FORMATS_SOURCE, QUANT_INT8_SOURCE, ATTENTION_HEADER))
+                  (QUANT_SOURCE, QUANT_FORMATS_SOURCE, QUANT_INT8_SOURCE, ATTENTION_HEADER, MOE_SOURCE))
 
 
 def quant_isas_supported() -> list[str]:

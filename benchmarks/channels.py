@@ -214,10 +214,11 @@ def engine_channel(factory: Callable[[], tuple[Endpoint, Addresses]]) -> Iterato
 
     original = core_client.EngineCoreClient.make_client
 
-    def make_client(config: Any, multiprocess: bool = True, started: Optional[Callable[[], None]] = None) -> Any:
+    def make_client(config: Any, multiprocess: bool = True, started: Optional[Callable[[], None]] = None,
+                    prestarted: Any = None) -> Any:
         if not multiprocess:
             return original(config, multiprocess=False)
-        return core_client.MPClient(config, channel=factory, started=started)
+        return core_client.MPClient(config, channel=factory, started=started, prestarted=prestarted)
 
     core_client.EngineCoreClient.make_client = staticmethod(make_client)  # type: ignore[method-assign]
     try:

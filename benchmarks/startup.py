@@ -22,6 +22,12 @@ one sentence. CLI: `shmvllm generate "The capital of France is"` as a command, t
 `shmvllm-program` / `shmvllm-fork`: the `shmvllm` child with SHMVLLM_ENGINE_START set to each
 start method (`shmvllm` itself takes the default); select them with --engines.
 
+Bytecode: an installed shmvllm has its modules byte-compiled (pip compiles them at install); a
+checkout run with PYTHONDONTWRITEBYTECODE=1 (as this machine's shells are) would compile every
+module from source in every process, ~0.1 s in the frontend and ~0.15 s in the engine. So the
+parent byte-compiles shmvllm/ and ipc/ first (compileall, into their __pycache__); --no-compile
+measures the checkout as it is.
+
 Checks: shmvllm's process start -> first token <= 2.0x llama.cpp's; `LLM()` itself (the call,
 imports before it excluded) <= 1.5 s; embedding process start -> first vector <= 1.0x
 sentence-transformers'; the CLI command < 3 s.
@@ -250,10 +256,17 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--json", help="write the results to this JSON file")
     parser.add_argument("--plot", help="draw them into this PNG file")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="do not byte-compile shmvllm/ and ipc/ first (measure the checkout as it is)")
     args = parser.parse_args()
     if args.child:
         print(json.dumps(CHILDREN[args.child]()), flush=True)
         return
+    if not args.no_compile:
+        import compileall
+
+        for package in ("shmvllm", "ipc"):
+            compileall.compile_dir(str(ROOT / package), quiet=1)
     engines = [e for e in args.engines.split(",") if e]
     if "llama.cpp" in engines and not args.llama_python:
         print("llama.cpp: skipped (no --llama-python)")
@@ -295,6 +308,7 @@ def main() -> None:
         check("CLI generate", cli, 3.0, f"`shmvllm generate \"{PROMPT}\"` exited after {cli:.2f} s (< 3 s)")
     if args.json:
         Path(args.json).write_text(json.dumps({"results": results, "checks": checks, "rounds": args.rounds,
+                                               "bytecode": not args.no_compile,
                                                "load_average": os.getloadavg(), "cpus": os.cpu_count()}, indent=2) + "\n")
     if args.plot:
         plot(results, args.plot)

@@ -1,5 +1,5 @@
 """`python -m shmvllm ...` is the `shmvllm` command."""
 
-from shmvllm.cli import main
+from shmvllm.cli import run
 
-raise SystemExit(main())
+run()

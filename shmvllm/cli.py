@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any, Callable, Optional, Sequence
 
@@ -278,6 +279,17 @@ def build_parser() -> argparse.ArgumentParser:
     for add_subcommand in SUBCOMMANDS:
         add_subcommand(subparsers)
     return parser
+
+
+def run() -> None:
+    """The `shmvllm` command: `main`, then the process ends without the interpreter's teardown
+    (0.3 s of freeing transformers' modules and the tokenizer's objects, once the engine is shut
+    down and the output flushed; an exception still exits the usual way, with its traceback)."""
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -48,8 +48,8 @@ class FailingStepExecutor(UniProcExecutor):
 
 
 def llm_with(executor_class, tiny_llama_dir, monkeypatch) -> LLM:
-    def make_client(config, multiprocess=True, started=None):
-        return MPClient(config, executor_class=executor_class, started=started)
+    def make_client(config, multiprocess=True, started=None, prestarted=None):
+        return MPClient(config, executor_class=executor_class, started=started, prestarted=prestarted)
 
     monkeypatch.setattr(llm_engine.EngineCoreClient, "make_client", staticmethod(make_client))
     return LLM(str(tiny_llama_dir), **ENGINE_ARGS)

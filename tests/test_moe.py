@@ -1,8 +1,10 @@
 """Mixture-of-experts decoders (Qwen3-MoE with a dense layer, Mixtral; 8 experts, top-2) against
 transformers' eager fp32 greedy tokens: alone, in a mixed batch, under preemption, with chunked
-prefill and prefix-cache hits, at tensor_parallel_size 2, and Qwen3-MoE from a GGUF file of the
-same weights (F32, and Q8_0 experts run as GGML blocks) against transformers on that file; the
-MoE layer itself: transformers' routing and sums, and an expert no token chose is never read."""
+prefill and prefix-cache hits, at tensor_parallel_size 2, and from GGUF files of the same weights
+(F32, and Q8_0 experts run as GGML blocks): Qwen3-MoE against transformers on that file, Mixtral
+(llama.cpp's "llama" with experts, which transformers cannot read) against transformers on the
+weights the file holds; the MoE layer itself: transformers' routing and sums, the C kernel of all
+the experts against the experts one by one, and an expert no token chose is never read."""
 
 from __future__ import annotations
 
@@ -14,13 +16,14 @@ import torch
 # the families' shared engine tests, run here on this module's family_dir
 from test_architectures import (  # noqa: F401
     assert_engine_matches,
+    assert_native_step_ran,
     prompts_of,
     test_alone_and_in_a_mixed_batch,
     test_chunked_prefill_and_prefix_cache_hits,
     test_under_preemption,
 )
 from test_engine_core import make_engine
-from tiny_models import assert_same_greedy, build_tiny, hf_greedy, hf_model, write_gguf
+from tiny_models import assert_same_greedy, build_tiny, hf_greedy, hf_model, quantized_copy, write_gguf
 
 FAMILIES = ["qwen3_moe", "mixtral"]
 
@@ -60,6 +63,29 @@ def test_native_decode_step_equals_the_layer_path(family_dir):
     for lengths in ([5], [9, 70, 21]):
         for a, b in native_and_layered(paged, lengths, VOCAB):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_one_kernel_for_all_experts_equals_the_experts_one_by_one(family_dir, gguf_model_dir, tmp_path):
+    """kernels/moe.c (slots sorted by expert, the experts' GEMVs FEW_ROWS rows at a time, the
+    weighted sum + residual) against the experts run one by one from Python, on fp32 weights and
+    on Q8_0 blocks, for 1 to 300 rows (experts with many rows)."""
+    blocks_dir = family_dir if family_dir.name.startswith("mixtral") else gguf_model_dir  # every layer sparse
+    for model in (family_dir, write_gguf(blocks_dir, tmp_path / "q8_0.gguf", qtype="Q8_0")):
+        engine = make_engine(model, num_kv_blocks=16)
+        try:
+            moe = engine.executor.worker.model_runner.model.model.layers[0].mlp
+        finally:
+            engine.shutdown()
+        generator = torch.Generator().manual_seed(2)
+        for rows in (1, 3, 16, 300):
+            x = torch.randn(rows, moe.gate.in_features, generator=generator)
+            residual = torch.randn(rows, moe.gate.in_features, generator=generator)
+            with torch.no_grad():
+                weights, ids = moe.route(x)
+                native = moe._native(x, weights, ids, residual)
+                assert native is not None
+                layered = moe._layered(x, weights, ids, residual.clone())
+            torch.testing.assert_close(native, layered, rtol=1e-5, atol=1e-5, msg=f"{model.name}, {rows} rows")
 
 
 def test_experts_no_token_chose_are_not_read(family_dir):
@@ -193,3 +219,83 @@ def test_benchmark_model_bytes_add_up(tmp_path):
     embedding = infos.pop("token_embd.weight")
     assert sum(infos.values()) == parts["attention"] + parts["router"] + parts["experts_all"] + parts["lm_head"] + parts["norms"]
     assert embedding == parts["embedding_row"] * bench._vocab_size(str(path))
+
+
+# ---- Mixtral from a GGUF file: a "llama" with expert_count and stacked ffn_*_exps ----------------
+
+@pytest.fixture(scope="module")
+def mixtral_gguf(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(the HF directory, its Q8_0 GGUF file, an HF directory of the weights that file holds)."""
+    base = tmp_path_factory.mktemp("mixtral_gguf")
+    model_dir = build_tiny("mixtral", base / "hf")
+    path = write_gguf(model_dir, base / "tiny-mixtral-q8_0.gguf", qtype="Q8_0")
+    return model_dir, path, quantized_copy(model_dir, base / "q8_0-weights", "Q8_0")
+
+
+def test_mixtral_gguf_f32_gives_the_hf_directory_tokens(mixtral_gguf, tmp_path):
+    """The config the file implies is Mixtral's (experts, top-k, the experts' width), and its F32
+    weights (q/k rows interleaved by the converter, experts stacked) give the directory's tokens."""
+    from shmvllm.model.registry import locate_model
+
+    model_dir = mixtral_gguf[0]
+    path = write_gguf(model_dir, tmp_path / "tiny-mixtral.gguf")
+    config = locate_model(str(path)).hf_config()
+    assert config.architectures == ["MixtralForCausalLM"]
+    assert (config.num_local_experts, config.num_experts_per_tok, config.intermediate_size) == (8, 2, 128)
+    engine = make_engine(path, num_kv_blocks=64)
+    try:
+        assert_engine_matches(model_dir, engine, prompts_of([1, 17, 33, 5], seed=9))
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("case", ["alone_and_batched", "preemption", "prefix_hits"])
+def test_mixtral_q8_0_gguf_against_transformers(mixtral_gguf, case):
+    """Q8_0 experts as GGML blocks: alone (the native decode step), in a mixed batch (the C kernel
+    of all the experts), under preemption, and with chunked prefill and prefix-cache hits."""
+    _, path, reference = mixtral_gguf
+    if case == "alone_and_batched":
+        engine = make_engine(path, num_kv_blocks=64)
+        try:
+            moe = engine.executor.worker.model_runner.model.model.layers[0].mlp
+            assert moe.experts[5].gate_up_proj.blocks is not None
+            prompts = prompts_of([1, 5, 17, 33, 8, 40, 3, 24], seed=10)
+            assert_engine_matches(reference, engine, prompts[:1])
+            assert_native_step_ran(engine, "mixtral")
+            assert_engine_matches(reference, engine, prompts)
+        finally:
+            engine.shutdown()
+    elif case == "preemption":
+        engine = make_engine(path, num_kv_blocks=24, block_size=4)
+        try:
+            assert_engine_matches(reference, engine, prompts_of([1, 5, 17, 33, 8, 40, 3, 24], seed=11))
+            assert engine.get_stats()["num_preemptions"] > 0
+        finally:
+            engine.shutdown()
+    else:
+        engine = make_engine(path, num_kv_blocks=128, max_num_batched_tokens=16)
+        try:
+            system = prompts_of([40], seed=12)[0]
+            prompts = [system + suffix for suffix in prompts_of([3, 9, 1, 20], seed=13)]
+            assert_engine_matches(reference, engine, prompts[:1])
+            outputs = assert_engine_matches(reference, engine, prompts[1:])
+            assert all(outs[-1].num_cached_tokens == 32 for outs in outputs.values())
+        finally:
+            engine.shutdown()
+
+
+def test_mixtral_q8_0_gguf_tensor_parallel_2_against_transformers(mixtral_gguf):
+    """Every expert's rows split over the two ranks, under preemption (the file names no EOS: 1 stops)."""
+    from shmvllm import LLM, SamplingParams
+
+    _, path, reference = mixtral_gguf
+    prompts = prompts_of([1, 5, 17, 8, 3, 24], seed=14)
+    with LLM(model=str(path), multiprocess=False, tensor_parallel_size=2, num_kv_blocks=10, block_size=4,
+             skip_tokenizer_init=True) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[1]),
+                               use_tqdm=False)
+        stats = llm.llm_engine.engine_core.get_stats()
+    assert stats["num_preemptions"] > 0, stats
+    for prompt, output in zip(prompts, outputs):
+        assert_same_greedy(list(output.outputs[0].token_ids), hf_greedy(reference, tuple(prompt), 8),
+                           f"prompt of {len(prompt)} tokens")

@@ -125,6 +125,29 @@ def test_gemm_matches_dequantize_then_matmul(isa, name, rows):
         check_close(got, reference(x, w, b, r), x, w)
 
 
+@pytest.mark.skipif("avx512vnni" not in ISAS, reason="the CPU lacks AVX-512 VNNI")
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K"])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_int8_rows_error_is_the_split_of_x(name, rows):
+    """The VNNI build's Q2_K / Q3_K GEMV holds x per 256 values in three int8 pieces, to within
+    max |x| / 127 / 32768: with outliers 1000x the rest, the error stays within sum |w| times that
+    (plus fp32 rounding)."""
+    rng = np.random.default_rng(11)
+    n, k = 37, 1024
+    weight = random_weight(name, n, k, rng)
+    w = weight.dequantize().double()
+    x = rng.standard_normal((rows, k)) * np.where(rng.random((rows, k)) < 0.01, 1000.0, 1.0)
+    x = torch.from_numpy(x.astype(np.float32))
+    out = torch.empty(rows, n)
+    lib = quant_kernels("avx512vnni")
+    assert lib.shm_qgemm(out.data_ptr(), n, x.data_ptr(), k, weight.data.data_ptr(), weight.data.shape[1],
+                         weight.qtype, None, None, 0, rows, n, k) == 0
+    err = (out.double() - x.double() @ w.T).abs()
+    step = x.double().abs().view(rows, k // 256, 256).amax(-1) / 127 / 32768
+    bound = 1.01 * step.repeat_interleave(256, -1) @ w.abs().T + 2e-6 * (x.double().abs() @ w.abs().T + 1.0)
+    assert bool((err <= bound).all()), float((err / bound).max())
+
+
 @pytest.mark.parametrize("rows", [1, 4, 5, 64, 200])
 def test_mixed_format_parts_fill_their_columns(isa, rows):
     """A fused projection with shards in different formats: each part writes its own columns."""

@@ -279,3 +279,86 @@ def test_ctrl_c_while_the_engine_loads(tmp_path, tiny_llama_dir):
         proc.kill()
         if pid_alive(engine):
             os.kill(engine, signal.SIGKILL)
+
+
+# ---- the engine forked before the config (PrestartedEngine) -------------------------------------
+
+SLOW_CONFIG_FRONTEND = """
+import os, signal, time
+from shmvllm import LLM, EngineArgs
+
+
+def slow_config(self):
+    with open(os.environ["LOADING_MARK"], "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal
+EngineArgs.create_engine_config = slow_config
+LLM({model!r}, max_model_len=64, num_kv_blocks=16)
+"""
+
+
+def _making_config(tmp_path: Path, model_dir: Path) -> tuple[subprocess.Popen, int]:
+    """A frontend in LLM(), making its config (it sleeps there) while its engine's fork waits for
+    it; (frontend, the fork's pid)."""
+    (tmp_path / "frontend.py").write_text(SLOW_CONFIG_FRONTEND.format(model=str(model_dir)))
+    mark = tmp_path / "loading"
+    proc = subprocess.Popen(
+        [sys.executable, str(tmp_path / "frontend.py")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "LOADING_MARK": str(mark), "PYTHONPATH": f"{REPO}:{tmp_path}", "PYTHONUNBUFFERED": "1",
+             "SHMVLLM_ENGINE_START": "fork"},
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (mark.exists() and mark.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    children = _children(proc.pid)
+    assert len(children) == 1, children
+    return proc, children[0]
+
+
+def test_kill_9_of_the_frontend_while_it_makes_the_config(tmp_path, tiny_llama_dir):
+    """The fork made first thing finds its pipe closed, once its imports are done, and exits."""
+    proc, engine = _making_config(tmp_path, tiny_llama_dir)
+    try:
+        proc.kill()
+        proc.wait(timeout=10)
+        _assert_nothing_left(proc.pid, engine, within=60.0)  # its imports may still run: a deadline, not a timing
+    finally:
+        proc.kill()
+        proc.communicate()
+        if pid_alive(engine):
+            os.kill(engine, signal.SIGKILL)
+
+
+def test_ctrl_c_while_the_frontend_makes_the_config(tmp_path, tiny_llama_dir):
+    proc, engine = _making_config(tmp_path, tiny_llama_dir)
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        assert "KeyboardInterrupt" in err, err
+        _assert_nothing_left(proc.pid, engine, within=10.0)
+    finally:
+        proc.kill()
+        if pid_alive(engine):
+            os.kill(engine, signal.SIGKILL)
+
+
+def test_a_config_that_fails_leaves_no_fork(tmp_path, monkeypatch):
+    """LLM() forks its engine before it makes the config; a config that fails reaps the fork."""
+    from shmvllm import LLM
+
+    monkeypatch.setenv("SHMVLLM_ENGINE_START", "fork")
+    before = set(_children(os.getpid()))
+    with pytest.raises(ValueError, match="missing"):
+        LLM(str(tmp_path / "missing"))
+    assert set(_children(os.getpid())) == before
+
+
+def _children(pid: int) -> list[int]:
+    from shmvllm.engine.proc_manager import _children as children
+
+    return children(pid)

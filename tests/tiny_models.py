@@ -54,7 +54,8 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 # GGUF architecture of each family and its layer tensor names (llama.cpp's), as the converter writes them
-GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe"}
+GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe",
+             "mixtral": "llama"}  # llama.cpp writes Mixtral as a llama with experts
 _LLAMA_NAMES = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
@@ -74,8 +75,10 @@ _PHI3_NAMES = {
 }
 GGUF_NAMES = {
     "llama": _LLAMA_NAMES, "qwen3": _LLAMA_NAMES, "gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES, "phi3": _PHI3_NAMES,
-    "qwen3_moe": _LLAMA_NAMES,
+    "qwen3_moe": _LLAMA_NAMES, "mixtral": _LLAMA_NAMES,
 }
+# Mixtral's checkpoint names in llama.cpp's converter's terms (it stacks the experts as Qwen3-MoE's)
+_MIXTRAL_RENAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
 
 
 def tiny_config(family: str, **overrides: Any) -> Any:
@@ -190,6 +193,11 @@ def write_gguf(model_dir: Path, path: Path, qtype: str = "F32") -> Path:
         metadata.update(add_expert_count=config.num_experts, add_expert_used_count=config.num_experts_per_tok,
                         add_expert_feed_forward_length=config.moe_intermediate_size)
         state = _stack_experts(state, config.num_experts)
+    if family == "mixtral":
+        metadata.update(add_expert_count=config.num_local_experts, add_expert_used_count=config.num_experts_per_tok)
+        for old, new in _MIXTRAL_RENAMES:
+            state = {name.replace(old, new): tensor for name, tensor in state.items()}
+        state = _stack_experts(state, config.num_local_experts)
 
     def add_tensors(writer: Any) -> None:
         for name, tensor in state.items():
@@ -219,6 +227,26 @@ def write_gguf(model_dir: Path, path: Path, qtype: str = "F32") -> Path:
 
     _write_gguf_file(path, arch, metadata, add_tensors)
     return path
+
+
+def quantized_copy(model_dir: Path, target: Path, qtype: str) -> Path:
+    """The HF directory with every matrix that write_gguf quantizes (all but the router) replaced by
+    its `qtype` blocks' dequantized values: the weights a GGUF file of that qtype holds, for
+    transformers to run where its GGUF loader cannot read the file (Mixtral's)."""
+    import shutil
+
+    import gguf
+    from safetensors.torch import load_file, save_file
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    state = load_file(str(model_dir / "model.safetensors"))
+    for name, tensor in state.items():
+        if tensor.dim() >= 2 and not name.endswith(".gate.weight"):  # the router stays F32
+            values = gguf.quants.dequantize(gguf.quants.quantize(tensor.float().numpy(), kind), kind)
+            state[name] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(tensor.shape)
+    shutil.copytree(model_dir, target, ignore=shutil.ignore_patterns("model.safetensors"))
+    save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target
 
 
 def _stack_experts(state: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:

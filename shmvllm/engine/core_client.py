@@ -24,7 +24,7 @@ from shmvllm.config import EngineConfig
 from shmvllm.engine.dp_balancer import DPLoadBalancer
 from shmvllm.engine.dp_client import combine_ready, combine_stats, plan_cpus
 from shmvllm.engine.exceptions import EngineDeadError, EngineTimeoutError, EngineUtilityError
-from shmvllm.engine.proc_manager import DEFAULT_READY_TIMEOUT_S, CoreEngineProcManager, failure_text
+from shmvllm.engine.proc_manager import DEFAULT_READY_TIMEOUT_S, CoreEngineProcManager, PrestartedEngine, failure_text
 from shmvllm.engine.termination import FrontendTermination
 
 logger = logging.getLogger(__name__)
@@ -33,11 +33,13 @@ logger = logging.getLogger(__name__)
 class EngineCoreClient(ABC):
     @staticmethod
     def make_client(config: EngineConfig, multiprocess: bool = True,
-                    started: Optional[Callable[[], None]] = None) -> "EngineCoreClient":
+                    started: Optional[Callable[[], None]] = None,
+                    prestarted: Optional[PrestartedEngine] = None) -> "EngineCoreClient":
         """MPClient (one engine process per data-parallel rank) when multiprocess, else InprocClient.
-        started: MPClient's (called once the engine processes exist, before the wait for READY)."""
+        started, prestarted: MPClient's (called once the engine processes exist, before the wait
+        for READY; the engine's fork, made before the config)."""
         if multiprocess:
-            return MPClient(config, started=started)
+            return MPClient(config, started=started, prestarted=prestarted)
         if (n := config.parallel_config.data_parallel_size) > 1:
             raise ValueError(f"data_parallel_size={n} needs the engines in processes of their own (multiprocess=True).")
         return InprocClient(config)
@@ -189,11 +191,12 @@ class MPClient(EngineCoreClient):
 
     executor_class: every engine's (tests inject faults with it). channel: what opens a single
     engine's channel (default: the shared-memory rings; benchmarks/ passes its own). started: called
-    once every engine process exists, before the wait for READY."""
+    once every engine process exists, before the wait for READY. prestarted: a fork made before the
+    config (proc_manager.PrestartedEngine), which becomes the first engine where it can."""
 
     def __init__(self, config: EngineConfig, *, executor_class: Optional[type] = None,
                  ready_timeout: float = DEFAULT_READY_TIMEOUT_S, channel: Optional[ChannelFactory] = None,
-                 started: Optional[Callable[[], None]] = None) -> None:
+                 started: Optional[Callable[[], None]] = None, prestarted: Optional[PrestartedEngine] = None) -> None:
         self.num_engines = n = config.parallel_config.data_parallel_size
         if n > 1 and channel is not None:
             raise ValueError(f"channel= opens one engine's channel; data_parallel_size={n} uses the doorbell rings.")
@@ -214,7 +217,8 @@ class MPClient(EngineCoreClient):
             self.handles = resources.handles
             for handle, (cpus, threads) in zip(self.handles, self.cpu_plan):
                 handle.manager = CoreEngineProcManager(config, handle.addresses, executor_class, engine_index=handle.index,
-                                                       cpus=cpus, num_threads=threads)
+                                                       cpus=cpus, num_threads=threads,
+                                                       prestarted=prestarted if handle.index == 0 else None)
             if started is not None:  # the caller's own set-up, overlapping the engines' load
                 started()
             readies = self._wait_for_ready(ready_timeout)

@@ -178,6 +178,32 @@ def serve_forked(args: EngineProcArgs, num_threads: Optional[int]) -> None:
     serve(args)
 
 
+def serve_prestarted(read_fd: int) -> None:
+    """A fork of the frontend made before its config existed (`PrestartedEngine`): imports torch
+    and the engine code while the frontend builds the config and the channel, then reads its
+    EngineProcArgs from `read_fd` until EOF and serves. Nothing to read (the frontend gave up,
+    or died): exits. Never returns."""
+    global _prestart_imports_s
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as the engine's: the frontend decides on Ctrl-C
+    started = time.monotonic()
+    try:
+        import torch  # noqa: F401  (every built-in executor needs it)
+
+        import shmvllm.engine.core  # noqa: F401
+        import shmvllm.executor.uniproc  # noqa: F401
+    except Exception:  # the same imports fail again in `serve`, which reports why
+        pass
+    _prestart_imports_s = time.monotonic() - started
+    with os.fdopen(read_fd, "rb") as pipe:
+        payload = pipe.read()
+    if not payload:
+        os._exit(0)
+    serve_forked(decode_proc_args(payload), None)
+
+
+_prestart_imports_s: Optional[float] = None  # a prestarted engine's imports before its config came
+
+
 def serve(args: EngineProcArgs) -> None:
     """Serves until the end, then exits this process (never returns)."""
     sys.path.extend(p for p in args.sys_path if p not in sys.path)
@@ -259,7 +285,10 @@ class EngineCoreProc:
         engine_index: int = 0,
     ) -> None:
         at_init = time.monotonic()
-        from shmvllm.engine.core import EngineCore  # torch and the model code
+        if executor_class is None and "torch" not in sys.modules:
+            import torch  # noqa: F401  (every built-in executor needs it: timed as a phase of its own)
+        torch_imported = time.monotonic()
+        from shmvllm.engine.core import EngineCore
 
         imported = time.monotonic()
         self.parent_pid = parent_pid
@@ -277,10 +306,12 @@ class EngineCoreProc:
         ready = time.monotonic()
         age = process_age()
         logger.info(
-            "Start-up of the engine process: READY %s after it started: interpreter and first imports %s, "
-            "torch and the model code %.2f s, channel %.3f s, EngineCore %.2f s (its lines above)",
+            "Start-up of the engine process: READY %s after it started: interpreter and first imports %s%s, "
+            "torch %.2f s, engine code %.2f s, channel %.3f s, EngineCore %.2f s (its lines above)",
             "?" if age is None else f"{age:.2f} s", "?" if age is None else f"{age - (ready - at_init):.2f} s",
-            imported - at_init, built - imported, ready - built,
+            "" if _prestart_imports_s is None else
+            f" (of which torch and the engine code {_prestart_imports_s:.2f} s, while the frontend built the config)",
+            torch_imported - at_init, imported - torch_imported, built - imported, ready - built,
         )
 
     # ---- the process ---------------------------------------------------------------------

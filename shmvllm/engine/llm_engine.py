@@ -23,6 +23,7 @@ from shmvllm.engine.arg_utils import EngineArgs
 from shmvllm.engine.core_client import EngineCoreClient
 from shmvllm.engine.input_processor import InputProcessor, PromptType, check_priority
 from shmvllm.engine.output_processor import OutputProcessor, ParentRequest
+from shmvllm.engine.proc_manager import PrestartedEngine
 from shmvllm.engine.renderer import Renderer, load_tokenizer
 from shmvllm.metrics import FrontendStats, Metric
 from shmvllm.outputs import PoolingRequestOutput, RequestOutput
@@ -59,7 +60,8 @@ class _Background:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, multiprocess: bool = True):
+    def __init__(self, config: EngineConfig, multiprocess: bool = True, prestarted: Optional[PrestartedEngine] = None):
+        """prestarted: the engine's fork, made before `config` (from_engine_args)."""
         self.config = config
         model_config = config.model_config
         # The engine process loads while this one loads the tokenizer (a thread: imports and file
@@ -79,8 +81,12 @@ class LLMEngine:
             start_tokenizer()
         started = time.perf_counter()
         # a failure here leaves the tokenizer's thread (a daemon) to end on its own
-        self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess,
-                                                        started=start_tokenizer if fork else None)
+        try:
+            self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess,
+                                                            started=start_tokenizer if fork else None, prestarted=prestarted)
+        finally:
+            if prestarted is not None:  # unused (a failure before its start, another client): reaped
+                prestarted.discard()
         engine_ready = time.perf_counter()
         if fork and not loading:  # a client that did not call `started` (InprocClient, a test's stand-in)
             start_tokenizer()
@@ -116,9 +122,16 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, multiprocess: bool = True) -> "LLMEngine":
         started = time.perf_counter()
-        config = engine_args.create_engine_config()
+        # the engine's fork comes first: its imports (torch) overlap the config's making here
+        prestarted = PrestartedEngine() if PrestartedEngine.wanted(multiprocess, engine_args.data_parallel_size) else None
+        try:
+            config = engine_args.create_engine_config()
+        except BaseException:
+            if prestarted is not None:
+                prestarted.discard()
+            raise
         logger.info("Start-up: engine config (model %s) in %.3f s", config.model_config.model_dir, time.perf_counter() - started)
-        return cls(config, multiprocess=multiprocess)
+        return cls(config, multiprocess=multiprocess, prestarted=prestarted)
 
     def get_tokenizer(self) -> Any:
         if self.tokenizer is None:

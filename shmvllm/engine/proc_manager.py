@@ -35,7 +35,7 @@ from shmvllm import envs
 from shmvllm.boundary.channel import POLL_S, Addresses, ChannelTimeout, FrontendInbox
 from shmvllm.boundary.messages import EngineFailed, EngineReady
 from shmvllm.config import EngineConfig
-from shmvllm.engine.core_proc import EngineProcArgs, encode_proc_args, qualified_name, serve_forked
+from shmvllm.engine.core_proc import EngineProcArgs, encode_proc_args, qualified_name, serve_forked, serve_prestarted
 from shmvllm.engine.exceptions import EngineStartupError
 
 logger = logging.getLogger(__name__)
@@ -93,9 +93,12 @@ class CoreEngineProcManager:
         engine_index: int = 0,
         cpus: Optional[list[int]] = None,
         num_threads: Optional[int] = None,
+        prestarted: Optional["PrestartedEngine"] = None,
     ) -> None:
         """engine_index, cpus (its cores) and num_threads (its OMP_NUM_THREADS) are for one of
-        several data-parallel engines (shmvllm.engine.dp_client); the defaults: the only one."""
+        several data-parallel engines (shmvllm.engine.dp_client); the defaults: the only one.
+        prestarted: a fork made before the config existed, which becomes the engine (a fork
+        start of the only engine) or is discarded."""
         self.engine_index = engine_index
         self._tensor_parallel = config.parallel_config.tensor_parallel_size > 1
         self.workers: list[tuple[int, int]] = []  # (pid, start time) of the engine's worker processes
@@ -116,8 +119,14 @@ class CoreEngineProcManager:
             logger.warning("CUDA is initialized in this process: the engine starts as a program, not a fork")
             self.start_method = "program"
         self.started = time.monotonic()
+        if prestarted is not None:
+            if self.start_method == "fork" and num_threads is None and not cpus:
+                self.started = prestarted.started
+                self.proc: Any = prestarted.start(args)
+                return
+            prestarted.discard()
         if self.start_method == "fork":
-            self.proc: Any = ForkedProcess(lambda: serve_forked(args, num_threads))
+            self.proc = ForkedProcess(lambda: serve_forked(args, num_threads))
             return
         payload = encode_proc_args(args)
         # the directory that holds the shmvllm package first on its path, so that it runs this
@@ -336,6 +345,56 @@ class ForkedProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+class PrestartedEngine:
+    """The engine forked first thing (SHMVLLM_ENGINE_START=fork, one engine), before its config
+    exists: it imports torch and the engine code (most of its start-up) while this process
+    builds the config and the channel, then `start` hands it its EngineProcArgs over a pipe.
+    `discard` (the config failed, or another start was chosen) closes the pipe and reaps it; a
+    frontend that dies closes the pipe too, and the fork exits on the empty read."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        read_fd, self._write_fd = os.pipe()
+        try:
+            self._proc: Optional[ForkedProcess] = ForkedProcess(lambda: _prestarted_child(read_fd, self._write_fd))
+        finally:
+            os.close(read_fd)
+
+    @staticmethod
+    def wanted(multiprocess: bool, data_parallel_size: int) -> bool:
+        """Whether an engine start would be the one fork that a prestart can become."""
+        if not multiprocess or data_parallel_size != 1 or envs.SHMVLLM_ENGINE_START() != "fork":
+            return False
+        torch = sys.modules.get("torch")
+        return torch is None or not torch.cuda.is_initialized()
+
+    def start(self, args: EngineProcArgs) -> "ForkedProcess":
+        """Sends `args`: from here on the fork is the engine (its process)."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            raise RuntimeError("this prestarted engine was already started or discarded.")
+        try:
+            with os.fdopen(self._write_fd, "wb") as pipe:
+                pipe.write(encode_proc_args(args))
+        except OSError:  # it died: wait_for_ready reports its exit
+            pass
+        return proc
+
+    def discard(self) -> None:
+        """Closes the pipe, then kills and reaps the fork (idempotent)."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        os.close(self._write_fd)
+        proc.kill()
+        proc.wait()
+
+
+def _prestarted_child(read_fd: int, write_fd: int) -> None:
+    os.close(write_fd)  # the frontend's end: the child's copy would keep the pipe open
+    serve_prestarted(read_fd)
 
 
 def _children(pid: int) -> list[int]:

@@ -26,7 +26,7 @@ from shmvllm import envs
 from shmvllm.model.attention import AttentionMetadata
 from shmvllm.model.kernels import cpu_kernels, quant_kernels
 from shmvllm.model.linear import FEW_ROWS, Linear
-from shmvllm.model.moe import MoEMLP
+from shmvllm.model.moe import GLU_KERNELS, MoEMLP
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -62,10 +62,6 @@ class _Model(ctypes.Structure):
         ("attention_combine", _ptr), ("glu", _ptr), ("linear_rows", _ptr),
         ("moe_slots", _i64), ("max_experts", _i64),
     ]
-
-
-# the GLU kernel of each activation option (cpu_kernels.c)
-_GLU = {"silu": "shm_silu_and_mul", "gelu_tanh": "shm_gelu_tanh_and_mul"}
 
 
 def enabled() -> bool:
@@ -116,6 +112,22 @@ def _mlp_linears(mlp: Any) -> list[Linear]:
     return [mlp.gate_up_proj, mlp.down_proj]
 
 
+def linear_table(linear: Linear, keep: list[Any]) -> _Linear:
+    """The C kernels' table of a Linear's weight (decode_step.c's shm_linear): its GGML block parts,
+    or one part of contiguous fp32 rows; the ctypes array it points into is appended to `keep`."""
+    if linear.blocks is not None:
+        parts = [(offset, w.n, w.data.shape[1], w.qtype, w.data.data_ptr()) for offset, w in linear.blocks]
+    else:
+        weight = linear.weight.detach()
+        if not weight.is_contiguous() or weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError("the native kernels need contiguous fp32 weights on the CPU.")
+        parts = [(0, linear.out_features, 0, -1, weight.data_ptr())]
+    array = (_Part * len(parts))(*[_Part(*p) for p in parts])
+    keep.append(array)
+    bias = linear.bias.data_ptr() if linear.bias is not None else None
+    return _Linear(array, len(parts), linear.out_features, linear.in_features, bias)
+
+
 class DecodeStep:
     """The native decode step of one DecoderModel; `run` returns None where it does not apply.
     `steps`: how many steps it ran (what tests check to see that a model did not fall back)."""
@@ -134,17 +146,7 @@ class DecodeStep:
         return self.quant is not None and self.cpu is not None and not fallback_reasons(self.model)
 
     def _linear(self, linear: Linear) -> _Linear:
-        if linear.blocks is not None:
-            parts = [(offset, w.n, w.data.shape[1], w.qtype, w.data.data_ptr()) for offset, w in linear.blocks]
-        else:
-            weight = linear.weight.detach()
-            if not weight.is_contiguous():
-                raise ValueError("the fused decode step needs contiguous fp32 weights.")
-            parts = [(0, linear.out_features, 0, -1, weight.data_ptr())]
-        array = (_Part * len(parts))(*[_Part(*p) for p in parts])
-        self._keep.append(array)
-        bias = linear.bias.data_ptr() if linear.bias is not None else None
-        return _Linear(array, len(parts), linear.out_features, linear.in_features, bias)
+        return linear_table(linear, self._keep)
 
     def _build(self) -> _Model:
         model = self.model
@@ -200,7 +202,7 @@ class DecodeStep:
             attn.head_dim if first.self_attn.qk_norm == "head" else 0, max_len, torch.get_num_threads(),
             layers, _norm_weight(model.norm).data_ptr(),
             _fn(cpu, "shm_rms_norm"), _fn(cpu, "shm_rotary"), _fn(cpu, "shm_write_kv_cache"),
-            _fn(cpu, "shm_attention_task"), _fn(cpu, "shm_attention_combine"), _fn(cpu, _GLU[first.mlp.activation]),
+            _fn(cpu, "shm_attention_task"), _fn(cpu, "shm_attention_combine"), _fn(cpu, GLU_KERNELS[first.mlp.activation]),
             _fn(cpu, "shm_linear_rows"),
             max((m.top_k for m in moes), default=0), max((m.num_experts for m in moes), default=0),
         )

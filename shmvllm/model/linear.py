@@ -118,19 +118,19 @@ class Linear(nn.Linear):
 def merge_parts(parts: list[tuple[int, QuantizedWeight]], n: int, k: int) -> list[tuple[int, QuantizedWeight]]:
     """Sorted, checked (every row of [n, k] exactly once) and with neighbours of one format stacked."""
     parts = sorted(parts, key=lambda part: part[0])
-    merged: list[tuple[int, QuantizedWeight]] = []
+    runs: list[tuple[int, list[QuantizedWeight]]] = []  # neighbours of one format, stacked in one copy
     row = 0
     for offset, weight in parts:
         if offset != row or weight.k != k:
             raise ValueError(f"block parts must tile the [{n}, {k}] weight: got [{weight.n}, {weight.k}] at row {offset}, expected row {row}.")
-        if merged and merged[-1][1].qtype == weight.qtype:
-            merged[-1] = (merged[-1][0], concat([merged[-1][1], weight]))
+        if runs and runs[-1][1][0].qtype == weight.qtype:
+            runs[-1][1].append(weight)
         else:
-            merged.append((offset, weight))
+            runs.append((offset, [weight]))
         row += weight.n
     if row != n:
         raise ValueError(f"block parts cover {row} of the weight's {n} rows.")
-    return merged
+    return [(offset, run[0] if len(run) == 1 else concat(run)) for offset, run in runs]
 
 
 def _ptr(t: Optional[torch.Tensor], offset: int = 0) -> Optional[int]:

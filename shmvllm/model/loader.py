@@ -87,16 +87,17 @@ def get_model(model_config: ModelConfig, group: Optional[TPGroup] = None) -> nn.
         tensors, placement = safetensors_tensors(weight_files(model_dir)), Placement(group, _q8_0_linear_weight)
     else:
         tensors, placement = safetensors_tensors(weight_files(model_dir)), Placement(group)
-    with built_on_meta():
-        model = builder.build(hf_config, max_position, placement)
-    model = _materialize(model, device, dtype)
-    load_weights(model, tensors)
-    del tensors  # the GGUF handles' mapping stays only where blocks still view it
-    if q8_0:
-        _quantize_linears(model, FORMAT_IDS["Q8_0"])
-    process = getattr(model, "process_weights_after_loading", None)
-    if process is not None:
-        process()
+    with one_torch_thread():
+        with built_on_meta():
+            model = builder.build(hf_config, max_position, placement)
+        model = _materialize(model, device, dtype)
+        load_weights(model, tensors)
+        del tensors  # the GGUF handles' mapping stays only where blocks still view it
+        if q8_0:
+            _quantize_linears(model, FORMAT_IDS["Q8_0"])
+        process = getattr(model, "process_weights_after_loading", None)
+        if process is not None:
+            process()
     model.eval()
     return_freed_memory()
     report(model, group)
@@ -110,6 +111,20 @@ def get_model(model_config: ModelConfig, group: Optional[TPGroup] = None) -> nn.
         len(blocks), time.perf_counter() - started,
     )
     return model
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch's CPU ops in this block run on the calling thread: the load's ops (RoPE tables,
+    copies) are small, and each OpenMP region of a team would wait for a second core, which at
+    start-up is busy (the frontend loads its tokenizer; other processes): 0.2-0.3 s for the
+    RoPE tables alone on a loaded 2-core machine, 0.02-0.04 s on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 # torch.nn.init's in-place initializers, which modules call while they are built.

@@ -6,9 +6,12 @@ The router follows transformers' arithmetic in fp32: logits = x @ W_gate^T, soft
 experts, top-k, then (Mixtral always; Qwen3-MoE where `norm_topk_prob`) the chosen weights
 divided by their sum. Each expert is a gated MLP whose `gate_up_proj` / `down_proj` are the
 project's `Linear` (dense and packed for oneDNN, or GGML blocks: the GEMV kernel for a few rows,
-the blocked GEMM for many). Grouping: one stable argsort of the flattened expert ids gives each
-expert its tokens in token order; the expert outputs, scaled by their routing weights, are
-accumulated in expert order into zeros, as transformers' loop does, and the residual is added last.
+the blocked GEMM for many). On the CPU with fp32 activations and GGML-block or fp32 experts, all
+the chosen experts of a step run in one C call and one OpenMP team (kernels/moe.c: one kernel
+call a layer where a batch of 16 made ~110 from Python; benchmarks/results/moe.md); elsewhere
+(bf16, CUDA) one stable argsort of the flattened expert ids gives each expert its tokens in token
+order and the experts run one by one. Both accumulate the expert outputs, scaled by their routing
+weights, in expert order into zeros, as transformers' loop does, and add the residual last.
 
 Tensor parallel (model/parallel/layers.py): each rank builds and loads every expert's share of
 the intermediate rows (the dense MLP's split, no routing change) rather than whole experts: no
@@ -23,13 +26,38 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shmvllm.model.kernels import kernels_for
+from shmvllm.model.kernels import cpu_kernels, kernels_for, quant_kernels
 from shmvllm.model.parallel.layers import ColumnParallelLinear, Placement, RowParallelLinear
 from shmvllm.model.parallel.split import split_range
+
+
+GLU_KERNELS = {"silu": "shm_silu_and_mul", "gelu_tanh": "shm_gelu_tanh_and_mul"}  # cpu_kernels.c's GLU of each activation
+
+
+class _MoETable(ctypes.Structure):
+    """kernels/moe.c's shm_moe: the experts' weight tables and the layer's sizes."""
+
+    _fields_ = [
+        ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p), ("num_experts", ctypes.c_int64),
+        ("top_k", ctypes.c_int64), ("hidden", ctypes.c_int64), ("intermediate", ctypes.c_int64),
+        ("glu", ctypes.c_void_p), ("linear_rows", ctypes.c_void_p),
+    ]
+
+
+# llama.cpp stacks each layer's experts into one [n_expert, rows, k] tensor: read_gguf yields one
+# tensor per expert, "*" standing for its index
+MOE_GGUF_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.*.gate_proj",
+    "ffn_up_exps": "mlp.experts.*.up_proj",
+    "ffn_down_exps": "mlp.experts.*.down_proj",
+}
 
 
 @dataclass(frozen=True)
@@ -86,6 +114,10 @@ class MoEMLP(nn.Module):
             for index in range(options.num_experts)
         )
         self.group: Any = group if group.world_size > 1 else None  # the ranks' partial sums are all-reduced
+        shares = {expert.intermediate_size for expert in self.experts}
+        # each expert's rows on this rank (one split for all); None: they differ, the C kernel does not apply
+        self.intermediate_share: Optional[int] = shares.pop() if len(shares) == 1 else None
+        self._native_table: Any = None  # None: not built yet; False: the kernels do not apply
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [rows, top_k] fp32, expert ids [rows, top_k]) of each token."""
@@ -98,6 +130,72 @@ class MoEMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         weights, ids = self.route(x)
+        if self.group is not None and self.group.rank != 0:
+            residual = None  # rank 0's partial sum carries it through the all-reduce
+        out = self._native(x, weights, ids, residual)
+        if out is None:
+            out = self._layered(x, weights, ids, residual)
+        return self.group.all_reduce_(out) if self.group is not None else out
+
+    def _native(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                residual: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Every expert in one C call (kernels/moe.c), on the CPU with fp32 activations and weights
+        the kernels run (GGML blocks or fp32); None where that does not apply."""
+        if x.dtype != torch.float32 or x.device.type != "cpu" or not self.intermediate_share:
+            return None
+        table = self._table()
+        if table is None:
+            return None
+        kernels, struct = table
+        x = x.contiguous()
+        if residual is not None:
+            residual = residual.contiguous()
+        rows = x.shape[0]
+        ids = ids.contiguous()
+        weights = weights.contiguous()
+        out = torch.empty_like(x)
+        scratch = torch.empty(kernels.shm_moe_scratch_floats(ctypes.addressof(struct), rows), dtype=torch.float32)
+        rc = kernels.shm_moe_experts(
+            ctypes.addressof(struct), out.data_ptr(), x.data_ptr(), None if residual is None else residual.data_ptr(),
+            rows, ids.data_ptr(), weights.data_ptr(), scratch.data_ptr(), torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"the native mixture-of-experts kernel failed (status {rc}).")
+        return out
+
+    def _table(self) -> Optional[tuple[Any, Any]]:
+        """(the kernels, the experts' C table), built on first use from the loaded weights; None
+        where the kernels are missing or cannot run these weights (bf16, CUDA)."""
+        if self._native_table is False:
+            return None
+        if self._native_table is None:
+            self._native_table = False
+            kernels, glu = quant_kernels(), cpu_kernels()
+            if kernels is None or glu is None:
+                return None
+            from shmvllm.model.decode_step import linear_table  # decode_step imports this module
+
+            keep: list[Any] = []
+            try:
+                gate_up = [linear_table(e.gate_up_proj, keep) for e in self.experts]
+                down = [linear_table(e.down_proj, keep) for e in self.experts]
+            except ValueError:
+                return None
+            tables = [(type(t[0]) * len(t))(*t) for t in (gate_up, down)]
+            keep += tables
+            struct = _MoETable(
+                ctypes.addressof(tables[0]), ctypes.addressof(tables[1]), self.num_experts, self.top_k,
+                self.gate.in_features, self.intermediate_share,
+                ctypes.cast(getattr(glu, GLU_KERNELS[self.activation]), ctypes.c_void_p).value,
+                ctypes.cast(glu.shm_linear_rows, ctypes.c_void_p).value,
+            )
+            self._native_table = (kernels, struct, keep)
+        kernels, struct, _ = self._native_table
+        return kernels, struct
+
+    def _layered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 residual: Optional[torch.Tensor]) -> torch.Tensor:
+        """The experts one by one from Python (bf16 or CUDA weights)."""
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # each expert's (token, slot) pairs, in token order
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -111,8 +209,4 @@ class MoEMLP(nn.Module):
                 y = self.experts[expert](x.index_select(0, rows))
                 out.index_add_(0, rows, y.mul_(scales[start : start + count]))
             start += count
-        if self.group is not None:
-            if residual is not None and self.group.rank == 0:
-                out.add_(residual)
-            return self.group.all_reduce_(out)
         return out if residual is None else out.add_(residual)

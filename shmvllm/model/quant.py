@@ -19,7 +19,7 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterable, Iterator, Optional, Union
 
 import numpy as np
 import torch
@@ -100,13 +100,18 @@ def check_gguf_formats(path: Union[str, Path]) -> dict[str, str]:
     """{tensor name: GGML format name} of a GGUF file, from its header (gguf_tensor_infos). A
     tensor in a format the kernels do not run is a ValueError naming the tensor and the format."""
     infos = gguf_tensor_infos(path)
-    for info in infos:
-        if info.qtype not in FORMATS:
+    check_formats((info.name, info.qtype) for info in infos)
+    return {info.name: FORMATS[info.qtype][0] for info in infos}
+
+
+def check_formats(tensors: Iterable[tuple[str, int]]) -> None:
+    """A ValueError naming the first (name, GGML format id) the kernels do not run."""
+    for name, qtype in tensors:
+        if qtype not in FORMATS:
             raise ValueError(
-                f"GGUF tensor {info.name!r} is in GGML format {format_name(info.qtype)}, which shmvllm does not run; "
+                f"GGUF tensor {name!r} is in GGML format {format_name(qtype)}, which shmvllm does not run; "
                 f"supported: {sorted(FORMAT_IDS)}."
             )
-    return {info.name: FORMATS[info.qtype][0] for info in infos}
 
 
 def _read_tensor_infos(m: "mmap.mmap") -> list[GGUFTensorInfo]:
@@ -208,7 +213,10 @@ def concat(weights: list[QuantizedWeight]) -> QuantizedWeight:
     if _adjacent([w.data for w in weights]):  # one after the other in one storage (a mapped file): a view
         rows = sum(w.n for w in weights)
         return QuantizedWeight(first.data.as_strided((rows, first.data.shape[1]), first.data.stride()), first.qtype, first.k)
-    return QuantizedWeight(torch.cat([w.data for w in weights]), first.qtype, first.k)
+    # numpy's copy: torch.cat would run an OpenMP region per call, and on a loaded machine (at
+    # start-up the frontend loads its tokenizer on the other core) each waits for a core
+    stacked = np.concatenate([w.data.numpy() for w in weights])
+    return QuantizedWeight(torch.from_numpy(stacked), first.qtype, first.k)
 
 
 def _adjacent(parts: list[torch.Tensor]) -> bool:
@@ -351,8 +359,8 @@ def read_gguf(path: Path, hf_config: Any, family: Any, dequantize: bool = False)
     from shmvllm.model.models import check_gguf_architecture
 
     check_gguf_architecture(reader.architecture)
-    if not dequantize:
-        check_gguf_formats(path)  # the kernels run every tensor's format
+    if not dequantize:  # the kernels run every tensor's format (the header read above says)
+        check_formats((tensor.name, tensor.tensor_type) for tensor in reader.tensors)
     # one storage over the whole mapping: neighbouring tensors stack into one view (concat)
     mapped = torch.frombuffer(reader.buffer, dtype=torch.uint8)
     heads = hf_config.num_attention_heads

@@ -215,15 +215,31 @@ def _gguf_config_values(gguf_path: Path) -> dict[str, Any]:
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     if not getattr(config, "architectures", None):
         config.architectures = [check_gguf_file(gguf_path)]  # the HF architecture the file loads as
-    config.dtype = "float32"  # what transformers dequantizes a GGUF file to
     header = gguf_header_values(gguf_path)
     arch = header.get("general.architecture")
+    if arch == "llama" and int(header.get("llama.expert_count", 0) or 0) > 0:
+        config = _mixtral_config(config, header)
+    config.dtype = "float32"  # what transformers dequantizes a GGUF file to
     # transformers' GGUF mapping drops the experts' width (it keeps the config's default)
     if f"{arch}.expert_feed_forward_length" in header and hasattr(config, "moe_intermediate_size"):
         config.moe_intermediate_size = int(header[f"{arch}.expert_feed_forward_length"])
     values = config_values(config)
     values.pop("quantization_config", None)
     return values
+
+
+def _mixtral_config(llama: Any, header: dict[str, Any]) -> Any:
+    """llama.cpp writes Mixtral as a "llama" file with experts (llama.expert_count, stacked
+    ffn_*_exps tensors); transformers reads it as a dense Llama. The same values as a MixtralConfig,
+    each expert as wide as the file's expert (else its feed-forward) length."""
+    from transformers import MixtralConfig
+
+    values = {k: v for k, v in llama.to_dict().items() if k not in ("model_type", "architectures", "transformers_version")}
+    width = header.get("llama.expert_feed_forward_length") or header.get("llama.feed_forward_length") or llama.intermediate_size
+    values.update(num_local_experts=int(header["llama.expert_count"]),
+                  num_experts_per_tok=int(header.get("llama.expert_used_count", 2)), intermediate_size=int(width),
+                  architectures=["MixtralForCausalLM"])
+    return MixtralConfig(**values)
 
 
 def weight_files(model_dir: Path) -> list[Path]:

@@ -202,12 +202,16 @@ def native_bf16() -> tuple[bool, str]:
 
 QUANT_SOURCE = Path(__file__).with_name("quant_kernels.c")
 QUANT_FORMATS_SOURCE = Path(__file__).with_name("quant_formats.h")
+QUANT_INT8_SOURCE = Path(__file__).with_name("quant_int8.h")
 # decode_step.c includes quant_kernels.c: one library per ISA holds both.
 STEP_SOURCE = Path(__file__).with_name("decode_step.c")
+MOE_SOURCE = Path(__file__).with_name("moe.c")  # included by decode_step.c
 _QUANT_SIGNATURES = {
     "shm_decode_step": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]),
     "shm_decode_scratch_floats": (_i64, [_ptr, _i64]),
     "shm_read_probe": (ctypes.c_double, [_ptr, _i64, ctypes.c_int]),
+    "shm_moe_experts": (ctypes.c_int, [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, ctypes.c_int]),
+    "shm_moe_scratch_floats": (_i64, [_ptr, _i64]),
     "shm_qgemm": (ctypes.c_int, [_ptr, _i64, _ptr, _i64, _ptr, _i64, ctypes.c_int, _ptr, _ptr, _i64, _i64, _i64, _i64]),
     "shm_qdequant_rows": (ctypes.c_int, [_ptr, _ptr, _i64, ctypes.c_int, _ptr, _i64, _i64, _i64]),
     "shm_qblock_bytes": (ctypes.c_int, [ctypes.c_int]),
@@ -220,6 +224,7 @@ _QUANT_SIGNATURES = {
 # dequantization arithmetic (see quant_kernels.c).
 _X86 = platform.machine() in ("x86_64", "i686")
 QUANT_ISAS: list[tuple[str, int, list[str]]] = [
+    ("avx512vnni", 3, ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c", "-DVW=16"]),
     ("avx512", 2, ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c", "-DVW=16"]),
     ("avx2", 1, ["-mavx2", "-mfma", "-mf16c", "-DVW=8"]),
     ("portable", 0, ["-DVW=8"]),
@@ -231,7 +236,7 @@ _QUANT_BASE_FLAGS = ["-O3", "-mtune=native", "-fopenmp", "-fPIC", "-std=gnu11", 
 def _quant_build(isa: str) -> Optional[ctypes.CDLL]:
     flags = next(f for name, _, f in QUANT_ISAS if name == isa)
     return _build(f"quant_kernels-{isa}", STEP_SOURCE, _QUANT_BASE_FLAGS + flags, _QUANT_SIGNATURES,
-                  (QUANT_SOURCE, QUANT_FORMATS_SOURCE, ATTENTION_HEADER))
+                  (QUANT_SOURCE, QUANT_FORMATS_SOURCE, QUANT_INT8_SOURCE, ATTENTION_HEADER, MOE_SOURCE))
 
 
 def quant_isas_supported() -> list[str]:
@@ -245,7 +250,7 @@ def quant_isas_supported() -> list[str]:
 @functools.lru_cache(maxsize=None)
 def quant_kernels(isa: Optional[str] = None) -> Optional[ctypes.CDLL]:
     """The block-quantized GEMM kernels (quant_kernels.c) for `isa`, default the best this CPU
-    runs, or ``$SHMVLLM_QUANT_ISA`` (avx512 | avx2 | portable) when set; None when they cannot be
+    runs, or ``$SHMVLLM_QUANT_ISA`` (avx512vnni | avx512 | avx2 | portable) when set; None when they cannot be
     built. Asking for a build the CPU cannot run is a ValueError."""
     isa = isa or envs.SHMVLLM_QUANT_ISA()
     names = [name for name, _, _ in QUANT_ISAS]

@@ -141,6 +141,87 @@ static void attention_values(const act_t *v_head, const int32_t *blocks, int64_t
     }
 }
 
+#ifndef SHM_BF16
+/* fp32 heads of 64 or 128 features: scores and values with a head's accumulators in registers
+ * (the loops above keep them in memory, so each position waits on the previous one's stores),
+ * compiled for each of the two widths. Same products, their sums in another order. */
+typedef float head_vec __attribute__((vector_size(64)));
+#define HEAD_VECS_MAX 8
+static inline int fast_head(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
+static inline head_vec load_head_vec(const float *p) {
+    head_vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline float head_vec_sum(head_vec v) {
+    typedef float h8 __attribute__((vector_size(32)));
+    typedef float h4 __attribute__((vector_size(16)));
+    const h8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const h4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+static inline __attribute__((always_inline)) void scores_fixed(const int64_t nv, const float *q, const float *k_head,
+                                                               const int32_t *blocks, int64_t start, int64_t end,
+                                                               int64_t block_size, int64_t group, float scale,
+                                                               float softcap, float *s) {
+    const int64_t len = end - start, head_dim = 16 * nv;
+    for (int64_t b = start / block_size; b * block_size < end; b++) {
+        const float *keys = block_rows(k_head, blocks, b, block_size, head_dim);
+        if ((b + 1) * block_size < end) prefetch_block(block_rows(k_head, blocks, b + 1, block_size, head_dim), block_size, head_dim);
+        const int64_t j0 = b * block_size < start ? start - b * block_size : 0;
+        for (int64_t j = j0; j < block_size && b * block_size + j < end; j++) {
+            const float *key = keys + j * head_dim;
+            head_vec kv[HEAD_VECS_MAX];
+            for (int64_t c = 0; c < nv; c++) kv[c] = load_head_vec(key + 16 * c);
+            for (int64_t g = 0; g < group; g++) {
+                const float *qg = q + g * head_dim;
+                head_vec a0 = load_head_vec(qg) * kv[0], a1 = {0};
+                for (int64_t c = 1; c < nv; c++) {
+                    if (c & 1) a1 += load_head_vec(qg + 16 * c) * kv[c];
+                    else a0 += load_head_vec(qg + 16 * c) * kv[c];
+                }
+                const float dot = head_vec_sum(a0 + a1);
+                s[g * len + b * block_size + j - start] = softcap > 0.0f ? tanhf(dot * scale / softcap) * softcap : dot * scale;
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void values_fixed(const int64_t nv, const float *v_head,
+                                                               const int32_t *blocks, int64_t start, int64_t end,
+                                                               int64_t block_size, int64_t group, const float *p,
+                                                               float *acc) {
+    const int64_t len = end - start, head_dim = 16 * nv;
+    for (int64_t g = 0; g < group; g++) {
+        head_vec a[HEAD_VECS_MAX] = {{0}};
+        const float *pg = p + g * len;
+        for (int64_t b = start / block_size; b * block_size < end; b++) {
+            const float *values = block_rows(v_head, blocks, b, block_size, head_dim);
+            const int64_t j0 = b * block_size < start ? start - b * block_size : 0;
+            for (int64_t j = j0; j < block_size && b * block_size + j < end; j++) {
+                const float *value = values + j * head_dim;
+                const head_vec pj = pg[b * block_size + j - start] - (head_vec){0};
+                for (int64_t c = 0; c < nv; c++) a[c] += pj * load_head_vec(value + 16 * c);
+            }
+        }
+        memcpy(acc + g * head_dim, a, (size_t)head_dim * sizeof(float));
+    }
+}
+
+static void attention_scores_fast(const float *q, const float *k_head, const int32_t *blocks, int64_t start, int64_t end,
+                                  int64_t block_size, int64_t group, int64_t head_dim, float scale, float softcap, float *s) {
+    if (head_dim == 64) scores_fixed(4, q, k_head, blocks, start, end, block_size, group, scale, softcap, s);
+    else scores_fixed(8, q, k_head, blocks, start, end, block_size, group, scale, softcap, s);
+}
+
+static void attention_values_fast(const float *v_head, const int32_t *blocks, int64_t start, int64_t end,
+                                  int64_t block_size, int64_t group, int64_t head_dim, const float *p, float *acc) {
+    if (head_dim == 64) values_fixed(4, v_head, blocks, start, end, block_size, group, p, acc);
+    else values_fixed(8, v_head, blocks, start, end, block_size, group, p, acc);
+}
+#endif
+
 /* exp(s - max) in place over each group's `len` scores; maxes[g], sums[g] receive max and sum. */
 static void attention_exp(float *s, int64_t group, int64_t len, float *maxes, float *sums) {
     for (int64_t g = 0; g < group; g++) {
@@ -155,6 +236,17 @@ static void attention_exp(float *s, int64_t group, int64_t len, float *maxes, fl
         maxes[g] = max;
         sums[g] = sum;
     }
+}
+
+static inline void weigh_values(const act_t *v_head, const int32_t *blocks, int64_t start, int64_t end, int64_t block_size,
+                                int64_t group, int64_t head_dim, const float *p, float *acc) {
+#ifndef SHM_BF16
+    if (fast_head(head_dim)) {
+        attention_values_fast(v_head, blocks, start, end, block_size, group, head_dim, p, acc);
+        return;
+    }
+#endif
+    attention_values(v_head, blocks, start, end, block_size, group, head_dim, p, acc);
 }
 
 /* One task (see above); `work`: attention_work_floats floats of this thread's own;
@@ -172,7 +264,12 @@ void shm_attention_task(const shm_attention_args *a, int64_t task, float *work, 
     const act_t *k_head = a->k_cache + h * a->num_slots * D, *v_head = a->v_cache + h * a->num_slots * D;
     const int32_t *blocks = a->block_table + i * a->block_table_stride;
     float *s = work, *acc = work + group * len, maxes[group], sums[group];
-    attention_scores(q, k_head, blocks, start, end, a->block_size, group, D, a->scale, a->softcap, s);
+#ifndef SHM_BF16
+    if (fast_head(D))
+        attention_scores_fast(q, k_head, blocks, start, end, a->block_size, group, D, a->scale, a->softcap, s);
+    else
+#endif
+        attention_scores(q, k_head, blocks, start, end, a->block_size, group, D, a->scale, a->softcap, s);
     attention_exp(s, group, len, maxes, sums);
     if (chunks == 1) {
         /* the whole context: normalize the probabilities, then weigh the values with them */
@@ -181,13 +278,13 @@ void shm_attention_task(const shm_attention_args *a, int64_t task, float *work, 
 #pragma omp simd
             for (int64_t pos = 0; pos < len; pos++) s[g * len + pos] *= inv;
         }
-        attention_values(v_head, blocks, start, end, a->block_size, group, D, s, acc);
+        weigh_values(v_head, blocks, start, end, a->block_size, group, D, s, acc);
         act_t *out = a->out + row * a->out_row_stride + h * group * D;
         for (int64_t e = 0; e < group * D; e++) out[e] = ST(acc[e]);
         return;
     }
     float *part = partials + ((i * a->kv_heads + h) * a->max_chunks + chunk) * group * (D + 2);
-    attention_values(v_head, blocks, start, end, a->block_size, group, D, s, part + 2 * group);
+    weigh_values(v_head, blocks, start, end, a->block_size, group, D, s, part + 2 * group);
     for (int64_t g = 0; g < group; g++) {
         part[g] = maxes[g];
         part[group + g] = sums[g];

@@ -443,3 +443,5 @@ double shm_read_probe(const uint8_t *buf, int64_t bytes, int threads) {
     }
     return total;
 }
+
+#include "moe.c"

@@ -99,17 +99,21 @@ static inline void deq_q2_k(const uint8_t *blk, vf *w) {
 
 /* Q3_K's sixteen 6-bit scales (biased by 32) from their 12 packed bytes: scale j's low 4 bits are
  * nibble j / 8 of byte j % 8, its high 2 bits bits 2 (j / 4) of byte 8 + j % 4; assembled 8 at a
- * time in a uint64. */
-static inline void q3_k_scales(const uint8_t *packed, uint8_t scales[16]) {
+ * time in a uint64 (scales 0..7 in s[0], 8..15 in s[1]). */
+static inline void q3_k_scales_u64(const uint8_t *packed, uint64_t s[2]) {
     uint64_t low;
     uint32_t high;
     memcpy(&low, packed, 8);
     memcpy(&high, packed + 8, 4);
     const uint64_t m2 = 0x03030303u;
-    const uint64_t s0 = (low & 0x0f0f0f0f0f0f0f0full) | (((high & m2) | ((high >> 2) & m2) << 32) << 4);
-    const uint64_t s1 = ((low >> 4) & 0x0f0f0f0f0f0f0f0full) | ((((high >> 4) & m2) | ((uint64_t)(high >> 6) & m2) << 32) << 4);
-    memcpy(scales, &s0, 8);
-    memcpy(scales + 8, &s1, 8);
+    s[0] = (low & 0x0f0f0f0f0f0f0f0full) | (((high & m2) | ((high >> 2) & m2) << 32) << 4);
+    s[1] = ((low >> 4) & 0x0f0f0f0f0f0f0f0full) | ((((high >> 4) & m2) | ((uint64_t)(high >> 6) & m2) << 32) << 4);
+}
+
+static inline void q3_k_scales(const uint8_t *packed, uint8_t scales[16]) {
+    uint64_t s[2];
+    q3_k_scales_u64(packed, s);
+    memcpy(scales, s, 16);
 }
 
 /* Q3_K: 32 bytes of high bits (value 128 h + 32 s + i: bit 4 h + s of hmask[i]; q is 4 lower

@@ -11,8 +11,9 @@
  * The GEMV rows of most formats fold the block or sub-block constants out of the inner loop instead
  * (d * sum(q * x) + m * sum(x)): the same weights, the sum reassociated.
  *
- * Built three times from this one file (kernels/__init__.py): with AVX-512 (VW = 16), with AVX2
- * + FMA (VW = 8) and for the baseline ISA (portable), through GCC's vector extensions, and
+ * Built four times from this one file (kernels/__init__.py): with AVX-512 (VW = 16; with and
+ * without VNNI, whose build runs Q2_K / Q3_K's GEMV on integer dot products: quant_int8.h), with
+ * AVX2 + FMA (VW = 8) and for the baseline ISA (portable), through GCC's vector extensions, and
  * picked at run time by what the CPU reports (shm_quant_cpu_supports). Compiled without
  * -ffast-math: no reassociation may touch the dequantization arithmetic.
  *
@@ -750,6 +751,11 @@ static inline __attribute__((always_inline)) void q3_k_row(const int M, float *o
 }
 #endif
 
+#if defined(__AVX512VNNI__)
+#define INT8_ROWS 1
+#include "quant_int8.h"
+#endif
+
 /* Folded rows of the 256-value formats with a scale per sub-block (IQ4_XS, Q4_K, Q6_K): each
  * sub-block's integers (or table values) as floats, their dot product with x, times the
  * sub-block's scale once (and Q4_K's min times the sub-block's sum of x, computed once per call):
@@ -877,7 +883,7 @@ static inline __attribute__((always_inline)) void q6_k_row(const int M, float *o
  * step's team runs), NAME##_few (the GEMV for up to FEW_ROWS rows, the rows split over the
  * threads), NAME##_deq_row, NAME##_panel. The row body is inlined with M a constant (so the
  * accumulators live in registers). XSUM: the row wants sums of x per run of XSUM values (0: none). */
-#define DEFINE_FORMAT(NAME, DEQ, QK, BB, XSUM)                                                                 \
+#define DEFINE_RANGE(NAME, XSUM)                                                                               \
     static void NAME##_range(int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *w,      \
                              int64_t row_bytes, const float *bias, const float *residual, int64_t ldr, int64_t j0, \
                              int64_t j1, int64_t k) {                                                           \
@@ -892,7 +898,8 @@ static inline __attribute__((always_inline)) void q6_k_row(const int M, float *o
             default: NAME##_row(4, out, ldo, x, ldx, row, bias, residual, ldr, j, k, xs); break;                \
             }                                                                                                   \
         }                                                                                                       \
-    }                                                                                                           \
+    }
+#define DEFINE_FEW_DEQ(NAME, DEQ, QK, BB)                                                                      \
     static void NAME##_few(int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *w,        \
                            int64_t row_bytes, const float *bias, const float *residual, int64_t ldr, int64_t n,  \
                            int64_t k) {                                                                         \
@@ -922,7 +929,7 @@ static inline __attribute__((always_inline)) void q6_k_row(const int M, float *o
         for (int64_t g = 0; g < k / PANEL_K; g++)                                                               \
             memset(panel + (g * NR + cols) * PANEL_K, 0, (NR - cols) * PANEL_K * sizeof(float));                 \
     }
-
+#define DEFINE_FORMAT(NAME, DEQ, QK, BB, XSUM) DEFINE_RANGE(NAME, XSUM) DEFINE_FEW_DEQ(NAME, DEQ, QK, BB)
 
 DEFINE_FOLDED_ROW(q4_0, 18, 1)
 DEFINE_FOLDED_ROW(q4_1, 20, 1)
@@ -956,12 +963,18 @@ DEFINE_FORMAT(bf16, deq_bf16, 32, 64, 0)
 DEFINE_FORMAT(f32, deq_f32, 32, 128, 0)
 DEFINE_FORMAT(q5_0, deq_q5_0, 32, 22, 32)
 DEFINE_FORMAT(q5_1, deq_q5_1, 32, 24, 32)
-#ifdef LOW_BIT_ROWS
+#if defined(INT8_ROWS)
+DEFINE_INT8_RANGE(q2_k)
+DEFINE_FEW_DEQ(q2_k, deq_q2_k, 256, 84)
+DEFINE_INT8_RANGE(q3_k)
+DEFINE_FEW_DEQ(q3_k, deq_q3_k, 256, 110)
+#elif defined(LOW_BIT_ROWS)
 DEFINE_FORMAT(q2_k, deq_q2_k, 256, 84, 16)
+DEFINE_FORMAT(q3_k, deq_q3_k, 256, 110, 0)
 #else
 DEFINE_FORMAT(q2_k, deq_q2_k, 256, 84, 0)
-#endif
 DEFINE_FORMAT(q3_k, deq_q3_k, 256, 110, 0)
+#endif
 DEFINE_FORMAT(iq4_nl, deq_iq4_nl, 32, 18, 0)
 DEFINE_FORMAT(iq4_xs, deq_iq4_xs, 256, 136, 0)
 DEFINE_FORMAT(mxfp4, deq_mxfp4, 32, 17, 0)
@@ -1104,7 +1117,8 @@ int shm_qblock_bytes(int type) { return block_bytes(type); }
 int shm_qblock_values(int type) { return block_values(type); }
 int shm_qvector_width(void) { return VW; }
 
-/* 1 when this CPU runs the named build: 0 portable, 1 AVX2 + FMA + F16C, 2 AVX-512 F/BW/VL/DQ. */
+/* 1 when this CPU runs the named build: 0 portable, 1 AVX2 + FMA + F16C, 2 AVX-512 F/BW/VL/DQ,
+ * 3 that and AVX-512 VNNI. */
 int shm_quant_cpu_supports(int isa) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
@@ -1115,6 +1129,7 @@ int shm_quant_cpu_supports(int isa) {
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("avx512f") &&
                __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                __builtin_cpu_supports("avx512dq");
+    case 3: return shm_quant_cpu_supports(2) && __builtin_cpu_supports("avx512vnni");
     default: return 0;
     }
 #else

@@ -1,14 +1,15 @@
 """Mixtral: Mistral's attention and, in every layer, a softmax router over `num_local_experts`
 whose top-k weights are renormalized; the checkpoint's block_sparse_moe.experts.N.w1 / w3 / w2
-load as the experts' gate / up / down projections."""
+load as the experts' gate / up / down projections. A GGUF file of it is llama.cpp's "llama" with
+experts (registry: its MixtralConfig): llama's names and q/k row interleave, the experts stacked."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from typing import Any
 
-from shmvllm.model.decoder import DecoderOptions, Family, gelu_tanh_or_silu, standard_options
-from shmvllm.model.moe import MoEOptions
+from shmvllm.model.decoder import LLAMA_GGUF_NAMES, DecoderOptions, Family, gelu_tanh_or_silu, standard_options
+from shmvllm.model.moe import MOE_GGUF_NAMES, MoEOptions
 
 _RENAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
 
@@ -23,4 +24,4 @@ def options(config: Any) -> DecoderOptions:
     return replace(base, layers=tuple(replace(layer, moe=True) for layer in base.layers), moe=moe)
 
 
-FAMILY = Family(options=options, gguf_names={})
+FAMILY = Family(options=options, gguf_names={**LLAMA_GGUF_NAMES, **MOE_GGUF_NAMES}, gguf_permute_qk=("llama",))

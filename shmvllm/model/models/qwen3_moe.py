@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from shmvllm.model.decoder import LLAMA_GGUF_NAMES, DecoderOptions, Family, gelu_tanh_or_silu, standard_options
-from shmvllm.model.moe import MoEOptions
+from shmvllm.model.moe import MOE_GGUF_NAMES, MoEOptions
 
 
 def options(config: Any) -> DecoderOptions:
@@ -22,15 +22,6 @@ def options(config: Any) -> DecoderOptions:
     layers = tuple(replace(layer, moe=flag) for layer, flag in zip(base.layers, sparse))
     return replace(base, layers=layers, moe=moe)
 
-
-# llama.cpp stacks each layer's experts into one [n_expert, rows, k] tensor: read_gguf yields one
-# tensor per expert, "*" standing for its index
-MOE_GGUF_NAMES = {
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_exps": "mlp.experts.*.gate_proj",
-    "ffn_up_exps": "mlp.experts.*.up_proj",
-    "ffn_down_exps": "mlp.experts.*.down_proj",
-}
 
 FAMILY = Family(
     options=options,

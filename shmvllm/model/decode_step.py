@@ -27,26 +27,19 @@ from shmvllm.model.attention import AttentionMetadata
 from shmvllm.model.kernels import cpu_kernels, quant_kernels
 from shmvllm.model.linear import FEW_ROWS, Linear
 from shmvllm.model.moe import GLU_KERNELS, MoEMLP
+from shmvllm.model.native_linear import NativeLinear, linear_table
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-
-
-class _Part(ctypes.Structure):
-    _fields_ = [("offset", _i64), ("n", _i64), ("row_bytes", _i64), ("type", _i64), ("w", _ptr)]
-
-
-class _Linear(ctypes.Structure):
-    _fields_ = [("parts", ctypes.POINTER(_Part)), ("num_parts", _i64), ("n", _i64), ("k", _i64), ("bias", _ptr)]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [
         ("attn_in_norm", _ptr), ("attn_out_norm", _ptr), ("mlp_in_norm", _ptr), ("mlp_out_norm", _ptr),
         ("q_norm", _ptr), ("k_norm", _ptr),
-        ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+        ("qkv", NativeLinear), ("o", NativeLinear), ("gate_up", NativeLinear), ("down", NativeLinear),
         ("k_cache", _ptr), ("v_cache", _ptr), ("cos_table", _ptr), ("sin_table", _ptr),
         ("scale", _f32), ("softcap", _f32), ("window", _i64),
-        ("router", _Linear), ("expert_gate_up", ctypes.POINTER(_Linear)), ("expert_down", ctypes.POINTER(_Linear)),
+        ("router", NativeLinear), ("expert_gate_up", ctypes.POINTER(NativeLinear)), ("expert_down", ctypes.POINTER(NativeLinear)),
         ("num_experts", _i64), ("top_k", _i64), ("norm_topk", _i64), ("expert_intermediate", _i64),
     ]
 
@@ -112,22 +105,6 @@ def _mlp_linears(mlp: Any) -> list[Linear]:
     return [mlp.gate_up_proj, mlp.down_proj]
 
 
-def linear_table(linear: Linear, keep: list[Any]) -> _Linear:
-    """The C kernels' table of a Linear's weight (decode_step.c's shm_linear): its GGML block parts,
-    or one part of contiguous fp32 rows; the ctypes array it points into is appended to `keep`."""
-    if linear.blocks is not None:
-        parts = [(offset, w.n, w.data.shape[1], w.qtype, w.data.data_ptr()) for offset, w in linear.blocks]
-    else:
-        weight = linear.weight.detach()
-        if not weight.is_contiguous() or weight.dtype != torch.float32 or weight.device.type != "cpu":
-            raise ValueError("the native kernels need contiguous fp32 weights on the CPU.")
-        parts = [(0, linear.out_features, 0, -1, weight.data_ptr())]
-    array = (_Part * len(parts))(*[_Part(*p) for p in parts])
-    keep.append(array)
-    bias = linear.bias.data_ptr() if linear.bias is not None else None
-    return _Linear(array, len(parts), linear.out_features, linear.in_features, bias)
-
-
 class DecodeStep:
     """The native decode step of one DecoderModel; `run` returns None where it does not apply.
     `steps`: how many steps it ran (what tests check to see that a model did not fall back)."""
@@ -145,7 +122,7 @@ class DecodeStep:
     def usable(self) -> bool:
         return self.quant is not None and self.cpu is not None and not fallback_reasons(self.model)
 
-    def _linear(self, linear: Linear) -> _Linear:
+    def _linear(self, linear: Linear) -> NativeLinear:
         return linear_table(linear, self._keep)
 
     def _build(self) -> _Model:
@@ -166,16 +143,16 @@ class DecodeStep:
             rope = model.rotary[a.rope] if a.rope is not None else None
             mlp = layer.mlp
             if isinstance(mlp, MoEMLP):
-                none = _Linear(None, 0, 0, 0, None)
+                none = NativeLinear(None, 0, 0, 0, None)
                 mlp_fields = (none, none)
-                gate_up = (_Linear * mlp.num_experts)(*[self._linear(e.gate_up_proj) for e in mlp.experts])
-                down = (_Linear * mlp.num_experts)(*[self._linear(e.down_proj) for e in mlp.experts])
+                gate_up = (NativeLinear * mlp.num_experts)(*[self._linear(e.gate_up_proj) for e in mlp.experts])
+                down = (NativeLinear * mlp.num_experts)(*[self._linear(e.down_proj) for e in mlp.experts])
                 self._keep += [gate_up, down]
                 moe = (self._linear(mlp.gate), gate_up, down, mlp.num_experts, mlp.top_k, int(mlp.norm_topk_prob),
                        mlp.intermediate_size)
             else:
                 mlp_fields = (self._linear(mlp.gate_up_proj), self._linear(mlp.down_proj))
-                moe = (_Linear(None, 0, 0, 0, None), None, None, 0, 0, 0, 0)
+                moe = (NativeLinear(None, 0, 0, 0, None), None, None, 0, 0, 0, 0)
             layers[i] = _Layer(
                 *pointers, self._linear(a.qkv_proj), self._linear(a.o_proj), *mlp_fields, cache_k.data_ptr(),
                 cache_v.data_ptr(), rope.cos_cache.data_ptr() if rope is not None else None,

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shmvllm.model.kernels import cpu_kernels, kernels_for, quant_kernels
+from shmvllm.model.native_linear import linear_table
 from shmvllm.model.parallel.layers import ColumnParallelLinear, Placement, RowParallelLinear
 from shmvllm.model.parallel.split import split_range
 
@@ -173,8 +174,6 @@ class MoEMLP(nn.Module):
             kernels, glu = quant_kernels(), cpu_kernels()
             if kernels is None or glu is None:
                 return None
-            from shmvllm.model.decode_step import linear_table  # decode_step imports this module
-
             keep: list[Any] = []
             try:
                 gate_up = [linear_table(e.gate_up_proj, keep) for e in self.experts]

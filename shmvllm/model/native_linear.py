@@ -1,0 +1,38 @@
+"""The C kernels' view of a Linear's weights (decode_step.c's and moe.c's shm_linear): its GGML
+block parts, or one part of contiguous fp32 rows. Shared by the native decode step and the
+mixture-of-experts kernel, so neither imports the other."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from shmvllm.model.linear import Linear
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [("offset", _i64), ("n", _i64), ("row_bytes", _i64), ("type", _i64), ("w", _ptr)]
+
+
+class NativeLinear(ctypes.Structure):
+    _fields_ = [("parts", ctypes.POINTER(_Part)), ("num_parts", _i64), ("n", _i64), ("k", _i64), ("bias", _ptr)]
+
+
+def linear_table(linear: Linear, keep: list[Any]) -> NativeLinear:
+    """The C kernels' table of a Linear's weight: its GGML block parts,
+    or one part of contiguous fp32 rows; the ctypes array it points into is appended to `keep`."""
+    if linear.blocks is not None:
+        parts = [(offset, w.n, w.data.shape[1], w.qtype, w.data.data_ptr()) for offset, w in linear.blocks]
+    else:
+        weight = linear.weight.detach()
+        if not weight.is_contiguous() or weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError("the native kernels need contiguous fp32 weights on the CPU.")
+        parts = [(0, linear.out_features, 0, -1, weight.data_ptr())]
+    array = (_Part * len(parts))(*[_Part(*p) for p in parts])
+    keep.append(array)
+    bias = linear.bias.data_ptr() if linear.bias is not None else None
+    return NativeLinear(array, len(parts), linear.out_features, linear.in_features, bias)

@@ -213,21 +213,27 @@ MPClient(EngineArgs(model={model!r}, max_model_len=64, num_kv_blocks=16).create_
 """
 
 
-def _start_loading(tmp_path: Path, model_dir: Path) -> tuple[subprocess.Popen, int]:
-    """A frontend whose engine is loading (it sleeps in its executor); (frontend, engine pid)."""
-    (tmp_path / "slow_load.py").write_text(SLOW_EXECUTOR)
-    (tmp_path / "frontend.py").write_text(SLOW_FRONTEND.format(model=str(model_dir)))
+def _launch(tmp_path: Path, script: str, **env: str) -> subprocess.Popen:
+    """Run `script` as a frontend in its own session; return once it wrote LOADING_MARK."""
+    (tmp_path / "frontend.py").write_text(script)
     mark = tmp_path / "loading"
     proc = subprocess.Popen(
         [sys.executable, str(tmp_path / "frontend.py")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "LOADING_MARK": str(mark), "PYTHONPATH": f"{REPO}:{tmp_path}", "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "LOADING_MARK": str(mark), "PYTHONPATH": f"{REPO}:{tmp_path}", "PYTHONUNBUFFERED": "1", **env},
         start_new_session=True,
     )
     deadline = time.monotonic() + 120
     while not (mark.exists() and mark.read_text()):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
-    return proc, int(mark.read_text())
+    return proc
+
+
+def _start_loading(tmp_path: Path, model_dir: Path) -> tuple[subprocess.Popen, int]:
+    """A frontend whose engine is loading (it sleeps in its executor); (frontend, engine pid)."""
+    (tmp_path / "slow_load.py").write_text(SLOW_EXECUTOR)
+    proc = _launch(tmp_path, SLOW_FRONTEND.format(model=str(model_dir)))
+    return proc, int((tmp_path / "loading").read_text())
 
 
 def _left_by(*pids: int) -> set[str]:
@@ -242,19 +248,6 @@ def _assert_nothing_left(frontend: int, engine: int, within: float) -> None:
     assert not _left_by(frontend, engine), sorted(_left_by(frontend, engine))
 
 
-def test_kill_9_of_the_frontend_while_the_engine_loads(tmp_path, tiny_llama_dir):
-    proc, engine = _start_loading(tmp_path, tiny_llama_dir)
-    try:
-        proc.kill()
-        proc.wait(timeout=10)
-        _assert_nothing_left(proc.pid, engine, within=3.0)  # noticed within a poll, not after the load
-    finally:
-        proc.kill()
-        proc.communicate()
-        if pid_alive(engine):
-            os.kill(engine, signal.SIGKILL)
-
-
 def test_kill_9_of_the_engine_while_it_loads(tmp_path, tiny_llama_dir):
     proc, engine = _start_loading(tmp_path, tiny_llama_dir)
     try:
@@ -264,21 +257,6 @@ def test_kill_9_of_the_engine_while_it_loads(tmp_path, tiny_llama_dir):
         _assert_nothing_left(proc.pid, engine, within=1.0)
     finally:
         proc.kill()
-
-
-def test_ctrl_c_while_the_engine_loads(tmp_path, tiny_llama_dir):
-    """SIGINT to the whole process group, as a terminal's Ctrl-C: the frontend raises
-    KeyboardInterrupt, stops its engine and removes its rings."""
-    proc, engine = _start_loading(tmp_path, tiny_llama_dir)
-    try:
-        os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
-        assert "KeyboardInterrupt" in err, err
-        _assert_nothing_left(proc.pid, engine, within=10.0)
-    finally:
-        proc.kill()
-        if pid_alive(engine):
-            os.kill(engine, signal.SIGKILL)
 
 
 # ---- the engine forked before the config (PrestartedEngine) -------------------------------------
@@ -303,30 +281,26 @@ LLM({model!r}, max_model_len=64, num_kv_blocks=16)
 def _making_config(tmp_path: Path, model_dir: Path) -> tuple[subprocess.Popen, int]:
     """A frontend in LLM(), making its config (it sleeps there) while its engine's fork waits for
     it; (frontend, the fork's pid)."""
-    (tmp_path / "frontend.py").write_text(SLOW_CONFIG_FRONTEND.format(model=str(model_dir)))
-    mark = tmp_path / "loading"
-    proc = subprocess.Popen(
-        [sys.executable, str(tmp_path / "frontend.py")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "LOADING_MARK": str(mark), "PYTHONPATH": f"{REPO}:{tmp_path}", "PYTHONUNBUFFERED": "1",
-             "SHMVLLM_ENGINE_START": "fork"},
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 120
-    while not (mark.exists() and mark.read_text()):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.05)
+    proc = _launch(tmp_path, SLOW_CONFIG_FRONTEND.format(model=str(model_dir)), SHMVLLM_ENGINE_START="fork")
     children = _children(proc.pid)
     assert len(children) == 1, children
     return proc, children[0]
 
 
-def test_kill_9_of_the_frontend_while_it_makes_the_config(tmp_path, tiny_llama_dir):
-    """The fork made first thing finds its pipe closed, once its imports are done, and exits."""
-    proc, engine = _making_config(tmp_path, tiny_llama_dir)
+# (how the frontend is caught mid-start, how long its engine may take to go once the frontend is killed):
+# a loading engine notices within a poll; the fork made before the config only once its imports are done.
+PHASES = pytest.mark.parametrize("start, kill_within", [
+    pytest.param(_start_loading, 3.0, id="engine-loads"), pytest.param(_making_config, 60.0, id="config"),
+])
+
+
+@PHASES
+def test_kill_9_of_the_frontend_mid_start(tmp_path, tiny_llama_dir, start, kill_within):
+    proc, engine = start(tmp_path, tiny_llama_dir)
     try:
         proc.kill()
         proc.wait(timeout=10)
-        _assert_nothing_left(proc.pid, engine, within=60.0)  # its imports may still run: a deadline, not a timing
+        _assert_nothing_left(proc.pid, engine, within=kill_within)
     finally:
         proc.kill()
         proc.communicate()
@@ -334,8 +308,11 @@ def test_kill_9_of_the_frontend_while_it_makes_the_config(tmp_path, tiny_llama_d
             os.kill(engine, signal.SIGKILL)
 
 
-def test_ctrl_c_while_the_frontend_makes_the_config(tmp_path, tiny_llama_dir):
-    proc, engine = _making_config(tmp_path, tiny_llama_dir)
+@PHASES
+def test_ctrl_c_mid_start(tmp_path, tiny_llama_dir, start, kill_within):
+    """SIGINT to the whole process group, as a terminal's Ctrl-C: the frontend raises
+    KeyboardInterrupt, stops its engine and removes its rings."""
+    proc, engine = start(tmp_path, tiny_llama_dir)
     try:
         os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=30)

@@ -119,17 +119,23 @@ def _poison(expert) -> None:
 def test_tensor_parallel_2_gives_transformers_tokens(family_dir):
     """tensor_parallel_size=2, every expert's intermediate rows split over the ranks, one
     all-reduce per MoE layer: a mixed batch under preemption, greedy tokens equal to transformers'."""
+    _assert_tp2_preempted_gives(family_dir, family_dir, seed=7, stop_token_ids=[])
+
+
+def _assert_tp2_preempted_gives(model, reference, seed: int, stop_token_ids: list[int]) -> None:
+    """A mixed batch at tensor_parallel_size=2 in 10 blocks of 4 (preempted): transformers' greedy
+    tokens of `reference`."""
     from shmvllm import LLM, SamplingParams
 
-    prompts = prompts_of([1, 5, 17, 8, 3, 24], seed=7)
-    with LLM(model=str(family_dir), multiprocess=False, tensor_parallel_size=2, num_kv_blocks=10, block_size=4,
+    prompts = prompts_of([1, 5, 17, 8, 3, 24], seed=seed)
+    params = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=stop_token_ids)
+    with LLM(model=str(model), multiprocess=False, tensor_parallel_size=2, num_kv_blocks=10, block_size=4,
              skip_tokenizer_init=True) as llm:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=8),
-                               use_tqdm=False)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         stats = llm.llm_engine.engine_core.get_stats()
     assert stats["num_preemptions"] > 0, stats
     for prompt, output in zip(prompts, outputs):
-        assert_same_greedy(list(output.outputs[0].token_ids), hf_greedy(family_dir, tuple(prompt), 8),
+        assert_same_greedy(list(output.outputs[0].token_ids), hf_greedy(reference, tuple(prompt), 8),
                            f"prompt of {len(prompt)} tokens")
 
 
@@ -286,16 +292,5 @@ def test_mixtral_q8_0_gguf_against_transformers(mixtral_gguf, case):
 
 def test_mixtral_q8_0_gguf_tensor_parallel_2_against_transformers(mixtral_gguf):
     """Every expert's rows split over the two ranks, under preemption (the file names no EOS: 1 stops)."""
-    from shmvllm import LLM, SamplingParams
-
     _, path, reference = mixtral_gguf
-    prompts = prompts_of([1, 5, 17, 8, 3, 24], seed=14)
-    with LLM(model=str(path), multiprocess=False, tensor_parallel_size=2, num_kv_blocks=10, block_size=4,
-             skip_tokenizer_init=True) as llm:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[1]),
-                               use_tqdm=False)
-        stats = llm.llm_engine.engine_core.get_stats()
-    assert stats["num_preemptions"] > 0, stats
-    for prompt, output in zip(prompts, outputs):
-        assert_same_greedy(list(output.outputs[0].token_ids), hf_greedy(reference, tuple(prompt), 8),
-                           f"prompt of {len(prompt)} tokens")
+    _assert_tp2_preempted_gives(path, reference, seed=14, stop_token_ids=[1])

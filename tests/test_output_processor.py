@@ -319,3 +319,30 @@ def test_child_error_reaches_the_parent_output(tokenizer, input_processor):
     )).request_outputs[0]
     assert final.finished and final.error == "bad child"
     assert [c.finish_reason for c in final.outputs] == ["error", "length"]
+
+
+def test_output_processor_makes_the_same_outputs_from_columns_and_structs(tokenizer, input_processor):
+    """A prompt's tokens fed once as rows (speculative bursts included) and once as structs,
+    with a stop string that ends the request in the frontend: the same outputs, step by step."""
+    ids = text_ids(tokenizer, "one two three four five six seven")
+    cuts = [0, 1, 3, 4, len(ids) - 1, len(ids)]
+    bursts = [ids[a:b] for a, b in zip(cuts, cuts[1:])]
+    assert len(ids) >= 6 and all(bursts)
+    seen = {}
+    for columns in (False, True):
+        processor = OutputProcessor(tokenizer)
+        add(processor, input_processor, "r", SamplingParams(stop=["five"], output_kind=RequestOutputKind.DELTA))
+        steps = []
+        for burst in bursts:
+            message = EngineCoreOutputs()
+            if columns:
+                message.add_tokens("r", burst)
+            else:
+                message.outputs.append(EngineCoreOutput("r", burst))
+            result = processor.process_outputs(message)
+            steps.append(([(o.outputs[0].text, o.outputs[0].token_ids, o.finished) for o in result.request_outputs],
+                          result.reqs_to_abort))
+        seen[columns] = steps
+    assert seen[True] == seen[False]
+    assert seen[True][-2][1] == ["r"]  # the stop string, found in the frontend: abort it in the engine
+    assert "".join(text for outs, _ in seen[True] for text, _, _ in outs) == "one two three four "

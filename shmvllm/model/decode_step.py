@@ -27,7 +27,7 @@ from shmvllm.model.attention import AttentionMetadata
 from shmvllm.model.kernels import cpu_kernels, quant_kernels
 from shmvllm.model.linear import FEW_ROWS, Linear
 from shmvllm.model.moe import GLU_KERNELS, MoEMLP
-from shmvllm.model.native_linear import NativeLinear, linear_table
+from shmvllm.model.native_linear import NativeLinear, linear_table, linear_tables
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -145,9 +145,8 @@ class DecodeStep:
             if isinstance(mlp, MoEMLP):
                 none = NativeLinear(None, 0, 0, 0, None)
                 mlp_fields = (none, none)
-                gate_up = (NativeLinear * mlp.num_experts)(*[self._linear(e.gate_up_proj) for e in mlp.experts])
-                down = (NativeLinear * mlp.num_experts)(*[self._linear(e.down_proj) for e in mlp.experts])
-                self._keep += [gate_up, down]
+                gate_up = linear_tables([e.gate_up_proj for e in mlp.experts], self._keep)
+                down = linear_tables([e.down_proj for e in mlp.experts], self._keep)
                 moe = (self._linear(mlp.gate), gate_up, down, mlp.num_experts, mlp.top_k, int(mlp.norm_topk_prob),
                        mlp.intermediate_size)
             else:

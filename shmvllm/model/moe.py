@@ -23,17 +23,16 @@ partial sums, and one all-reduce per layer adds them. The split is drawn in whol
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Any, Optional
-
-import ctypes
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shmvllm.model.kernels import cpu_kernels, kernels_for, quant_kernels
-from shmvllm.model.native_linear import linear_table
+from shmvllm.model.native_linear import linear_tables
 from shmvllm.model.parallel.layers import ColumnParallelLinear, Placement, RowParallelLinear
 from shmvllm.model.parallel.split import split_range
 
@@ -176,14 +175,12 @@ class MoEMLP(nn.Module):
                 return None
             keep: list[Any] = []
             try:
-                gate_up = [linear_table(e.gate_up_proj, keep) for e in self.experts]
-                down = [linear_table(e.down_proj, keep) for e in self.experts]
+                gate_up = linear_tables([e.gate_up_proj for e in self.experts], keep)
+                down = linear_tables([e.down_proj for e in self.experts], keep)
             except ValueError:
                 return None
-            tables = [(type(t[0]) * len(t))(*t) for t in (gate_up, down)]
-            keep += tables
             struct = _MoETable(
-                ctypes.addressof(tables[0]), ctypes.addressof(tables[1]), self.num_experts, self.top_k,
+                ctypes.addressof(gate_up), ctypes.addressof(down), self.num_experts, self.top_k,
                 self.gate.in_features, self.intermediate_share,
                 ctypes.cast(getattr(glu, GLU_KERNELS[self.activation]), ctypes.c_void_p).value,
                 ctypes.cast(glu.shm_linear_rows, ctypes.c_void_p).value,

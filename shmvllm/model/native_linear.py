@@ -5,7 +5,7 @@ mixture-of-experts kernel, so neither imports the other."""
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -36,3 +36,11 @@ def linear_table(linear: Linear, keep: list[Any]) -> NativeLinear:
     keep.append(array)
     bias = linear.bias.data_ptr() if linear.bias is not None else None
     return NativeLinear(array, len(parts), linear.out_features, linear.in_features, bias)
+
+
+def linear_tables(linears: Sequence[Linear], keep: list[Any]) -> ctypes.Array:
+    """One C array of the tables of `linears` (a layer's experts), kept alive in `keep` with what
+    it points into."""
+    array = (NativeLinear * len(linears))(*[linear_table(linear, keep) for linear in linears])
+    keep.append(array)
+    return array

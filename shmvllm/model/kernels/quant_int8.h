@@ -55,8 +55,11 @@ static inline iv pieces_dot4(const iv w[4], const int8_t *q) {
     }
     return _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(_mm512_slli_epi32(a0, 7), a1), 7), a2);
 }
-/* low + 4 where the hmask bytes hm have bit `bit` set */
-static inline iv iv_add4_where(iv low, iv hm, iv bit) {
+/* Q3_K's q of field s, part p: the 2-bit low parts, + 4 where value 128 h + 32 s + i's high bit
+ * (bit 4 h + s of hmask[i], hm holding the 32 bytes in each half h) is set, under a byte mask */
+static inline iv q3_k_q(iv low, iv hm, int s, int p) {
+    (void)p;
+    const iv bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << s)), _mm256_set1_epi8((char)(1 << (4 + s))), 1);
     return _mm512_mask_add_epi8(low, _mm512_test_epi8_mask(hm, bit), low, _mm512_set1_epi8(4));
 }
 static inline fv fv_load(const float *p) { return _mm512_loadu_ps(p); }
@@ -120,9 +123,12 @@ static inline iv pieces_dot4(const iv w[4], const int8_t *q) {
                             _mm256_add_epi32(_mm256_madd_epi16(p1, _mm256_set1_epi16(128)),
                                              _mm256_madd_epi16(p2, _mm256_set1_epi16(1))));
 }
-static inline iv iv_add4_where(iv low, iv hm, iv bit) {
-    const iv set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
-    return _mm256_add_epi8(low, _mm256_and_si256(set, _mm256_set1_epi8(4)));
+/* (part p is half h) the high bit 4 p + s shifted to bit 2 of its byte (a 16-bit shift by at most
+ * 5 keeps every byte's bit 2 within its byte) and ORed in: the low parts are at most 3 */
+static inline iv q3_k_q(iv low, iv hm, int s, int p) {
+    const int shift = 4 * p + s - 2;
+    const iv moved = shift >= 0 ? _mm256_srli_epi16(hm, shift) : _mm256_slli_epi16(hm, -shift);
+    return _mm256_or_si256(low, _mm256_and_si256(moved, _mm256_set1_epi8(4)));
 }
 static inline fv fv_load(const float *p) { return _mm256_loadu_ps(p); }
 static inline fv fv_zero(void) { return _mm256_setzero_ps(); }
@@ -291,16 +297,12 @@ static inline __attribute__((always_inline)) void q3_k_row_int8(const int M, flo
                                                                 const float *residual, int64_t ldr, int64_t j) {
     fv acc[FEW_ROWS], offs[FEW_ROWS];
     for (int m = 0; m < M; m++) acc[m] = offs[m] = fv_zero();
-    iv pick[4][PARTS], high[4][PARTS];
+    iv pick[4][PARTS];
     for (int s = 0; s < 4; s++)
         for (int p = 0; p < PARTS; p++) {
             int32_t lanes[IW / 4];
             for (int l = 0; l < IW / 4; l++) lanes[l] = lane_sub_block(s, p, l) % FW;
             pick[s][p] = iv_load(lanes);
-            /* value 128 h + 32 s + i's high bit: bit 4 h + s of hmask[i] (h: the 128-bit lane's half) */
-            int8_t bits[IW];
-            for (int i = 0; i < IW; i++) bits[i] = (int8_t)(1 << (4 * ((p * (IW / 16) + i / 16) / 2) + s));
-            high[s][p] = iv_load(bits);
         }
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = row + b * 110;
@@ -319,7 +321,7 @@ static inline __attribute__((always_inline)) void q3_k_row_int8(const int M, flo
         for (int p = 0; p < PARTS; p++) {
             const iv qs = iv_load(blk + 32 + IW * p);
             for (int s = 0; s < 4; s++) {
-                const iv w = iv_add4_where(field2(qs, s), hm, high[s][p]);
+                const iv w = q3_k_q(field2(qs, s), hm, s, p);
                 const fv scale = fv_permute(pick[s][p], dl[lane_sub_block(s, p, 0) / FW]);
                 for (int m = 0; m < M; m++)
                     part[m] = fv_fmadd(iv_to_fv(pieces_dot(w, xq + (m * blocks + b) * PIECES_BYTES + 64 * s + IW * p)),

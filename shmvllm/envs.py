@@ -21,7 +21,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "SHMVLLM_RING_CAPACITY": ("4194304", "bytes of each frontend<->engine ring (a multiple of 8)"),
     "SHMVLLM_MAX_N_SEQUENCES": ("16384", "the largest `SamplingParams.n` (vLLM's `VLLM_MAX_N_SEQUENCES`)"),
     "SHMVLLM_NATIVE_KERNELS": ("1", "0: never build or load the C kernels (torch paths only)"),
-    "SHMVLLM_QUANT_ISA": ("the CPU's best", "`avx512vnni`, `avx512`, `avx2` or `portable`: which quantized GEMM build to load"),
+    "SHMVLLM_QUANT_ISA": ("the CPU's best", "`avx512vnni`, `avx512`, `avx2` or `portable`: which quantized GEMM build to load (`avx2` also puts BERT encoders on the AVX2 GEMM)"),
     "SHMVLLM_FUSED_DECODE": ("1", "0: no fused C decode step for single-sequence decode"),
     "SHMVLLM_HUGE_PAGES": ("1", "0: no `madvise(MADV_HUGEPAGE)` on weights and the KV cache"),
     "SHMVLLM_CPU_BF16": ("from `/proc/cpuinfo`", "1 / 0: whether the CPU has native bf16 dot products"),

@@ -151,6 +151,13 @@ def test_a_tiny_run_end_to_end(tmp_path, capsys):
     assert "won " in capsys.readouterr().out
 
 
+def test_a_run_with_iceoryx2_leaves_nothing_of_it_behind():
+    pytest.importorskip("iceoryx2")
+    before = bench.iceoryx2_files()
+    bench.main(["--quick", "--payloads", "64B", "--transports", "iceoryx2", "--repeats", "1", "--no-floor"])
+    assert bench.iceoryx2_files() == before
+
+
 @pytest.mark.parametrize("transport,variant", [("shm", "ring"), ("pipe", "os.pipe"), ("queue", "multiprocessing")])
 def test_a_round_warms_up_then_measures_exactly_its_counts(transport, variant, monkeypatch):
     """The busy warm-up runs for a time, not a count: the echo process learns its length from the

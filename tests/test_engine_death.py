@@ -97,3 +97,34 @@ def test_kill_9_of_a_tp1_engine_leaves_nothing(tiny_llama_dir):
     with LLM(str(tiny_llama_dir), **ENGINE_ARGS) as llm:
         engine = llm.llm_engine.engine_core.engine_pid
         _kill_mid_generate(llm, engine, {engine})
+
+
+_STUCK_RANK0 = """
+import os, sys, time
+from shmvllm.engine.arg_utils import EngineArgs
+from shmvllm.executor.multiproc import MultiprocExecutor
+
+config = EngineArgs(model=sys.argv[1], tensor_parallel_size=2, max_model_len=256).create_engine_config()
+executor = MultiprocExecutor(config)
+print(executor.procs[0].pid, executor.ring.name, flush=True)
+os.kill(executor.procs[0].pid, 9)
+executor._call(time.sleep, 60)  # a collective that never hears of the death, as gloo's send can
+"""
+
+
+def test_a_dead_worker_ends_an_engine_stuck_in_a_collective(tiny_llama_dir, tmp_path):
+    """Rank 0 blocked in a call that never fails (gloo can wait out its 60 s timeout on a send to a
+    killed rank): the watchdog kills the rest and exits the engine's process within 2 s, leaving
+    no worker and nothing in /dev/shm."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "stuck_rank0.py"
+    script.write_text(_STUCK_RANK0)
+    proc = subprocess.Popen([sys.executable, str(script), str(tiny_llama_dir)], stdout=subprocess.PIPE, text=True)
+    worker, ring = proc.stdout.readline().split()
+    killed_at = time.monotonic()
+    assert proc.wait(timeout=30) == 1
+    assert time.monotonic() - killed_at < 2.0
+    assert not pid_alive(int(worker))
+    assert _segments_of({proc.pid}) == [] and not (Path("/dev/shm") / ring.lstrip("/")).exists()

@@ -15,7 +15,11 @@ A worker that dies is found at the next call (its process has exited), or in the
 step, where rank 0's collective fails (the arena checks the ranks it waits for every 0.1 s;
 gloo fails when the dead rank's socket closes): either way
 `WorkerDeadError`, which ends the engine (EngineCore does not catch it; the frontend then raises
-EngineDeadError). `shutdown` asks the workers to stop, then kills what is left after a grace
+EngineDeadError). Gloo does not always notice: a send to a rank killed mid-collective can wait out
+the group's 60 s timeout. So a watchdog thread looks at the workers every 0.05 s, and where one is
+dead while rank 0 has stayed inside a call for `STUCK_GRACE_S` more, it kills the rest, unlinks
+the ring and the arena and ends the engine's process (exit code 1), which the frontend reports
+as EngineDeadError at once. `shutdown` asks the workers to stop, then kills what is left after a grace
 period, and unlinks the ring. A worker that outlives the engine's process is killed by the
 kernel (PR_SET_PDEATHSIG), and one whose engine vanishes notices it on the ring within its poll.
 """
@@ -28,6 +32,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Optional
 
@@ -43,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 RING_CAPACITY = 1 << 24  # a step's message (a grammar bitmask included) travels whole below 4 MiB
 SHUTDOWN_GRACE_S = 2.0
+STUCK_GRACE_S = 0.5  # past the arena's 0.1 s check: the collective that can notice has had its chance
 _POLL_S = 0.05
 
 
@@ -64,6 +70,7 @@ class MultiprocExecutor:
         self.arena = None
         self.worker: TPWorker | None = None
         self._last_rows: Optional[list[str]] = []
+        self._in_call_since: Optional[float] = None
         try:
             if use_arena():  # a slot holds the largest step's hidden states
                 from ipc.arena import Arena
@@ -93,7 +100,31 @@ class MultiprocExecutor:
             if dead and not isinstance(exc, WorkerDeadError):
                 raise WorkerDeadError(f"tensor-parallel workers died while starting: {dead}") from exc
             raise
+        threading.Thread(target=self._watch, name="shmvllm-tp-watchdog", daemon=True).start()
         logger.info("MultiprocExecutor: %d ranks x %d threads ready in %.2f s", size, self.threads, time.perf_counter() - started)
+
+    def _watch(self) -> None:
+        """Ends the process where a worker is dead and rank 0 stays stuck in a collective."""
+        dead_since: Optional[float] = None
+        while not self.ring.closed:
+            time.sleep(_POLL_S)
+            dead = self._dead_workers()
+            in_call = self._in_call_since
+            if not dead or in_call is None:
+                dead_since = None
+                continue
+            dead_since = dead_since or time.monotonic()
+            if time.monotonic() - max(dead_since, in_call) < STUCK_GRACE_S or self.ring.closed:
+                continue
+            logger.error("tensor-parallel workers died: %s; rank 0 is stuck in a collective: ending the engine",
+                         ", ".join(dead))
+            for proc in self.procs:
+                if proc.poll() is None:
+                    proc.kill()
+            self.ring.close()
+            if self.arena is not None:
+                self.arena.close()
+            os._exit(1)
 
     def _wait_for_joins(self, store: Any) -> None:
         deadline = time.monotonic() + DEFAULT_TIMEOUT_S
@@ -124,6 +155,7 @@ class MultiprocExecutor:
 
     def _call(self, fn: Any, *args: Any) -> Any:
         """Rank 0's share of a collective call: a failure with a dead worker is WorkerDeadError."""
+        self._in_call_since = time.monotonic()
         try:
             return fn(*args)
         except Exception as exc:
@@ -134,6 +166,8 @@ class MultiprocExecutor:
             if dead:
                 raise WorkerDeadError(f"tensor-parallel workers died: {', '.join(dead)}") from exc
             raise
+        finally:
+            self._in_call_since = None
 
     def determine_num_kv_blocks(self) -> int:
         self._command("num_blocks")

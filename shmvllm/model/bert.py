@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shmvllm.model.encoder_gemm import PackedLinear, pack_for_cpu
+
 _IGNORED_PREFIXES = ("pooler.", "cls.", "lm_head.")
 _MODEL_PREFIXES = ("bert.", "roberta.")
 # RoBERTa's position ids start after padding_idx (its own pad token's position).
@@ -74,6 +76,7 @@ class BertLayer(nn.Module):
         if config.hidden_act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported by the BERT encoder.")
         self.gelu_approximate = "none" if config.hidden_act == "gelu" else "tanh"
+        self.packed: dict[str, PackedLinear] = {}  # linear name -> its AVX2-GEMM copy (pack_linears)
 
     @torch.no_grad()
     def fold_query_scale(self) -> None:
@@ -82,8 +85,22 @@ class BertLayer(nn.Module):
         self.qkv.weight[:hidden] *= scale
         self.qkv.bias[:hidden] *= scale
 
+    def pack_linears(self) -> None:
+        """Packs the linears for the AVX2 GEMM where it is the one to use (model/encoder_gemm.py)."""
+        for name in ("qkv", "attn_out", "intermediate", "out"):
+            linear = getattr(self, name)
+            packed = pack_for_cpu(linear.weight, linear.bias)
+            if packed is not None:
+                self.packed[name] = packed
+
+    def _linear(self, x: torch.Tensor, name: str, residual: Optional[torch.Tensor] = None, gelu: Optional[str] = None) -> torch.Tensor:
+        packed = self.packed.get(name)
+        if packed is not None:
+            return packed(x, residual, gelu)
+        return _linear(x, getattr(self, name), residual, gelu)
+
     def forward(self, x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-        attn = plan.attend(_linear(x, self.qkv), self.num_heads, self.head_dim)
+        attn = plan.attend(self._linear(x, "qkv"), self.num_heads, self.head_dim)
         if x.shape[0] <= TOKEN_CHUNK:
             return self._token_wise(attn, x)
         chunks = zip(attn.split(TOKEN_CHUNK), x.split(TOKEN_CHUNK))
@@ -91,9 +108,9 @@ class BertLayer(nn.Module):
 
     def _token_wise(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Everything after attention: output projection, norms and the MLP, row by row."""
-        x = self.attn_norm(_linear(attn, self.attn_out, residual=residual))
-        h = _linear(x, self.intermediate, gelu=self.gelu_approximate)
-        return self.out_norm(_linear(h, self.out, residual=x))
+        x = self.attn_norm(self._linear(attn, "attn_out", residual=residual))
+        h = self._linear(x, "intermediate", gelu=self.gelu_approximate)
+        return self.out_norm(self._linear(h, "out", residual=x))
 
 
 TOKEN_CHUNK = 2048
@@ -202,6 +219,11 @@ class BertModel(nn.Module):
             raise ValueError(f"BERT weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
         for layer in self.layers:
             layer.fold_query_scale()
+
+    def pack_linears(self) -> None:
+        """Call once the weights are loaded and on their device and dtype."""
+        for layer in self.layers:
+            layer.pack_linears()
 
 
 def _strip_hf_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

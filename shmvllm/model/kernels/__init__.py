@@ -1,5 +1,6 @@
 """CPU kernels in C (cpu_kernels.c, for fp32 and for bf16 activations; logprobs.c, the prompt
-logprobs' reductions), compiled with the system C compiler on first use.
+logprobs' reductions; encoder_gemm.c, the encoders' AVX2 GEMM), compiled with the system C
+compiler on first use.
 
 The library is built for this machine (-march=native) and cached under
 ``~/.cache/shmvllm/kernels`` (or ``$TMPDIR/shmvllm-kernels-<uid>`` when the home directory
@@ -173,6 +174,25 @@ def logprob_kernels() -> Optional[ctypes.CDLL]:
     """The fused logprob kernel (logprobs.c) for fp32 logits, built on first use; None when
     disabled or when building fails."""
     return _build("logprob_kernels", LOGPROB_SOURCE, _CFLAGS, _LOGPROB_SIGNATURES)
+
+
+ENCODER_GEMM_SOURCE = Path(__file__).with_name("encoder_gemm.c")
+_ENCODER_GEMM_SIGNATURES = {
+    "shm_encoder_packed_floats": (_i64, [_i64, _i64]),
+    "shm_encoder_pack": (None, [_ptr, _ptr, _i64, _i64, _ptr]),
+    "shm_encoder_gemm": (None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, ctypes.c_int]),
+}
+# AVX2 + FMA code whatever the build machine (-mtune only): it is the kernel for CPUs without AVX-512.
+_ENCODER_GEMM_FLAGS = ["-O3", "-mavx2", "-mfma", "-mtune=native", "-fopenmp", "-fPIC", "-std=gnu11", "-c"]
+
+
+@functools.lru_cache(maxsize=None)
+def encoder_gemm_kernels() -> Optional[ctypes.CDLL]:
+    """The encoders' AVX2 fp32 GEMM (encoder_gemm.c), built on first use; None when disabled,
+    not on x86, or when building fails."""
+    if platform.machine() != "x86_64":
+        return None
+    return _build("encoder_gemm", ENCODER_GEMM_SOURCE, _ENCODER_GEMM_FLAGS, _ENCODER_GEMM_SIGNATURES)
 
 
 BF16_ENV = "SHMVLLM_CPU_BF16"

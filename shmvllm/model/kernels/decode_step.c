@@ -1,8 +1,8 @@
 /* A whole decode step of a decoder model in one call: every layer's norms, qkv GEMV, q/k norms,
  * rotary, KV-cache write, paged attention, o-proj + residual, norms, gate-up GEMV, GLU
- * activation, down + residual (or a mixture of experts: router GEMV, softmax top-k, each chosen
- * expert's gate-up and down GEMVs on the rows that chose it, the weighted sum + residual), then
- * the final norm, for the few rows (<= 4 requests) of a pure-decode step.
+ * activation, down + residual (or a mixture of experts: router GEMV, softmax top-k, then moe.c's
+ * experts: each chosen expert's gate-up and down GEMVs on the rows that chose it, the weighted sum
+ * + residual), then the final norm, for the few rows (<= 4 requests) of a pure-decode step.
  *
  * The families' options are data in the layer table, not code paths of their own: each of a
  * layer's four norms (before / after attention, before / after the MLP) is there or NULL, its
@@ -30,6 +30,7 @@
  */
 typedef float act_t;
 #include <math.h>
+#include <sched.h>
 #include "attention.h"
 #include "quant_kernels.c"
 
@@ -87,7 +88,7 @@ typedef struct {
 } shm_model;
 
 /* Phases a layer hands out work in (qkv, attention, combine, o, gate-up, down, router), each its
- * counter; a MoE layer's expert gate-ups and downs take the gate-up and down counters. */
+ * counter; a MoE layer's experts take synchronisation words of their own (moe.c's moe_team). */
 #define PHASES_PER_LAYER 7
 
 /* Output rows per chunk handed out: about four chunks per thread, whole cache lines of output. */
@@ -138,19 +139,42 @@ static int check_linear(const shm_linear *lin) {
     return 0;
 }
 
-static int64_t counter_floats(const shm_model *m) { return 2 * (PHASES_PER_LAYER * m->num_layers + 16); }
+#include "moe.c"
 
-/* A MoE layer's routing, as each thread keeps it: its (expert, row) slots sorted by expert then row,
- * each slot's routing weight, and the step's normed rows gathered in slot order. */
+/* A MoE layer's moe_team synchronisation words (its runs: at most FEW_ROWS rows x moe_slots). */
+static int64_t moe_layer_words(const shm_model *m) {
+    return m->moe_slots > 0 ? moe_sync_words(FEW_ROWS * m->moe_slots, m->threads) : 0;
+}
+
+/* The phases' counters and the MoE layers' synchronisation words, zeroed at each step's start. */
+static int64_t counter_floats(const shm_model *m) {
+    return 2 * (PHASES_PER_LAYER * m->num_layers + 16 + m->num_layers * moe_layer_words(m));
+}
+
+/* A MoE layer's routing, as each thread keeps it: each row's top_k expert ids and weights, the
+ * softmax, the slots sorted by expert (moe.c's plan) and the normed rows gathered in slot order. */
 typedef struct {
-    int64_t *expert, *row;
-    float *weight, *probs, *x;
-    int64_t slots;
+    int64_t *ids;
+    moe_plan plan;
+    float *weights, *probs, *xs;
 } moe_routing;
 
 static int64_t moe_own_floats(const shm_model *m, int64_t rows) {
     const int64_t slots = rows * m->moe_slots;
-    return 2 * 2 * slots + slots + rows * m->max_experts + slots * m->hidden;
+    return 2 * slots + moe_plan_floats(rows, m->moe_slots, m->max_experts) + slots + rows * m->max_experts +
+           slots * m->hidden;
+}
+
+/* This thread's routing buffers at `buf` (8-byte aligned). */
+static moe_routing moe_routing_at(const shm_model *m, const shm_layer *layer, float *buf, int64_t rows) {
+    const int64_t slots = rows * m->moe_slots;
+    moe_routing r;
+    r.ids = (int64_t *)buf;
+    r.plan = moe_plan_at(buf + 2 * slots, rows, layer->top_k, layer->num_experts);
+    r.weights = buf + 2 * slots + moe_plan_floats(rows, m->moe_slots, m->max_experts);
+    r.probs = r.weights + slots;
+    r.xs = r.probs + rows * m->max_experts;
+    return r;
 }
 
 /* A thread's own floats: normed input, activation, attention work, (unfused residual) the
@@ -164,6 +188,7 @@ int64_t shm_decode_scratch_floats(const shm_model *m, int64_t rows) {
     const int64_t q = m->num_heads * m->head_dim, kv = m->kv_heads * m->head_dim, group = m->num_heads / m->kv_heads;
     const int64_t shared = rows * ((q + 2 * kv) + q + 2 * m->intermediate + m->hidden) +
                            rows * (m->max_experts + m->moe_slots * m->hidden) + /* router logits, experts' outputs */
+                           rows * m->intermediate * (m->moe_slots > 0) +          /* the experts' activations */
                            attention_partial_floats(rows, m->kv_heads, attention_chunks(m->max_len), group, m->head_dim);
     return counter_floats(m) + shared + m->threads * own_floats(m, rows) + 16;
 }
@@ -192,84 +217,34 @@ __attribute__((optimize("fp-contract=off"))) static void add_block(const shm_mod
 
 /* The routing of every row from the router's logits [rows, E], as the layer path's torch ops do:
  * softmax over the experts in fp32, the top_k largest (the lower index first among equals), divided
- * by their sum where norm_topk; then the slots sorted by expert and row, and the normed rows
- * gathered in slot order. Every thread computes it (no barrier; the same values on each). */
+ * by their sum where norm_topk; then moe.c's plan of the slots and the normed rows gathered in slot
+ * order. Every thread computes it (no barrier; the same values on each). */
 static void moe_route(const shm_model *m, const shm_layer *layer, const float *logits, const float *x, int64_t rows,
                       moe_routing *r) {
     const int64_t E = layer->num_experts, K = layer->top_k, H = m->hidden;
-    r->slots = rows * K;
     for (int64_t t = 0; t < rows; t++) {
         const float *l = logits + t * E;
         float *p = r->probs + t * E, top = l[0], sum = 0.0f;
         for (int64_t e = 1; e < E; e++) top = l[e] > top ? l[e] : top;
         for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(l[e] - top));
         for (int64_t e = 0; e < E; e++) p[e] /= sum;
-        float chosen = 0.0f;
+        int64_t *ids = r->ids + t * K;
+        float *weights = r->weights + t * K, chosen = 0.0f;
         for (int64_t j = 0; j < K; j++) {
             int64_t best = -1;
             for (int64_t e = 0; e < E; e++) {
                 int taken = 0;
-                for (int64_t i = 0; i < j; i++) taken |= r->expert[t * K + i] == e;
+                for (int64_t i = 0; i < j; i++) taken |= ids[i] == e;
                 if (!taken && (best < 0 || p[e] > p[best])) best = e;
             }
-            r->expert[t * K + j] = best;
-            r->row[t * K + j] = t;
-            chosen += (r->weight[t * K + j] = p[best]);
+            ids[j] = best;
+            chosen += (weights[j] = p[best]);
         }
         if (layer->norm_topk)
-            for (int64_t j = 0; j < K; j++) r->weight[t * K + j] /= chosen;
+            for (int64_t j = 0; j < K; j++) weights[j] /= chosen;
     }
-    for (int64_t i = 1; i < r->slots; i++) { /* insertion sort by (expert, row): a few dozen slots */
-        const int64_t e = r->expert[i], t = r->row[i];
-        const float w = r->weight[i];
-        int64_t j = i - 1;
-        for (; j >= 0 && (r->expert[j] > e || (r->expert[j] == e && r->row[j] > t)); j--) {
-            r->expert[j + 1] = r->expert[j];
-            r->row[j + 1] = r->row[j];
-            r->weight[j + 1] = r->weight[j];
-        }
-        r->expert[j + 1] = e;
-        r->row[j + 1] = t;
-        r->weight[j + 1] = w;
-    }
-    for (int64_t s = 0; s < r->slots; s++) memcpy(r->x + s * H, x + r->row[s] * H, (size_t)H * sizeof(float));
-}
-
-/* This thread's share of one projection of every chosen expert: (expert, chunk of output rows) units
- * from `counter`; each expert multiplies its run of slots' rows in[s0 .. s0 + count) at once. */
-static void team_experts(const shm_model *m, const shm_linear *experts, const moe_routing *r, float *out,
-                         const float *in, int threads, int64_t *counter) {
-    const int64_t n = experts[0].n, k = experts[0].k, step = chunk_rows(n, threads), per = (n + step - 1) / step;
-    int64_t runs[256][2], num_runs = 0; /* (first slot, count) of each chosen expert; at most 4 rows x 64 slots */
-    for (int64_t s = 0; s < r->slots; s++) {
-        if (s == 0 || r->expert[s] != r->expert[s - 1]) runs[num_runs++][0] = s;
-        runs[num_runs - 1][1] = s - runs[num_runs - 1][0] + 1;
-    }
-    for (int64_t c; (c = __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED)) < num_runs * per;) {
-        const int64_t s0 = runs[c / per][0], j0 = (c % per) * step, j1 = j0 + step < n ? j0 + step : n;
-        linear_rows(m, &experts[r->expert[s0]], out + s0 * n, in + s0 * k, NULL, runs[c / per][1], j0, j1);
-    }
-}
-
-/* Columns [j0, j1) of the experts' weighted sum of each row, added to the residual stream (fused)
- * or written to `block`: as the layer path, each output times its weight, summed in expert order
- * from zero, then the residual added. */
-__attribute__((optimize("fp-contract=off"))) static void moe_combine(const shm_model *m, const moe_routing *r,
-                                                                     const float *expert_out, float *hidden,
-                                                                     float *block, int64_t rows, int64_t j0,
-                                                                     int64_t j1) {
-    const int64_t H = m->hidden;
-    for (int64_t t = 0; t < rows; t++) {
-        for (int64_t j = j0; j < j1; j++) {
-            float acc = 0.0f;
-            for (int64_t s = 0; s < r->slots; s++)
-                if (r->row[s] == t) acc = acc + expert_out[s * H + j] * r->weight[s];
-            if (m->fused_residual)
-                hidden[t * H + j] = acc + hidden[t * H + j];
-            else
-                block[t * H + j] = acc;
-        }
-    }
+    moe_sort(&r->plan, r->ids, r->weights, rows, K, E); /* ids in [0, E): nothing to refuse */
+    for (int64_t s = 0; s < r->plan.slots; s++) memcpy(r->xs + s * H, x + r->plan.row[s] * H, (size_t)H * sizeof(float));
 }
 
 /* One thread's q/k norms, rotary and KV write for the step's rows (run by one thread). */
@@ -311,7 +286,7 @@ static int check_model(const shm_model *m) {
  * `out`; hidden is overwritten). Every row is a decode row (decode_rows[i] = i). Returns 0;
  * -1 / -3 for a weight the kernels cannot run; -4 for a context longer than m->max_len; -5 for
  * a residual fused into the GEMVs of a model with norms after the blocks or a residual scale; -6
- * for a MoE layer beyond the table's moe_slots / max_experts or more than 256 (row, expert) slots. */
+ * for a MoE layer beyond the table's moe_slots / max_experts or, with MoE layers, more than FEW_ROWS rows. */
 int shm_decode_step(const shm_model *m, float *hidden, float *out, int64_t rows, const int64_t *positions,
                     const int64_t *slot_mapping, const int64_t *decode_rows, const int32_t *block_table,
                     int64_t block_table_stride, const int32_t *seq_lens, float *scratch) {
@@ -322,14 +297,15 @@ int shm_decode_step(const shm_model *m, float *hidden, float *out, int64_t rows,
     if (max_len > m->max_len) return -4;
     int rc = check_model(m);
     if (rc != 0) return rc;
-    if (rows * m->moe_slots > 256) return -6; /* team_experts' runs */
+    if (m->moe_slots > 0 && rows > FEW_ROWS) return -6; /* the MoE layers' synchronisation words */
     const int64_t pairs = rows * m->kv_heads;
     int64_t *counters = (int64_t *)scratch;
     memset(counters, 0, (size_t)counter_floats(m) * sizeof(float));
     float *qkv = scratch + counter_floats(m), *attn = qkv + rows * qkv_width, *gate_up = attn + rows * q_size;
     float *block = gate_up + rows * 2 * I; /* o's and down's outputs where the residual is not fused */
     float *router_logits = block + rows * H, *expert_out = router_logits + rows * m->max_experts;
-    float *partials = expert_out + rows * m->moe_slots * H;
+    float *moe_act = expert_out + rows * m->moe_slots * H, *partials = moe_act + rows * I * (m->moe_slots > 0);
+    int64_t *moe_sync = counters + PHASES_PER_LAYER * m->num_layers + 16; /* each MoE layer's moe_layer_words */
     float *own_base = partials + attention_partial_floats(rows, m->kv_heads, attention_chunks(max_len), group, D);
     const int64_t own = own_floats(m, rows);
     const shm_attention_args args = {attn, q_size, qkv, qkv_width, decode_rows, rows, NULL, NULL, m->num_slots,
@@ -343,9 +319,6 @@ int shm_decode_step(const shm_model *m, float *hidden, float *out, int64_t rows,
         float *normed = own_base + tid * own, *act = normed + rows * H, *residual = act + rows * I;
         float *block_normed = residual + rows * H, *work = block_normed + rows * H;
         float *routing_base = work + attention_work_floats(group, D);
-        const int64_t slots = rows * m->moe_slots;
-        moe_routing routing = {(int64_t *)routing_base, (int64_t *)routing_base + slots, routing_base + 4 * slots,
-                               routing_base + 5 * slots, routing_base + 5 * slots + rows * m->max_experts, 0};
         /* the residual stream: the shared `hidden` where the GEMVs add into it, else this thread's copy */
         float *stream = hidden;
         if (!m->fused_residual) {
@@ -387,17 +360,16 @@ int shm_decode_step(const shm_model *m, float *hidden, float *out, int64_t rows,
             }
             if (layer->num_experts > 0) {
                 const float *x = norm_or_same(m, normed, stream, layer->mlp_in_norm, rows);
-                const int64_t Ie = layer->expert_intermediate;
+                const moe_experts experts = {layer->expert_gate_up, layer->expert_down, H, layer->expert_intermediate,
+                                             layer->top_k, m->glu};
+                moe_routing routing = moe_routing_at(m, layer, routing_base, rows);
                 team_linear(m, &layer->router, router_logits, x, NULL, rows, team, &counter[6]);
 #pragma omp barrier
                 moe_route(m, layer, router_logits, x, rows, &routing);
-                team_experts(m, layer->expert_gate_up, &routing, gate_up, routing.x, team, &counter[4]);
-#pragma omp barrier
-                m->glu(act, gate_up, routing.slots, Ie);
-                team_experts(m, layer->expert_down, &routing, expert_out, act, team, &counter[5]);
-#pragma omp barrier
-                const int64_t cols = (H + team - 1) / team, j0 = tid * cols < H ? tid * cols : H;
-                moe_combine(m, &routing, expert_out, hidden, block, rows, j0, j0 + cols < H ? j0 + cols : H);
+                /* the weighted sums go into the residual stream (fused) or `block` */
+                moe_team(m, &experts, &routing.plan, routing.xs, gate_up, moe_act, expert_out,
+                         m->fused_residual ? hidden : block, m->fused_residual ? hidden : NULL, rows, team,
+                         moe_sync + l * moe_layer_words(m));
 #pragma omp barrier
                 if (!m->fused_residual) add_block(m, stream, block, layer->mlp_out_norm, block_normed, rows);
                 continue;
@@ -443,5 +415,3 @@ double shm_read_probe(const uint8_t *buf, int64_t bytes, int threads) {
     }
     return total;
 }
-
-#include "moe.c"

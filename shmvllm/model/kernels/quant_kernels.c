@@ -12,9 +12,9 @@
  * (d * sum(q * x) + m * sum(x)): the same weights, the sum reassociated.
  *
  * Built four times from this one file (kernels/__init__.py): with AVX-512 (VW = 16; with and
- * without VNNI, whose build runs Q2_K / Q3_K's GEMV on integer dot products: quant_int8.h), with
- * AVX2 + FMA (VW = 8) and for the baseline ISA (portable), through GCC's vector extensions, and
- * picked at run time by what the CPU reports (shm_quant_cpu_supports). Compiled without
+ * without VNNI), with AVX2 + FMA (VW = 8) and for the baseline ISA (portable), through GCC's vector
+ * extensions (the VNNI and AVX2 builds run Q2_K / Q3_K's GEMV on integer dot products:
+ * quant_int8.h), and picked at run time by what the CPU reports (shm_quant_cpu_supports). Compiled without
  * -ffast-math: no reassociation may touch the dequantization arithmetic.
  *
  * The GEMV takes up to FEW_ROWS activation rows (decoding), where the kernel should be bound by
@@ -459,7 +459,7 @@ static inline void store_tile(vf acc[NR][MV], const int mv, float *out, int64_t 
  * costs one widen, one convert and one FMA, and the block constants one FMA per block: about half
  * the vector work of dequantizing first (d * q + m, then * x). The sums are the dequantized
  * weights' dot product reassociated (fp32 rounding differs at the last bits, as any change of
- * summation order does). */
+ * summation order does). AVX-512 runs Q4_0 / Q4_1 on the nibble rows below instead. */
 #if VW == 16 && defined(__AVX512F__)
 /* the 16 bytes widened to 32-bit lanes once: & 15 gives the low nibbles, >> 4 the high ones */
 static inline void nibbles_to_float(const uint8_t *qs, vf q[32 / VW]) {
@@ -615,22 +615,61 @@ static inline float mxfp4_m(const uint8_t *blk) { (void)blk; return 0.0f; }
                                (residual != NULL ? residual[m * ldr + j] : 0.0f);                               \
     }
 
-/* Q2_K / Q3_K rows (AVX2 and AVX-512 builds), folded as the rows above: per sub-block of 16, the
- * 2-bit (Q2_K) or 3-bit (Q3_K) integers as floats times x, then times the sub-block's scale dl
- * once; Q2_K's mins as dmin * m times the sub-block's sum of x (once per call for all rows). The
- * integers come from a constant table in one register indexed by each value's 2 low bits, shifted
- * into place in its 32-bit lane (vpermilps reads the low 2 bits of a lane: the bits above need no
- * mask); Q3_K's values with the high bit set are 4 higher, added under a lane mask (AVX-512) or
- * an and-mask (AVX2). The scales of a row are computed first, into memory the loop reads them from. */
-#if defined(__AVX2__)
-#define LOW_BIT_ROWS 1
-static inline vf permute4(vf table, vi idx) {
-#if VW == 16
-    return (vf)_mm512_permutevar_ps((__m512)table, (__m512i)idx);
-#else
-    return (vf)_mm256_permutevar_ps((__m256)table, (__m256i)idx);
-#endif
+#if VW == 16 && defined(__AVX512F__)
+/* Q4_0 / Q4_1 rows on AVX-512, the rows sharing each block's dequantization (the folded rows repeat
+ * d * s and m * sum(x) per row): the block's 16 possible weights d * i + m (i = 0..15; Q4_0's m is
+ * -8 d) made by one FMA, exactly the reference's values (d * i is exact, the sum rounded once), each
+ * weight looked up by its nibble (vpermps reads the low 4 bits of each index), then one FMA per row
+ * and vector. Each row sums into four chains, one per vector of a pair of blocks, in the same
+ * order whatever M: a row comes out bit for bit the same alone or verified among others. */
+#define NIBBLE_ROWS 1
+static inline void nibble_weights(const uint8_t *blk, int qs, float d, float m, vf w[2]) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(d), iota, _mm512_set1_ps(m));
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + qs)));
+    w[0] = (vf)_mm512_permutexvar_ps(v, table);
+    w[1] = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
 }
+#define NIBBLE_BLOCK(NAME, BB, QS, B, W) nibble_weights(row + (B) * BB, QS, NAME##_d(row + (B) * BB), NAME##_m(row + (B) * BB), W)
+#define DEFINE_NIBBLE_ROW(NAME, BB, QS)                                                                        \
+    static inline __attribute__((always_inline)) void NAME##_row(                                            \
+        const int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *row, const float *bias, \
+        const float *residual, int64_t ldr, int64_t j, int64_t k, const float *xs) {                            \
+        (void)xs;                                                                                               \
+        vf acc[FEW_ROWS][4];                                                                                    \
+        for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = (vf){0};                   \
+        const int64_t blocks = k / 32;                                                                          \
+        int64_t b = 0;                                                                                          \
+        for (; b + 2 <= blocks; b += 2) {                                                                       \
+            vf w[4];                                                                                            \
+            NIBBLE_BLOCK(NAME, BB, QS, b, w);                                                                  \
+            NIBBLE_BLOCK(NAME, BB, QS, b + 1, w + 2);                                                          \
+            for (int m = 0; m < M; m++)                                                                         \
+                for (int t = 0; t < 4; t++) acc[m][t] += w[t] * loadf(x + m * ldx + 32 * b + 16 * t);           \
+        }                                                                                                       \
+        if (b < blocks) {                                                                                       \
+            vf w[2];                                                                                            \
+            NIBBLE_BLOCK(NAME, BB, QS, b, w);                                                                  \
+            for (int m = 0; m < M; m++)                                                                         \
+                for (int t = 0; t < 2; t++) acc[m][t] += w[t] * loadf(x + m * ldx + 32 * b + 16 * t);           \
+        }                                                                                                       \
+        const float add = bias != NULL ? bias[j] : 0.0f;                                                        \
+        for (int m = 0; m < M; m++)                                                                             \
+            out[m * ldo + j] = hsum((acc[m][0] + acc[m][1]) + (acc[m][2] + acc[m][3])) + add +                  \
+                               (residual != NULL ? residual[m * ldr + j] : 0.0f);                               \
+    }
+#endif
+
+/* Q2_K / Q3_K rows of the plain AVX-512 build (AVX2 and AVX-512 VNNI run them on integer dot
+ * products: quant_int8.h), folded as the rows above: per sub-block of 16, the 2-bit (Q2_K) or
+ * 3-bit (Q3_K) integers as floats times x, then times the sub-block's scale dl once; Q2_K's mins
+ * as dmin * m times the sub-block's sum of x (once per call for all rows). The integers come from
+ * a constant table in one register indexed by each value's 2 low bits, shifted into place in its
+ * 32-bit lane (vpermilps reads the low 2 bits of a lane: the bits above need no mask); Q3_K's values with the high bit set are 4 higher, added under a lane mask. The scales
+ * of a row are computed first, into memory the loop reads them from. */
+#if VW == 16 && defined(__AVX512F__) && !defined(__AVX512VNNI__)
+#define LOW_BIT_ROWS 1
+static inline vf permute4(vf table, vi idx) { return (vf)_mm512_permutevar_ps((__m512)table, (__m512i)idx); }
 
 static inline void low_bit_out(const int M, vf acc[FEW_ROWS][2], const float *macc, float *out, int64_t ldo,
                                const float *bias, const float *residual, int64_t ldr, int64_t j) {
@@ -646,15 +685,8 @@ static inline vf sub_block_dot(vf table, const vi *q, int s, const uint8_t *hm, 
     for (int v = 0; v < 16 / VW; v++) {
         vf w = permute4(table, q[v] >> (2 * s));
         if (hm != NULL) {
-#if VW == 16
             const __mmask16 high = _mm_test_epi8_mask(_mm_loadu_si128((const __m128i *)hm), _mm_set1_epi8((char)(1 << hbit)));
             w = (vf)_mm512_mask_add_ps((__m512)w, high, (__m512)w, _mm512_set1_ps(4.0f));
-#else
-            vb hb;
-            memcpy(&hb, hm + v * VW, VW);
-            const vi sign = bytes_to_int(hb) << (31 - hbit) >> 31; /* the bit spread over its lane */
-            w += (vf)(sign & (vi)splat(4.0f));
-#endif
         }
         sum += w * loadf(xe + v * VW);
     }
@@ -751,7 +783,7 @@ static inline __attribute__((always_inline)) void q3_k_row(const int M, float *o
 }
 #endif
 
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) || (VW == 8 && defined(__AVX2__))
 #define INT8_ROWS 1
 #include "quant_int8.h"
 #endif
@@ -931,8 +963,15 @@ static inline __attribute__((always_inline)) void q6_k_row(const int M, float *o
     }
 #define DEFINE_FORMAT(NAME, DEQ, QK, BB, XSUM) DEFINE_RANGE(NAME, XSUM) DEFINE_FEW_DEQ(NAME, DEQ, QK, BB)
 
+#ifdef NIBBLE_ROWS
+DEFINE_NIBBLE_ROW(q4_0, 18, 2)
+DEFINE_NIBBLE_ROW(q4_1, 20, 4)
+#define Q4_XSUM 0
+#else
 DEFINE_FOLDED_ROW(q4_0, 18, 1)
 DEFINE_FOLDED_ROW(q4_1, 20, 1)
+#define Q4_XSUM 32 /* the folded rows' m * sum(x) */
+#endif
 DEFINE_FOLDED_ROW(q8_0, 34, 0)
 DEFINE_ROW(q5_k, deq_q5_k, 256, 176)
 DEFINE_ROW(f16, deq_f16, 32, 64)
@@ -940,7 +979,7 @@ DEFINE_ROW(bf16, deq_bf16, 32, 64)
 DEFINE_ROW(f32, deq_f32, 32, 128)
 DEFINE_FOLDED_ROW(q5_0, 22, 1)
 DEFINE_FOLDED_ROW(q5_1, 24, 1)
-#ifndef LOW_BIT_ROWS
+#if !defined(LOW_BIT_ROWS) && !defined(INT8_ROWS)
 DEFINE_ROW(q2_k, deq_q2_k, 256, 84)
 DEFINE_ROW(q3_k, deq_q3_k, 256, 110)
 #endif
@@ -952,8 +991,8 @@ DEFINE_ROW(iq4_nl, deq_iq4_nl, 32, 18)
 DEFINE_ROW(mxfp4, deq_mxfp4, 32, 17)
 #endif
 
-DEFINE_FORMAT(q4_0, deq_q4_0, 32, 18, 32)
-DEFINE_FORMAT(q4_1, deq_q4_1, 32, 20, 32)
+DEFINE_FORMAT(q4_0, deq_q4_0, 32, 18, Q4_XSUM)
+DEFINE_FORMAT(q4_1, deq_q4_1, 32, 20, Q4_XSUM)
 DEFINE_FORMAT(q8_0, deq_q8_0, 32, 34, 0)
 DEFINE_FORMAT(q4_k, deq_q4_k, 256, 144, 32)
 DEFINE_FORMAT(q5_k, deq_q5_k, 256, 176, 0)

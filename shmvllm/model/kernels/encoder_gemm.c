@@ -1,0 +1,140 @@
+/* The encoders' fp32 GEMM for AVX2 + FMA CPUs: out = x . W^T + bias, then optionally + residual
+ * or GELU, in one pass over the output (model/encoder_gemm.py packs W and picks this kernel).
+ *
+ * W is packed once at load time into panels of 16 output columns, each [k][16] contiguous,
+ * zero-padded to a whole panel, followed by the bias (padded the same way). A 6x16 register tile
+ * (12 ymm accumulators, the 6 rows of x broadcast, two W vectors per k) is swept down a block of
+ * MC rows while its W panel (KC x 16 floats) stays in L1 and the block of x (MC x KC) in L2.
+ * Rows of x are read in place (no packing): 6 sequential streams per tile. Threads split the
+ * (row block, panel group) grid. Built with -mavx2 -mfma only, never -march=native, so the
+ * code is the AVX2 code whatever the build machine. */
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MR 6
+#define NR 16
+#define MC 48  /* rows per block: 48 x 384 floats of x stay in L2 (benchmarks/results/embed.md) */
+#define KC 384 /* the W panel's depth per pass: 384 x 16 floats = 24 KiB, within L1 */
+
+/* glibc's libmvec (>= 2.35): 8-wide erff / tanhf, the functions gcc itself calls for vectorized loops */
+__m256 _ZGVdN8v_erff(__m256);
+__m256 _ZGVdN8v_tanhf(__m256);
+
+int64_t shm_encoder_packed_floats(int64_t n, int64_t k) {
+    const int64_t padded = (n + NR - 1) / NR * NR;
+    return padded * k + padded;
+}
+
+/* w: [n, k] (an nn.Linear's weight), bias: [n] or NULL -> packed (shm_encoder_packed_floats). */
+void shm_encoder_pack(const float *w, const float *bias, int64_t n, int64_t k, float *packed) {
+    const int64_t panels = (n + NR - 1) / NR;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int64_t j = 0; j < NR; j++) {
+                const int64_t col = p * NR + j;
+                packed[(p * k + kk) * NR + j] = col < n ? w[col * k + kk] : 0.0f;
+            }
+    float *packed_bias = packed + panels * NR * k;
+    for (int64_t col = 0; col < panels * NR; col++) packed_bias[col] = bias != NULL && col < n ? bias[col] : 0.0f;
+}
+
+enum { GELU_NONE = 0, GELU_ERF = 1, GELU_TANH = 2 };
+
+static inline __m256 gelu8(__m256 x, int gelu) {
+    const __m256 half_x = _mm256_mul_ps(_mm256_set1_ps(0.5f), x), one = _mm256_set1_ps(1.0f);
+    if (gelu == GELU_ERF) return _mm256_mul_ps(half_x, _mm256_add_ps(one, _ZGVdN8v_erff(_mm256_mul_ps(x, _mm256_set1_ps(0.70710678118654752f)))));
+    const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+    const __m256 inner = _mm256_mul_ps(_mm256_set1_ps(0.79788456080286536f), _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), x3, x));
+    return _mm256_mul_ps(half_x, _mm256_add_ps(one, _ZGVdN8v_tanhf(inner)));
+}
+
+/* One 6x16 tile over kc steps of k: starts from the bias (first pass over k) or from c (later
+ * passes); the last pass adds the residual / applies GELU before the store. */
+static inline void tile(const float *a, int64_t lda, const float *w, int64_t kc, float *c, int64_t ldc, const float *bias,
+                        int first, int last, const float *res, int64_t ldr, int gelu) {
+    __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+    if (first) {
+        c00 = c10 = c20 = c30 = c40 = c50 = _mm256_loadu_ps(bias);
+        c01 = c11 = c21 = c31 = c41 = c51 = _mm256_loadu_ps(bias + 8);
+    } else {
+        c00 = _mm256_loadu_ps(c), c01 = _mm256_loadu_ps(c + 8);
+        c10 = _mm256_loadu_ps(c + ldc), c11 = _mm256_loadu_ps(c + ldc + 8);
+        c20 = _mm256_loadu_ps(c + 2 * ldc), c21 = _mm256_loadu_ps(c + 2 * ldc + 8);
+        c30 = _mm256_loadu_ps(c + 3 * ldc), c31 = _mm256_loadu_ps(c + 3 * ldc + 8);
+        c40 = _mm256_loadu_ps(c + 4 * ldc), c41 = _mm256_loadu_ps(c + 4 * ldc + 8);
+        c50 = _mm256_loadu_ps(c + 5 * ldc), c51 = _mm256_loadu_ps(c + 5 * ldc + 8);
+    }
+    const float *a0 = a, *a1 = a + lda, *a2 = a + 2 * lda, *a3 = a + 3 * lda, *a4 = a + 4 * lda, *a5 = a + 5 * lda;
+    for (int64_t kk = 0; kk < kc; kk++) {
+        const __m256 w0 = _mm256_load_ps(w + kk * NR), w1 = _mm256_load_ps(w + kk * NR + 8);
+        __m256 x = _mm256_broadcast_ss(a0 + kk);
+        c00 = _mm256_fmadd_ps(x, w0, c00), c01 = _mm256_fmadd_ps(x, w1, c01);
+        x = _mm256_broadcast_ss(a1 + kk);
+        c10 = _mm256_fmadd_ps(x, w0, c10), c11 = _mm256_fmadd_ps(x, w1, c11);
+        x = _mm256_broadcast_ss(a2 + kk);
+        c20 = _mm256_fmadd_ps(x, w0, c20), c21 = _mm256_fmadd_ps(x, w1, c21);
+        x = _mm256_broadcast_ss(a3 + kk);
+        c30 = _mm256_fmadd_ps(x, w0, c30), c31 = _mm256_fmadd_ps(x, w1, c31);
+        x = _mm256_broadcast_ss(a4 + kk);
+        c40 = _mm256_fmadd_ps(x, w0, c40), c41 = _mm256_fmadd_ps(x, w1, c41);
+        x = _mm256_broadcast_ss(a5 + kk);
+        c50 = _mm256_fmadd_ps(x, w0, c50), c51 = _mm256_fmadd_ps(x, w1, c51);
+    }
+    const __m256 acc[2 * MR] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
+    for (int i = 0; i < MR; i++)
+        for (int h = 0; h < 2; h++) {
+            __m256 v = acc[2 * i + h];
+            if (last && res != NULL) v = _mm256_add_ps(v, _mm256_loadu_ps(res + i * ldr + 8 * h));
+            if (last && gelu != GELU_NONE) v = gelu8(v, gelu);
+            _mm256_storeu_ps(c + i * ldc + 8 * h, v);
+        }
+}
+
+/* A tile at the edge (fewer than 6 rows or 16 columns left): through zero-padded copies. */
+static void edge_tile(const float *a, int64_t lda, int64_t rows, int64_t cols, const float *w, int64_t kc, float *c,
+                      int64_t ldc, const float *bias, int first, int last, const float *res, int64_t ldr, int gelu) {
+    float ta[MR * KC] __attribute__((aligned(32))), tc[MR * NR], tr[MR * NR];
+    memset(ta, 0, sizeof ta);
+    memset(tc, 0, sizeof tc);
+    memset(tr, 0, sizeof tr);
+    for (int64_t r = 0; r < rows; r++) {
+        memcpy(ta + r * kc, a + r * lda, kc * sizeof(float));
+        memcpy(tc + r * NR, c + r * ldc, cols * sizeof(float));
+        if (res != NULL) memcpy(tr + r * NR, res + r * ldr, cols * sizeof(float));
+    }
+    tile(ta, kc, w, kc, tc, NR, bias, first, last, res != NULL ? tr : NULL, NR, gelu);
+    for (int64_t r = 0; r < rows; r++) memcpy(c + r * ldc, tc + r * NR, cols * sizeof(float));
+}
+
+/* out[m, n] (row stride ldo) = x[m, k] (row stride ldx) . W^T + bias, then + residual[m, n] (row
+ * stride ldr; NULL for none) or GELU (0 none, 1 erf, 2 tanh). packed: shm_encoder_pack's. */
+void shm_encoder_gemm(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n, const float *res,
+                      int64_t ldr, float *out, int64_t ldo, int gelu) {
+    const int64_t panels = (n + NR - 1) / NR, blocks = (m + MC - 1) / MC;
+    const float *packed_bias = packed + panels * NR * k;
+    /* Few row blocks (a short batch): split the panels too, so that every thread has work. */
+    const int64_t groups = blocks >= 8 ? 1 : (panels < 8 ? panels : 8);
+#pragma omp parallel for schedule(static)
+    for (int64_t item = 0; item < blocks * groups; item++) {
+        const int64_t m0 = item / groups * MC, m1 = m0 + MC < m ? m0 + MC : m, g = item % groups;
+        const int64_t p0 = panels * g / groups, p1 = panels * (g + 1) / groups;
+        for (int64_t k0 = 0; k0 < k; k0 += KC) {
+            const int64_t kc = k - k0 < KC ? k - k0 : KC;
+            const int first = k0 == 0, last = k0 + kc == k;
+            for (int64_t p = p0; p < p1; p++) {
+                const float *w = packed + (p * k + k0) * NR, *bias = packed_bias + p * NR;
+                const int64_t cols = n - p * NR < NR ? n - p * NR : NR;
+                for (int64_t i = m0; i < m1; i += MR) {
+                    const float *a = x + i * ldx + k0, *r = res != NULL ? res + i * ldr + p * NR : NULL;
+                    float *c = out + i * ldo + p * NR;
+                    if (i + MR <= m1 && cols == NR)
+                        tile(a, ldx, w, kc, c, ldo, bias, first, last, r, ldr, gelu);
+                    else
+                        edge_tile(a, ldx, m1 - i < MR ? m1 - i : MR, cols, w, kc, c, ldo, bias, first, last, r, ldr, gelu);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,86 @@
+"""The encoders' AVX2 GEMM (model/encoder_gemm.py, kernels/encoder_gemm.c) against torch, and the
+BERT encoder on it against transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig
+from transformers import BertModel as HFBertModel
+
+from shmvllm.model import encoder_gemm
+from shmvllm.model.encoders import load_encoder
+from shmvllm.model.kernels import encoder_gemm_kernels
+
+pytestmark = pytest.mark.skipif(
+    not {"avx2", "fma"} <= encoder_gemm._cpu_flags() or encoder_gemm_kernels() is None,
+    reason="needs an x86 CPU with AVX2 + FMA and a C compiler",
+)
+
+
+@pytest.mark.parametrize(
+    "rows, k, n, bias",
+    [
+        (13, 20, 40, True),  # fewer rows than a tile row block, columns not a whole panel
+        (100, 800, 48, True),  # k in three passes, rows over two blocks plus an edge
+        (1000, 64, 24, False),  # many row blocks, no bias
+        (1, 384, 1152, True),  # one row: the panels split between threads
+    ],
+)
+def test_gemm_and_epilogues_match_torch(rows, k, n, bias):
+    g = torch.Generator().manual_seed(rows + k + n)
+    layer = torch.nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, k, generator=g) * k**-0.5)
+    x, residual = torch.randn(rows, k, generator=g), torch.randn(rows, n, generator=g)
+    packed = encoder_gemm.PackedLinear(layer.weight.detach(), None if layer.bias is None else layer.bias.detach())
+    with torch.inference_mode():
+        ref = F.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double()).float()
+        torch.testing.assert_close(packed(x), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(packed(x, residual=residual), ref + residual, atol=1e-5, rtol=1e-5)
+        for approximate in ("none", "tanh"):
+            torch.testing.assert_close(packed(x, gelu=approximate), F.gelu(ref, approximate=approximate), atol=1e-5, rtol=1e-5)
+        strided = torch.randn(rows, 2 * k, generator=g)[:, ::2]  # not row-major: copied first
+        torch.testing.assert_close(packed(strided), packed(strided.contiguous()))
+
+
+def test_bad_input_is_a_value_error():
+    packed = encoder_gemm.PackedLinear(torch.randn(16, 8), torch.randn(16))
+    with pytest.raises(ValueError, match=r"x must be a float32 \[tokens, 8\]"):
+        packed(torch.randn(3, 9))
+    with pytest.raises(ValueError, match="residual must be"):
+        packed(torch.randn(3, 8), residual=torch.randn(3, 15))
+
+
+def test_chosen_by_isa(monkeypatch):
+    weight = torch.randn(16, 8)
+    monkeypatch.setenv("SHMVLLM_QUANT_ISA", "avx2")
+    assert isinstance(encoder_gemm.pack_for_cpu(weight, None), encoder_gemm.PackedLinear)
+    assert encoder_gemm.pack_for_cpu(weight.bfloat16(), None) is None  # fp32 only
+    monkeypatch.delenv("SHMVLLM_QUANT_ISA")
+    chosen = encoder_gemm.pack_for_cpu(weight, None) is not None
+    assert chosen == ("avx512f" not in encoder_gemm._cpu_flags())  # oneDNN where AVX-512 is there
+
+
+def test_bert_on_the_avx2_gemm_matches_transformers(monkeypatch, tiny_bert_dir):
+    monkeypatch.setenv("SHMVLLM_QUANT_ISA", "avx2")
+    config = AutoConfig.from_pretrained(tiny_bert_dir)
+    ours = load_encoder(tiny_bert_dir, config, torch.float32, torch.device("cpu"))[0]
+    assert set(ours.layers[0].packed) == {"qkv", "attn_out", "intermediate", "out"}
+    hf = HFBertModel.from_pretrained(tiny_bert_dir, attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(0)
+    lengths = [1, 5, 17, 2, 33, 9]
+    seqs = [torch.randint(1000, 30000, (n,), generator=g) for n in lengths]
+    ids = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)], mask[i, : len(s)] = s, 1
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    with torch.inference_mode():
+        ref = hf(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = ours(torch.cat(seqs), torch.cat([torch.arange(n) for n in lengths]), cu)
+    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        torch.testing.assert_close(got[a:b], ref[i, : lengths[i]], atol=2e-5, rtol=1e-4)

@@ -125,6 +125,21 @@ def test_gemm_matches_dequantize_then_matmul(isa, name, rows):
         check_close(got, reference(x, w, b, r), x, w)
 
 
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gemv_row_is_the_same_alone_or_among_rows(isa, name):
+    # speculative verification runs a request's rows together: each must equal its one-row decode bit for bit
+    rng = np.random.default_rng(7)
+    n, k = 37, 160
+    weight = random_weight(name, n, k, rng)
+    x = torch.from_numpy(rng.standard_normal((4, k)).astype(np.float32))
+    together = {rows: block_linear(x[:rows], [(0, weight)], n, None, None) for rows in (2, 3, 4)}
+    for i in range(4):
+        alone = block_linear(x[i : i + 1], [(0, weight)], n, None, None)
+        for rows, out in together.items():
+            if i < rows:
+                assert torch.equal(out[i : i + 1], alone), (name, i, rows)
+
+
 @pytest.mark.skipif("avx512vnni" not in ISAS, reason="the CPU lacks AVX-512 VNNI")
 @pytest.mark.parametrize("name", ["Q2_K", "Q3_K"])
 @pytest.mark.parametrize("rows", [1, 4])

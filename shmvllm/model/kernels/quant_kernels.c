@@ -459,7 +459,7 @@ static inline void store_tile(vf acc[NR][MV], const int mv, float *out, int64_t 
  * costs one widen, one convert and one FMA, and the block constants one FMA per block: about half
  * the vector work of dequantizing first (d * q + m, then * x). The sums are the dequantized
  * weights' dot product reassociated (fp32 rounding differs at the last bits, as any change of
- * summation order does). */
+ * summation order does). AVX-512 runs Q4_0 / Q4_1 on the nibble rows below instead. */
 #if VW == 16 && defined(__AVX512F__)
 /* the 16 bytes widened to 32-bit lanes once: & 15 gives the low nibbles, >> 4 the high ones */
 static inline void nibbles_to_float(const uint8_t *qs, vf q[32 / VW]) {
@@ -614,6 +614,51 @@ static inline float mxfp4_m(const uint8_t *blk) { (void)blk; return 0.0f; }
             out[m * ldo + j] = (hsum(acc0[m] + acc1[m]) + macc[m]) + add +                                      \
                                (residual != NULL ? residual[m * ldr + j] : 0.0f);                               \
     }
+
+#if VW == 16 && defined(__AVX512F__)
+/* Q4_0 / Q4_1 rows on AVX-512, the rows sharing each block's dequantization (the folded rows repeat
+ * d * s and m * sum(x) per row): the block's 16 possible weights d * i + m (i = 0..15; Q4_0's m is
+ * -8 d) made by one FMA, exactly the reference's values (d * i is exact, the sum rounded once), each
+ * weight looked up by its nibble (vpermps reads the low 4 bits of each index), then one FMA per row
+ * and vector. Each row sums into four chains, one per vector of a pair of blocks, in the same
+ * order whatever M: a row comes out bit for bit the same alone or verified among others. */
+#define NIBBLE_ROWS 1
+static inline void nibble_weights(const uint8_t *blk, int qs, float d, float m, vf w[2]) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(d), iota, _mm512_set1_ps(m));
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + qs)));
+    w[0] = (vf)_mm512_permutexvar_ps(v, table);
+    w[1] = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+}
+#define NIBBLE_BLOCK(NAME, BB, QS, B, W) nibble_weights(row + (B) * BB, QS, NAME##_d(row + (B) * BB), NAME##_m(row + (B) * BB), W)
+#define DEFINE_NIBBLE_ROW(NAME, BB, QS)                                                                        \
+    static inline __attribute__((always_inline)) void NAME##_row(                                            \
+        const int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *row, const float *bias, \
+        const float *residual, int64_t ldr, int64_t j, int64_t k, const float *xs) {                            \
+        (void)xs;                                                                                               \
+        vf acc[FEW_ROWS][4];                                                                                    \
+        for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = (vf){0};                   \
+        const int64_t blocks = k / 32;                                                                          \
+        int64_t b = 0;                                                                                          \
+        for (; b + 2 <= blocks; b += 2) {                                                                       \
+            vf w[4];                                                                                            \
+            NIBBLE_BLOCK(NAME, BB, QS, b, w);                                                                  \
+            NIBBLE_BLOCK(NAME, BB, QS, b + 1, w + 2);                                                          \
+            for (int m = 0; m < M; m++)                                                                         \
+                for (int t = 0; t < 4; t++) acc[m][t] += w[t] * loadf(x + m * ldx + 32 * b + 16 * t);           \
+        }                                                                                                       \
+        if (b < blocks) {                                                                                       \
+            vf w[2];                                                                                            \
+            NIBBLE_BLOCK(NAME, BB, QS, b, w);                                                                  \
+            for (int m = 0; m < M; m++)                                                                         \
+                for (int t = 0; t < 2; t++) acc[m][t] += w[t] * loadf(x + m * ldx + 32 * b + 16 * t);           \
+        }                                                                                                       \
+        const float add = bias != NULL ? bias[j] : 0.0f;                                                        \
+        for (int m = 0; m < M; m++)                                                                             \
+            out[m * ldo + j] = hsum((acc[m][0] + acc[m][1]) + (acc[m][2] + acc[m][3])) + add +                  \
+                               (residual != NULL ? residual[m * ldr + j] : 0.0f);                               \
+    }
+#endif
 
 /* Q2_K / Q3_K rows (AVX2 and AVX-512 builds), folded as the rows above: per sub-block of 16, the
  * 2-bit (Q2_K) or 3-bit (Q3_K) integers as floats times x, then times the sub-block's scale dl
@@ -931,8 +976,15 @@ static inline __attribute__((always_inline)) void q6_k_row(const int M, float *o
     }
 #define DEFINE_FORMAT(NAME, DEQ, QK, BB, XSUM) DEFINE_RANGE(NAME, XSUM) DEFINE_FEW_DEQ(NAME, DEQ, QK, BB)
 
+#ifdef NIBBLE_ROWS
+DEFINE_NIBBLE_ROW(q4_0, 18, 2)
+DEFINE_NIBBLE_ROW(q4_1, 20, 4)
+#define Q4_XSUM 0
+#else
 DEFINE_FOLDED_ROW(q4_0, 18, 1)
 DEFINE_FOLDED_ROW(q4_1, 20, 1)
+#define Q4_XSUM 32 /* the folded rows' m * sum(x) */
+#endif
 DEFINE_FOLDED_ROW(q8_0, 34, 0)
 DEFINE_ROW(q5_k, deq_q5_k, 256, 176)
 DEFINE_ROW(f16, deq_f16, 32, 64)
@@ -952,8 +1004,8 @@ DEFINE_ROW(iq4_nl, deq_iq4_nl, 32, 18)
 DEFINE_ROW(mxfp4, deq_mxfp4, 32, 17)
 #endif
 
-DEFINE_FORMAT(q4_0, deq_q4_0, 32, 18, 32)
-DEFINE_FORMAT(q4_1, deq_q4_1, 32, 20, 32)
+DEFINE_FORMAT(q4_0, deq_q4_0, 32, 18, Q4_XSUM)
+DEFINE_FORMAT(q4_1, deq_q4_1, 32, 20, Q4_XSUM)
 DEFINE_FORMAT(q8_0, deq_q8_0, 32, 34, 0)
 DEFINE_FORMAT(q4_k, deq_q4_k, 256, 144, 32)
 DEFINE_FORMAT(q5_k, deq_q5_k, 256, 176, 0)

@@ -44,32 +44,49 @@ class Histogram(Metric):
     buckets: dict[str, int]  # upper bound -> cumulative count ("+Inf" is the count)
 
 
-@dataclass
-class _Latencies:
-    counts: list[int] = field(default_factory=lambda: [0] * (len(_LATENCY_BUCKETS) + 1))
-    total: float = 0.0
+class _Buckets:
+    """Observations counted into fixed upper bounds; renders as a cumulative Histogram."""
 
-    def add(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(_LATENCY_BUCKETS, seconds)] += 1
-        self.total += seconds
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+
+    def add(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
 
     def histogram(self, name: str, labels: dict[str, str]) -> Histogram:
         cumulative, running = {}, 0
-        for bound, count in zip([*map(str, _LATENCY_BUCKETS), "+Inf"], self.counts):
+        for bound, count in zip([*(str(float(b)) for b in self.bounds), "+Inf"], self.counts):
             running += count
             cumulative[bound] = running
         return Histogram(name, labels, count=running, sum=self.total, buckets=cumulative)
 
 
+def _one_two_five(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit`: vLLM's bounds of its per-request token histograms."""
+    bounds, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > limit:
+                return tuple(bounds)
+            bounds.append(step * scale)
+        scale *= 10
+
+
 class FrontendStats:
     """Counts of the finished generation requests the frontend has seen."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_model_len: int) -> None:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.finish_reasons: _Tally[str] = _Tally()
-        self.time_to_first_token = _Latencies()
-        self.e2e_latency = _Latencies()
+        self.time_to_first_token = _Buckets(_LATENCY_BUCKETS)
+        self.e2e_latency = _Buckets(_LATENCY_BUCKETS)
+        # per finished sequence (each of n completions is one, as vLLM's child requests are)
+        self.request_prompt_tokens = _Buckets(_one_two_five(max_model_len))
+        self.request_generation_tokens = _Buckets(_one_two_five(max_model_len))
 
     def record_finished(self, output: Any, now: float) -> None:
         """A finished RequestOutput (its `metrics` set by the output processor)."""
@@ -77,6 +94,8 @@ class FrontendStats:
         for completion in output.outputs:
             self.generation_tokens += len(completion.token_ids)
             self.finish_reasons[str(completion.finish_reason)] += 1
+            self.request_prompt_tokens.add(len(output.prompt_token_ids or ()))
+            self.request_generation_tokens.add(len(completion.token_ids))
         stats = output.metrics
         if stats is not None and stats.arrival_time:
             if stats.first_token_ts:
@@ -106,4 +125,6 @@ class FrontendStats:
                                    self.finish_reasons.get(reason, 0)))
         metrics.append(self.time_to_first_token.histogram("vllm:time_to_first_token_seconds", labels))
         metrics.append(self.e2e_latency.histogram("vllm:e2e_request_latency_seconds", labels))
+        metrics.append(self.request_prompt_tokens.histogram("vllm:request_prompt_tokens", labels))
+        metrics.append(self.request_generation_tokens.histogram("vllm:request_generation_tokens", labels))
         return metrics

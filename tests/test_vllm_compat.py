@@ -181,7 +181,7 @@ def test_ignored_arguments_are_accepted_at_any_value_and_change_nothing(llm, tin
 
 @pytest.mark.parametrize("name, value", [
     ("quantization", "awq"), ("enable_lora", True), ("speculative_config", {"method": "eagle", "num_speculative_tokens": 2}),
-    ("tensor_parallel_size", 4), ("pipeline_parallel_size", 2), ("kv_cache_dtype", "fp8"), ("revision", "main"),
+    ("tensor_parallel_size", 4), ("pipeline_parallel_size", 3), ("kv_cache_dtype", "fp8"), ("revision", "main"),
     ("hf_overrides", {"num_hidden_layers": 1}), ("runner", "draft"), ("convert", "classify"),
     ("tokenizer_mode", "mistral"), ("logits_processors", ["my.Processor"]), ("cpu_offload_gb", 4),
     ("enable_sleep_mode", True), ("distributed_executor_backend", "ray"), ("dtype", "int8"),
@@ -354,6 +354,30 @@ def test_tokenizer_model_config_metrics_and_request_metrics(llm, tiny_llama_dir)
         stats = out.metrics
         assert stats.num_generation_tokens == 5 and stats.arrival_time <= stats.first_token_ts <= stats.last_token_ts
         assert stats.first_token_latency >= 0
+
+
+def test_per_request_token_histograms_count_each_finished_sequence(llm):
+    from shmvllm.metrics import Histogram
+
+    def histograms():
+        return {m.name: m for m in llm.get_metrics() if isinstance(m, Histogram)}
+
+    before = histograms()
+    params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=7, n=2, max_tokens=12, ignore_eos=True)]
+    outs = llm.generate(["one two", "three four five six"], params, use_tqdm=False)
+    after = histograms()
+    generated = after["vllm:request_generation_tokens"]
+    # bounds 1, 2, 5, 10, 20, 50, 100, 200 (the llm's max_model_len is 256), cumulative
+    assert list(generated.buckets) == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "+Inf"]
+    delta = {b: generated.buckets[b] - before["vllm:request_generation_tokens"].buckets[b] for b in generated.buckets}
+    assert (delta["2.0"], delta["5.0"], delta["10.0"], delta["20.0"], delta["+Inf"]) == (0, 1, 1, 3, 3)
+    assert generated.count - before["vllm:request_generation_tokens"].count == 3
+    assert generated.sum - before["vllm:request_generation_tokens"].sum == 3 + 12 + 12
+    prompts = after["vllm:request_prompt_tokens"]
+    assert prompts.count - before["vllm:request_prompt_tokens"].count == 3
+    assert prompts.sum - before["vllm:request_prompt_tokens"].sum == len(outs[0].prompt_token_ids) + 2 * len(
+        outs[1].prompt_token_ids)
 
 
 def test_skip_tokenizer_init_takes_token_ids_and_returns_no_text(tiny_llama_dir, llm):

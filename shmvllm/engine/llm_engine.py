@@ -109,10 +109,10 @@ class LLMEngine:
             model=model_config.model,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.stats = FrontendStats()
         # The engine's own limits (READY carries them: max_model_len clamped to what the KV cache
         # holds, the vocabulary, max_logprobs), which requests are validated against.
         self.input_processor.set_engine_limits(self.engine_core.ready)
+        self.stats = FrontendStats(self.input_processor.max_model_len)
 
     @property
     def model_config(self) -> Any:

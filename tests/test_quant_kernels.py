@@ -140,11 +140,12 @@ def test_gemv_row_is_the_same_alone_or_among_rows(isa, name):
                 assert torch.equal(out[i : i + 1], alone), (name, i, rows)
 
 
-@pytest.mark.skipif("avx512vnni" not in ISAS, reason="the CPU lacks AVX-512 VNNI")
+@pytest.mark.parametrize("int8_isa", [pytest.param(isa, marks=pytest.mark.skipif(isa not in ISAS, reason=f"the CPU lacks {isa}"))
+                                      for isa in ("avx512vnni", "avx2")])
 @pytest.mark.parametrize("name", ["Q2_K", "Q3_K"])
 @pytest.mark.parametrize("rows", [1, 4])
-def test_int8_rows_error_is_the_split_of_x(name, rows):
-    """The VNNI build's Q2_K / Q3_K GEMV holds x per 256 values in three int8 pieces, to within
+def test_int8_rows_error_is_the_split_of_x(int8_isa, name, rows):
+    """The VNNI and AVX2 builds' Q2_K / Q3_K GEMV holds x per 256 values in three int8 pieces, to within
     max |x| / 127 / 32768: with outliers 1000x the rest, the error stays within sum |w| times that
     (plus fp32 rounding)."""
     rng = np.random.default_rng(11)
@@ -154,7 +155,7 @@ def test_int8_rows_error_is_the_split_of_x(name, rows):
     x = rng.standard_normal((rows, k)) * np.where(rng.random((rows, k)) < 0.01, 1000.0, 1.0)
     x = torch.from_numpy(x.astype(np.float32))
     out = torch.empty(rows, n)
-    lib = quant_kernels("avx512vnni")
+    lib = quant_kernels(int8_isa)
     assert lib.shm_qgemm(out.data_ptr(), n, x.data_ptr(), k, weight.data.data_ptr(), weight.data.shape[1],
                          weight.qtype, None, None, 0, rows, n, k) == 0
     err = (out.double() - x.double() @ w.T).abs()

@@ -1,6 +1,7 @@
-/* The GEMV rows of the 2- and 3-bit K formats (Q2_K, Q3_K) on integer dot products, for the build
- * with AVX-512 VNNI (vpdpbusd: 64 products of unsigned by signed bytes an instruction). Included
- * by quant_kernels.c in that build only; the plain AVX-512 build keeps the fp32 rows.
+/* The GEMV rows of the 2- and 3-bit K formats (Q2_K, Q3_K) on integer dot products of unsigned by
+ * signed bytes, in two widths from one source: the AVX-512 VNNI build (512-bit vectors, vpdpbusd:
+ * 64 products an instruction) and the AVX2 build (256-bit, vpmaddubsw + vpmaddwd: 32 products in
+ * two instructions). Included by quant_kernels.c in those builds; plain AVX-512 keeps fp32 rows.
  *
  * With fp32 x and one FMA per weight these formats cannot be read as fast as Q4_1 (the work per
  * value is Q4_1's, their bytes per value a half and three quarters of it). Here x is split once
@@ -11,9 +12,147 @@
  * products with the weights' integers are exact, and combined exactly (16384 A0 + 128 A1 + A2 in
  * int32: the bounds are below), then scaled in fp32. The pieces are stored in the order the
  * weights' bits unpack in (value 128 h + 32 s + i at byte 64 s + 32 h + i: one shift and mask of
- * a block's 64 bytes of 2-bit fields gives 64 values in that order), so no weight is moved. */
+ * a block's 64 bytes of 2-bit fields gives 64 values in that order, or of its 32-byte half h the
+ * 32 values of half h), so no weight is moved. */
 
 #define PIECES_BYTES 768 /* the three pieces of one block of 256 values */
+
+/* The vector layer: IW bytes an integer vector (two of its 128-bit lanes per half of a block's
+ * 2-bit fields with AVX2, four with AVX-512), FW floats a float vector. */
+#if defined(__AVX512VNNI__)
+#define IW 64
+#define FW 16
+typedef __m512i iv;
+typedef __m512 fv;
+static inline iv iv_load(const void *p) { return _mm512_loadu_si512(p); }
+static inline iv iv_set1_8(int8_t v) { return _mm512_set1_epi8(v); }
+static inline iv iv_set1_32(int32_t v) { return _mm512_set1_epi32(v); }
+/* the 32 bytes at p in each 256-bit half */
+static inline iv iv_load_bcast256(const void *p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p)); }
+static inline iv iv_zero(void) { return _mm512_setzero_si512(); }
+static inline iv iv_and(iv a, iv b) { return _mm512_and_si512(a, b); }
+static inline iv iv_srli16(iv a, int n) { return _mm512_srli_epi16(a, n); }
+static inline iv iv_slli32(iv a, int n) { return _mm512_slli_epi32(a, n); }
+static inline iv iv_add32(iv a, iv b) { return _mm512_add_epi32(a, b); }
+static inline iv iv_mullo16(iv a, iv b) { return _mm512_mullo_epi16(a, b); }
+static inline iv iv_shuffle8(iv table, iv idx) { return _mm512_shuffle_epi8(table, idx); }
+static inline iv iv_bcast128(__m128i v) { return _mm512_broadcast_i32x4(v); }
+/* 16384 A0 + 128 A1 + A2 per 32-bit lane, Ai its 4 products of the bytes w (unsigned) by piece i
+ * at q + 256 i (signed): the running sum shifted in between */
+static inline iv pieces_dot(iv w, const int8_t *q) {
+    iv t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(q));
+    t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 7), w, _mm512_loadu_si512(q + 256));
+    return _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 7), w, _mm512_loadu_si512(q + 512));
+}
+/* the same summed over four fields (w[s], the pieces at q + 64 s): each piece's sums accumulated
+ * apart, combined once */
+static inline iv pieces_dot4(const iv w[4], const int8_t *q) {
+    iv a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0;
+    for (int s = 0; s < 4; s++) {
+        a0 = _mm512_dpbusd_epi32(a0, w[s], _mm512_loadu_si512(q + 64 * s));
+        a1 = _mm512_dpbusd_epi32(a1, w[s], _mm512_loadu_si512(q + 64 * s + 256));
+        a2 = _mm512_dpbusd_epi32(a2, w[s], _mm512_loadu_si512(q + 64 * s + 512));
+    }
+    return _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(_mm512_slli_epi32(a0, 7), a1), 7), a2);
+}
+/* low + 4 where the hmask bytes hm have bit `bit` set */
+static inline iv iv_add4_where(iv low, iv hm, iv bit) {
+    return _mm512_mask_add_epi8(low, _mm512_test_epi8_mask(hm, bit), low, _mm512_set1_epi8(4));
+}
+static inline fv fv_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline fv fv_zero(void) { return _mm512_setzero_ps(); }
+static inline fv fv_set1(float v) { return _mm512_set1_ps(v); }
+static inline fv fv_fmadd(fv a, fv b, fv c) { return _mm512_fmadd_ps(a, b, c); }
+static inline fv fv_fnmadd(fv a, fv b, fv c) { return _mm512_fnmadd_ps(a, b, c); }
+static inline fv fv_mul(fv a, fv b) { return _mm512_mul_ps(a, b); }
+static inline fv fv_sub(fv a, fv b) { return _mm512_sub_ps(a, b); }
+static inline fv fv_max_abs(fv top, fv v) { return _mm512_max_ps(top, _mm512_abs_ps(v)); }
+static inline int fv_any_nan(fv v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
+static inline float fv_reduce_max(fv v) { return _mm512_reduce_max_ps(v); }
+static inline float fv_reduce_add(fv v) { return _mm512_reduce_add_ps(v); }
+static inline iv fv_round(fv v) { return _mm512_cvtps_epi32(v); }
+static inline fv iv_to_fv(iv v) { return _mm512_cvtepi32_ps(v); }
+static inline int iv_reduce_add32(iv v) { return _mm512_reduce_add_epi32(v); }
+/* FW int32 lanes (each within int8) -> FW bytes at p */
+static inline void iv_store_int8(int8_t *p, iv v) { _mm_storeu_si128((__m128i *)p, _mm512_cvtsepi32_epi8(v)); }
+/* FW bytes -> FW floats */
+static inline fv u8_to_fv(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
+/* lane i of `table` (FW floats) at every 32-bit lane of idx */
+static inline fv fv_permute(iv idx, fv table) { return _mm512_permutexvar_ps(idx, table); }
+#else
+#define IW 32
+#define FW 8
+typedef __m256i iv;
+typedef __m256 fv;
+static inline iv iv_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline iv iv_set1_8(int8_t v) { return _mm256_set1_epi8(v); }
+static inline iv iv_set1_32(int32_t v) { return _mm256_set1_epi32(v); }
+static inline iv iv_load_bcast256(const void *p) { return iv_load(p); }
+static inline iv iv_zero(void) { return _mm256_setzero_si256(); }
+static inline iv iv_and(iv a, iv b) { return _mm256_and_si256(a, b); }
+static inline iv iv_srli16(iv a, int n) { return _mm256_srli_epi16(a, n); }
+static inline iv iv_slli32(iv a, int n) { return _mm256_slli_epi32(a, n); }
+static inline iv iv_add32(iv a, iv b) { return _mm256_add_epi32(a, b); }
+static inline iv iv_mullo16(iv a, iv b) { return _mm256_mullo_epi16(a, b); }
+static inline iv iv_shuffle8(iv table, iv idx) { return _mm256_shuffle_epi8(table, idx); }
+static inline iv iv_bcast128(__m128i v) { return _mm256_broadcastsi128_si256(v); }
+/* vpmaddubsw gives the int16 sums of product pairs (it saturates past int16: at most 2 * 45 * 127
+ * = 11430 here); vpmaddwd by 16384, 128, 1 sums those pairs into int32 lanes already weighted */
+static inline iv pieces_dot(iv w, const int8_t *q) {
+    const iv p0 = _mm256_maddubs_epi16(w, iv_load(q)), p1 = _mm256_maddubs_epi16(w, iv_load(q + 256));
+    const iv p2 = _mm256_maddubs_epi16(w, iv_load(q + 512));
+    return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p0, _mm256_set1_epi16(16384)),
+                                             _mm256_madd_epi16(p1, _mm256_set1_epi16(128))),
+                            _mm256_madd_epi16(p2, _mm256_set1_epi16(1)));
+}
+/* Over four fields the pair sums add up in int16 first (Q2_K's bytes are at most 45): piece 0's
+ * (|a0| <= 127) two fields at a time, |sum| <= 22860; pieces 1, 2's (|a| <= 64) all four, <= 23040 */
+static inline iv pieces_dot4(const iv w[4], const int8_t *q) {
+    iv p0[2], p1 = _mm256_setzero_si256(), p2 = p1;
+    for (int s = 0; s < 4; s++) {
+        const iv t0 = _mm256_maddubs_epi16(w[s], iv_load(q + 64 * s));
+        p0[s / 2] = s % 2 ? _mm256_add_epi16(p0[s / 2], t0) : t0;
+        p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(w[s], iv_load(q + 64 * s + 256)));
+        p2 = _mm256_add_epi16(p2, _mm256_maddubs_epi16(w[s], iv_load(q + 64 * s + 512)));
+    }
+    const iv c0 = _mm256_set1_epi16(16384);
+    return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p0[0], c0), _mm256_madd_epi16(p0[1], c0)),
+                            _mm256_add_epi32(_mm256_madd_epi16(p1, _mm256_set1_epi16(128)),
+                                             _mm256_madd_epi16(p2, _mm256_set1_epi16(1))));
+}
+static inline iv iv_add4_where(iv low, iv hm, iv bit) {
+    const iv set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
+    return _mm256_add_epi8(low, _mm256_and_si256(set, _mm256_set1_epi8(4)));
+}
+static inline fv fv_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline fv fv_zero(void) { return _mm256_setzero_ps(); }
+static inline fv fv_set1(float v) { return _mm256_set1_ps(v); }
+static inline fv fv_fmadd(fv a, fv b, fv c) { return _mm256_fmadd_ps(a, b, c); }
+static inline fv fv_fnmadd(fv a, fv b, fv c) { return _mm256_fnmadd_ps(a, b, c); }
+static inline fv fv_mul(fv a, fv b) { return _mm256_mul_ps(a, b); }
+static inline fv fv_sub(fv a, fv b) { return _mm256_sub_ps(a, b); }
+static inline fv fv_max_abs(fv top, fv v) { return _mm256_max_ps(top, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v)); }
+static inline int fv_any_nan(fv v) { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
+static inline float fv_reduce_max(fv v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+static inline float fv_reduce_add(fv v) { return hsum((vf)v); }
+static inline iv fv_round(fv v) { return _mm256_cvtps_epi32(v); }
+static inline fv iv_to_fv(iv v) { return _mm256_cvtepi32_ps(v); }
+static inline int iv_reduce_add32(iv v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+static inline void iv_store_int8(int8_t *p, iv v) {
+    const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64((__m128i *)p, _mm_packs_epi16(words, words));
+}
+static inline fv u8_to_fv(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+static inline fv fv_permute(iv idx, fv table) { return _mm256_permutevar8x32_ps(table, idx); }
+#endif
 
 /* Block b of row m's three pieces at xq + (m * blocks + b) * PIECES_BYTES, its d at xd[m * blocks + b],
  * the sums of the values the pieces hold per 16 at xs[m * k / 16 + ...] (for the mins / offsets:
@@ -24,14 +163,14 @@ static void split_x(int M, const float *x, int64_t ldx, int64_t k, int8_t *xq, f
         for (int64_t b = 0; b < blocks; b++) {
             const float *xb = x + m * ldx + 256 * b;
             int8_t *q = xq + (m * blocks + b) * PIECES_BYTES;
-            __m512 top = _mm512_setzero_ps();
-            __mmask16 nan = 0;
-            for (int t = 0; t < 16; t++) {
-                const __m512 v = _mm512_loadu_ps(xb + 16 * t);
-                top = _mm512_max_ps(top, _mm512_abs_ps(v));
-                nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            fv top = fv_zero();
+            int nan = 0;
+            for (int t = 0; t < 256 / FW; t++) {
+                const fv v = fv_load(xb + FW * t);
+                top = fv_max_abs(top, v);
+                nan |= fv_any_nan(v);
             }
-            const float amax = nan ? __builtin_nanf("") : _mm512_reduce_max_ps(top);
+            const float amax = nan ? __builtin_nanf("") : fv_reduce_max(top);
             if (!(amax > 0.0f && amax <= 3.4028235e38f)) {
                 /* zeros give zero; inf / NaN give NaN (0 times it), as they would in fp32 */
                 memset(q, 0, PIECES_BYTES);
@@ -40,149 +179,160 @@ static void split_x(int M, const float *x, int64_t ldx, int64_t k, int8_t *xq, f
                 continue;
             }
             const float d = amax / 127.0f;
-            const __m512 inv = _mm512_set1_ps(1.0f / d), dv = _mm512_set1_ps(d);
-            const __m512 d1 = _mm512_set1_ps(d / 128.0f), inv1 = _mm512_set1_ps(128.0f / d);
-            const __m512 inv2 = _mm512_set1_ps(16384.0f / d);
+            const fv inv = fv_set1(1.0f / d), dv = fv_set1(d);
+            const fv d1 = fv_set1(d / 128.0f), inv1 = fv_set1(128.0f / d);
+            const fv inv2 = fv_set1(16384.0f / d);
             for (int t = 0; t < 16; t++) {
-                const int e = 16 * t, at = 64 * ((e % 128) / 32) + 32 * (e / 128) + e % 32;
-                const __m512 v = _mm512_loadu_ps(xb + e);
-                const __m512i a0 = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
-                const __m512 r1 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(a0), dv, v);
-                const __m512i a1 = _mm512_cvtps_epi32(_mm512_mul_ps(r1, inv1));
-                const __m512 r2 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(a1), d1, r1);
-                const __m512i a2 = _mm512_cvtps_epi32(_mm512_mul_ps(r2, inv2));
-                _mm_storeu_si128((__m128i *)(q + at), _mm512_cvtsepi32_epi8(a0));
-                _mm_storeu_si128((__m128i *)(q + 256 + at), _mm512_cvtsepi32_epi8(a1));
-                _mm_storeu_si128((__m128i *)(q + 512 + at), _mm512_cvtsepi32_epi8(a2));
                 /* 16384 a0 + 128 a1 + a2 < 2^22 per value, < 2^26 per 16: exact in int32 */
-                const __m512i held = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(_mm512_slli_epi32(a0, 7), a1), 7), a2);
-                xs[m * (k / 16) + 16 * b + t] = (d * (1.0f / 16384.0f)) * (float)_mm512_reduce_add_epi32(held);
+                iv held = iv_zero();
+                for (int e = 16 * t; e < 16 * t + 16; e += FW) {
+                    const int at = 64 * ((e % 128) / 32) + 32 * (e / 128) + e % 32;
+                    const fv v = fv_load(xb + e);
+                    const iv a0 = fv_round(fv_mul(v, inv));
+                    const fv r1 = fv_fnmadd(iv_to_fv(a0), dv, v);
+                    const iv a1 = fv_round(fv_mul(r1, inv1));
+                    const fv r2 = fv_fnmadd(iv_to_fv(a1), d1, r1);
+                    const iv a2 = fv_round(fv_mul(r2, inv2));
+                    iv_store_int8(q + at, a0);
+                    iv_store_int8(q + 256 + at, a1);
+                    iv_store_int8(q + 512 + at, a2);
+                    held = iv_add32(held, iv_add32(iv_slli32(iv_add32(iv_slli32(a0, 7), a1), 7), a2));
+                }
+                xs[m * (k / 16) + 16 * b + t] = (d * (1.0f / 16384.0f)) * (float)iv_reduce_add32(held);
             }
             xd[m * blocks + b] = d;
         }
 }
 
-/* Field s (bits 2s, 2s + 1) of a block's 64 bytes of 2-bit values: values 32 s + i (bytes 0..31)
- * and 128 + 32 s + i (bytes 32..63), each 128-bit lane one sub-block of 16. */
-static inline __m512i field2(__m512i qs, int s) {
-    return _mm512_and_si512(_mm512_srli_epi16(qs, 2 * s), _mm512_set1_epi8(3));
-}
+/* Field s (bits 2s, 2s + 1) of 2-bit values: each 128-bit lane one sub-block of 16. */
+static inline iv field2(iv qs, int s) { return iv_and(iv_srli16(qs, 2 * s), iv_set1_8(3)); }
 
-/* The sub-block of 16 in 128-bit lane L of field s: 2s, 2s + 1, 8 + 2s, 9 + 2s. */
+/* The sub-block of 16 in 128-bit lane L of field s, counting the lanes of a block's 64 bytes of
+ * fields (bytes 0..31: half 0, 32..63: half 1): 2s, 2s + 1, 8 + 2s, 9 + 2s. */
 static inline int field_sub_block(int s, int lane) { return 8 * (lane / 2) + 2 * s + lane % 2; }
 
-static inline void int8_row_out(const int M, const __m512 *acc, const float *macc, float *out, int64_t ldo,
+/* 16 bytes -> 16 / FW vectors of floats */
+static inline void u8x16_to_fv(__m128i v, fv out[16 / FW]) {
+    out[0] = u8_to_fv(v);
+    if (FW == 8) out[16 / FW - 1] = u8_to_fv(_mm_unpackhi_epi64(v, v));
+}
+
+static inline void int8_row_out(const int M, const fv *acc, const float *macc, float *out, int64_t ldo,
                                 const float *bias, const float *residual, int64_t ldr, int64_t j) {
     const float add = bias != NULL ? bias[j] : 0.0f;
     for (int m = 0; m < M; m++)
-        out[m * ldo + j] = (_mm512_reduce_add_ps(acc[m]) - macc[m]) + add + (residual != NULL ? residual[m * ldr + j] : 0.0f);
+        out[m * ldo + j] = (fv_reduce_add(acc[m]) - macc[m]) + add + (residual != NULL ? residual[m * ldr + j] : 0.0f);
 }
 
+#define PARTS (64 / IW) /* integer vectors per 64 bytes of 2-bit fields */
+
+/* The 32-bit lanes' sub-blocks of field s in part p: lane l sits in 128-bit lane p IW / 16 + l / 4. */
+static inline int lane_sub_block(int s, int p, int l) { return field_sub_block(s, p * (IW / 16) + l / 4); }
+
 /* Q2_K: w = d sc q - dmin m per sub-block of 16 (sc, m 4 bits; q 2 bits). The weight bytes are
- * sc q (at most 45), looked up per 128-bit lane in a table [0, sc, 2 sc, 3 sc] (vpshufb), so a
- * block's three int32 sums accumulate over all its 256 values: per lane at most 16 products of
- * 45 * 127 (a0) or 45 * 65 (a1, a2), so 16384 A0 + 128 A1 + A2 < 1.51e9 fits. The mins: dmin m
+ * sc q (at most 45), looked up per 128-bit lane in a table [0, sc, 2 sc, 3 sc] (vpshufb), so one
+ * part's three int32 sums accumulate over its four fields: per 32-bit lane at most 16 products of
+ * 45 * 127 (a0) or 45 * 64 (a1, a2), so 16384 A0 + 128 A1 + A2 < 1.51e9 fits. The mins: dmin m
  * times the sub-block's sum of x (as the pieces hold it). */
 static inline __attribute__((always_inline)) void q2_k_row_int8(const int M, float *out, int64_t ldo,
                                                                 const int8_t *xq, const float *xd, const float *xs,
                                                                 int64_t blocks, const uint8_t *row, const float *bias,
                                                                 const float *residual, int64_t ldr, int64_t j) {
-    __m512 acc[FEW_ROWS], mins[FEW_ROWS];
-    for (int m = 0; m < M; m++) acc[m] = mins[m] = _mm512_setzero_ps();
-    /* per field s: the words of each lane's scale (byte 0x80: zero), times 0x0100 and 0x0302: the
-     * bytes 0, sc, 2 sc, 3 sc (no carries: 3 sc < 256) */
-    __m512i pick[4];
-    for (int s = 0; s < 4; s++) {
-        int32_t lanes[16];
-        for (int l = 0; l < 16; l++) {
-            const int sb = field_sub_block(s, l / 4);
-            lanes[l] = sb | 0x80 << 8 | sb << 16 | 0x80 << 24;
+    fv acc[FEW_ROWS], mins[FEW_ROWS];
+    for (int m = 0; m < M; m++) acc[m] = mins[m] = fv_zero();
+    /* per field s and part p: the words of each lane's scale (byte 0x80: zero), times 0x0100 and
+     * 0x0302: the bytes 0, sc, 2 sc, 3 sc (no carries: 3 sc < 256) */
+    iv pick[4][PARTS];
+    for (int s = 0; s < 4; s++)
+        for (int p = 0; p < PARTS; p++) {
+            int32_t lanes[IW / 4];
+            for (int l = 0; l < IW / 4; l++) {
+                const int sb = lane_sub_block(s, p, l);
+                lanes[l] = sb | 0x80 << 8 | sb << 16 | 0x80 << 24;
+            }
+            pick[s][p] = iv_load(lanes);
         }
-        pick[s] = _mm512_loadu_si512(lanes);
-    }
-    const __m512i times = _mm512_set1_epi32(0x03020100);
+    const iv times = iv_set1_32(0x03020100);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = row + b * 84;
         const __m128i packed = _mm_loadu_si128((const __m128i *)blk);
-        const __m512i scales = _mm512_broadcast_i32x4(_mm_and_si128(packed, _mm_set1_epi8(0x0f)));
-        const __m512 dm = _mm512_mul_ps(_mm512_set1_ps(fp16_to_fp32(load_u16(blk + 82))),
-                                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0f)))));
-        for (int m = 0; m < M; m++) mins[m] = _mm512_fmadd_ps(dm, _mm512_loadu_ps(xs + (m * blocks + b) * 16), mins[m]);
-        const __m512i qs = _mm512_loadu_si512(blk + 16);
-        __m512i a0[FEW_ROWS], a1[FEW_ROWS], a2[FEW_ROWS];
-        for (int m = 0; m < M; m++) a0[m] = a1[m] = a2[m] = _mm512_setzero_si512();
-        for (int s = 0; s < 4; s++) {
-            const __m512i table = _mm512_mullo_epi16(_mm512_shuffle_epi8(scales, pick[s]), times);
-            const __m512i w = _mm512_shuffle_epi8(table, field2(qs, s));
-            for (int m = 0; m < M; m++) {
-                const int8_t *q = xq + (m * blocks + b) * PIECES_BYTES + 64 * s;
-                a0[m] = _mm512_dpbusd_epi32(a0[m], w, _mm512_loadu_si512(q));
-                a1[m] = _mm512_dpbusd_epi32(a1[m], w, _mm512_loadu_si512(q + 256));
-                a2[m] = _mm512_dpbusd_epi32(a2[m], w, _mm512_loadu_si512(q + 512));
-            }
-        }
+        const iv scales = iv_bcast128(_mm_and_si128(packed, _mm_set1_epi8(0x0f)));
+        fv dm[16 / FW];
+        u8x16_to_fv(_mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0f)), dm);
+        const fv dmin = fv_set1(fp16_to_fp32(load_u16(blk + 82)));
+        for (int v = 0; v < 16 / FW; v++)
+            for (int m = 0; m < M; m++)
+                mins[m] = fv_fmadd(fv_mul(dmin, dm[v]), fv_load(xs + (m * blocks + b) * 16 + v * FW), mins[m]);
         const float d = fp16_to_fp32(load_u16(blk + 80)) * (1.0f / 16384.0f);
-        for (int m = 0; m < M; m++) {
-            const __m512i total = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(_mm512_slli_epi32(a0[m], 7), a1[m]), 7), a2[m]);
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(d * xd[m * blocks + b]), acc[m]);
+        for (int p = 0; p < PARTS; p++) {
+            const iv qs = iv_load(blk + 16 + IW * p);
+            iv w[4];
+            for (int s = 0; s < 4; s++)
+                w[s] = iv_shuffle8(iv_mullo16(iv_shuffle8(scales, pick[s][p]), times), field2(qs, s));
+            for (int m = 0; m < M; m++) {
+                const iv total = pieces_dot4(w, xq + (m * blocks + b) * PIECES_BYTES + IW * p);
+                acc[m] = fv_fmadd(iv_to_fv(total), fv_set1(d * xd[m * blocks + b]), acc[m]);
+            }
         }
     }
     float macc[FEW_ROWS];
-    for (int m = 0; m < M; m++) macc[m] = _mm512_reduce_add_ps(mins[m]);
+    for (int m = 0; m < M; m++) macc[m] = fv_reduce_add(mins[m]);
     int8_row_out(M, acc, macc, out, ldo, bias, residual, ldr, j);
 }
 
 /* Q3_K: w = d (sc - 32) (q - 4) per sub-block of 16 (sc 6 bits, q 3: 2 low bits as Q2_K's and a
  * high bit in hmask). The bytes are q (0..7): a signed scale has no byte table (sc q would need 9
- * bits), so each 64 values' three sums are combined at once (per lane 4 products of 7 * 127:
+ * bits), so each field's three sums are combined at once (per lane 4 products of 7 * 127:
  * 16384 A0 + 128 A1 + A2 < 5.9e7), converted, and times d (sc - 32) per lane; the - 4 is
  * - 4 d (sc - 32) times the sub-block's sum of x. */
 static inline __attribute__((always_inline)) void q3_k_row_int8(const int M, float *out, int64_t ldo,
                                                                 const int8_t *xq, const float *xd, const float *xs,
                                                                 int64_t blocks, const uint8_t *row, const float *bias,
                                                                 const float *residual, int64_t ldr, int64_t j) {
-    __m512 acc[FEW_ROWS], offs[FEW_ROWS];
-    for (int m = 0; m < M; m++) acc[m] = offs[m] = _mm512_setzero_ps();
-    __m512i pick[4], high[4];
-    for (int s = 0; s < 4; s++) {
-        int32_t lanes[16];
-        for (int l = 0; l < 16; l++) lanes[l] = field_sub_block(s, l / 4);
-        pick[s] = _mm512_loadu_si512(lanes);
-        /* value 128 h + 32 s + i's high bit: bit 4 h + s of hmask[i] (the 32 bytes in both halves) */
-        high[s] = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << s)), _mm256_set1_epi8((char)(1 << (4 + s))), 1);
-    }
+    fv acc[FEW_ROWS], offs[FEW_ROWS];
+    for (int m = 0; m < M; m++) acc[m] = offs[m] = fv_zero();
+    iv pick[4][PARTS], high[4][PARTS];
+    for (int s = 0; s < 4; s++)
+        for (int p = 0; p < PARTS; p++) {
+            int32_t lanes[IW / 4];
+            for (int l = 0; l < IW / 4; l++) lanes[l] = lane_sub_block(s, p, l) % FW;
+            pick[s][p] = iv_load(lanes);
+            /* value 128 h + 32 s + i's high bit: bit 4 h + s of hmask[i] (h: the 128-bit lane's half) */
+            int8_t bits[IW];
+            for (int i = 0; i < IW; i++) bits[i] = (int8_t)(1 << (4 * ((p * (IW / 16) + i / 16) / 2) + s));
+            high[s][p] = iv_load(bits);
+        }
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = row + b * 110;
         uint64_t sc[2];
         q3_k_scales_u64(blk + 96, sc); /* into a register directly: a 16-byte load of two 8-byte stores stalls */
-        const __m128i scales = _mm_set_epi64x((int64_t)sc[1], (int64_t)sc[0]);
-        const __m512 dl = _mm512_mul_ps(_mm512_set1_ps(fp16_to_fp32(load_u16(blk + 108))),
-                                        _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(scales), _mm512_set1_epi32(32))));
-        for (int m = 0; m < M; m++) offs[m] = _mm512_fmadd_ps(dl, _mm512_loadu_ps(xs + (m * blocks + b) * 16), offs[m]);
-        const __m512i qs = _mm512_loadu_si512(blk + 32);
-        const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)blk));
-        __m512 part[FEW_ROWS];
-        for (int m = 0; m < M; m++) part[m] = _mm512_setzero_ps();
-        for (int s = 0; s < 4; s++) {
-            const __m512i low = field2(qs, s);
-            const __m512i w = _mm512_mask_add_epi8(low, _mm512_test_epi8_mask(hm, high[s]), low, _mm512_set1_epi8(4));
-            const __m512 scale = _mm512_permutexvar_ps(pick[s], dl);
-            for (int m = 0; m < M; m++) {
-                const int8_t *q = xq + (m * blocks + b) * PIECES_BYTES + 64 * s;
-                __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(q));
-                t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 7), w, _mm512_loadu_si512(q + 256));
-                t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 7), w, _mm512_loadu_si512(q + 512));
-                part[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale, part[m]);
+        fv dl[16 / FW];
+        u8x16_to_fv(_mm_set_epi64x((int64_t)sc[1], (int64_t)sc[0]), dl);
+        const fv d = fv_set1(fp16_to_fp32(load_u16(blk + 108)));
+        for (int v = 0; v < 16 / FW; v++) {
+            dl[v] = fv_mul(d, fv_sub(dl[v], fv_set1(32.0f)));
+            for (int m = 0; m < M; m++) offs[m] = fv_fmadd(dl[v], fv_load(xs + (m * blocks + b) * 16 + v * FW), offs[m]);
+        }
+        const iv hm = iv_load_bcast256(blk);
+        fv part[FEW_ROWS];
+        for (int m = 0; m < M; m++) part[m] = fv_zero();
+        for (int p = 0; p < PARTS; p++) {
+            const iv qs = iv_load(blk + 32 + IW * p);
+            for (int s = 0; s < 4; s++) {
+                const iv w = iv_add4_where(field2(qs, s), hm, high[s][p]);
+                const fv scale = fv_permute(pick[s][p], dl[lane_sub_block(s, p, 0) / FW]);
+                for (int m = 0; m < M; m++)
+                    part[m] = fv_fmadd(iv_to_fv(pieces_dot(w, xq + (m * blocks + b) * PIECES_BYTES + 64 * s + IW * p)),
+                                       scale, part[m]);
             }
         }
         for (int m = 0; m < M; m++)
-            acc[m] = _mm512_fmadd_ps(part[m], _mm512_set1_ps(xd[m * blocks + b] * (1.0f / 16384.0f)), acc[m]);
+            acc[m] = fv_fmadd(part[m], fv_set1(xd[m * blocks + b] * (1.0f / 16384.0f)), acc[m]);
     }
     float macc[FEW_ROWS];
-    for (int m = 0; m < M; m++) macc[m] = 4.0f * _mm512_reduce_add_ps(offs[m]);
+    for (int m = 0; m < M; m++) macc[m] = 4.0f * fv_reduce_add(offs[m]);
     int8_row_out(M, acc, macc, out, ldo, bias, residual, ldr, j);
 }
-
 /* NAME##_range for these rows: x split and its sums per 16 once per call, then row by row. */
 #define DEFINE_INT8_RANGE(NAME)                                                                                 \
     static void NAME##_range(int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *w,      \

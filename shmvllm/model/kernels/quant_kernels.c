@@ -12,9 +12,9 @@
  * (d * sum(q * x) + m * sum(x)): the same weights, the sum reassociated.
  *
  * Built four times from this one file (kernels/__init__.py): with AVX-512 (VW = 16; with and
- * without VNNI, whose build runs Q2_K / Q3_K's GEMV on integer dot products: quant_int8.h), with
- * AVX2 + FMA (VW = 8) and for the baseline ISA (portable), through GCC's vector extensions, and
- * picked at run time by what the CPU reports (shm_quant_cpu_supports). Compiled without
+ * without VNNI), with AVX2 + FMA (VW = 8) and for the baseline ISA (portable), through GCC's vector
+ * extensions (the VNNI and AVX2 builds run Q2_K / Q3_K's GEMV on integer dot products:
+ * quant_int8.h), and picked at run time by what the CPU reports (shm_quant_cpu_supports). Compiled without
  * -ffast-math: no reassociation may touch the dequantization arithmetic.
  *
  * The GEMV takes up to FEW_ROWS activation rows (decoding), where the kernel should be bound by
@@ -660,22 +660,16 @@ static inline void nibble_weights(const uint8_t *blk, int qs, float d, float m, 
     }
 #endif
 
-/* Q2_K / Q3_K rows (AVX2 and AVX-512 builds), folded as the rows above: per sub-block of 16, the
- * 2-bit (Q2_K) or 3-bit (Q3_K) integers as floats times x, then times the sub-block's scale dl
- * once; Q2_K's mins as dmin * m times the sub-block's sum of x (once per call for all rows). The
- * integers come from a constant table in one register indexed by each value's 2 low bits, shifted
- * into place in its 32-bit lane (vpermilps reads the low 2 bits of a lane: the bits above need no
- * mask); Q3_K's values with the high bit set are 4 higher, added under a lane mask (AVX-512) or
- * an and-mask (AVX2). The scales of a row are computed first, into memory the loop reads them from. */
-#if defined(__AVX2__)
+/* Q2_K / Q3_K rows of the plain AVX-512 build (AVX2 and AVX-512 VNNI run them on integer dot
+ * products: quant_int8.h), folded as the rows above: per sub-block of 16, the 2-bit (Q2_K) or
+ * 3-bit (Q3_K) integers as floats times x, then times the sub-block's scale dl once; Q2_K's mins
+ * as dmin * m times the sub-block's sum of x (once per call for all rows). The integers come from
+ * a constant table in one register indexed by each value's 2 low bits, shifted into place in its
+ * 32-bit lane (vpermilps reads the low 2 bits of a lane: the bits above need no mask); Q3_K's values with the high bit set are 4 higher, added under a lane mask. The scales
+ * of a row are computed first, into memory the loop reads them from. */
+#if VW == 16 && defined(__AVX512F__) && !defined(__AVX512VNNI__)
 #define LOW_BIT_ROWS 1
-static inline vf permute4(vf table, vi idx) {
-#if VW == 16
-    return (vf)_mm512_permutevar_ps((__m512)table, (__m512i)idx);
-#else
-    return (vf)_mm256_permutevar_ps((__m256)table, (__m256i)idx);
-#endif
-}
+static inline vf permute4(vf table, vi idx) { return (vf)_mm512_permutevar_ps((__m512)table, (__m512i)idx); }
 
 static inline void low_bit_out(const int M, vf acc[FEW_ROWS][2], const float *macc, float *out, int64_t ldo,
                                const float *bias, const float *residual, int64_t ldr, int64_t j) {
@@ -691,15 +685,8 @@ static inline vf sub_block_dot(vf table, const vi *q, int s, const uint8_t *hm, 
     for (int v = 0; v < 16 / VW; v++) {
         vf w = permute4(table, q[v] >> (2 * s));
         if (hm != NULL) {
-#if VW == 16
             const __mmask16 high = _mm_test_epi8_mask(_mm_loadu_si128((const __m128i *)hm), _mm_set1_epi8((char)(1 << hbit)));
             w = (vf)_mm512_mask_add_ps((__m512)w, high, (__m512)w, _mm512_set1_ps(4.0f));
-#else
-            vb hb;
-            memcpy(&hb, hm + v * VW, VW);
-            const vi sign = bytes_to_int(hb) << (31 - hbit) >> 31; /* the bit spread over its lane */
-            w += (vf)(sign & (vi)splat(4.0f));
-#endif
         }
         sum += w * loadf(xe + v * VW);
     }
@@ -796,7 +783,7 @@ static inline __attribute__((always_inline)) void q3_k_row(const int M, float *o
 }
 #endif
 
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) || (VW == 8 && defined(__AVX2__))
 #define INT8_ROWS 1
 #include "quant_int8.h"
 #endif
@@ -992,7 +979,7 @@ DEFINE_ROW(bf16, deq_bf16, 32, 64)
 DEFINE_ROW(f32, deq_f32, 32, 128)
 DEFINE_FOLDED_ROW(q5_0, 22, 1)
 DEFINE_FOLDED_ROW(q5_1, 24, 1)
-#ifndef LOW_BIT_ROWS
+#if !defined(LOW_BIT_ROWS) && !defined(INT8_ROWS)
 DEFINE_ROW(q2_k, deq_q2_k, 256, 84)
 DEFINE_ROW(q3_k, deq_q3_k, 256, 110)
 #endif

@@ -1,4 +1,5 @@
-"""Tensor parallelism on the default model: TP=1 against TP=2, single request and batch, one run.
+"""Tensor and pipeline parallelism on the default model: TP=1 against TP=2 and PP=2, single request
+and batch, one run.
 
 The engines load SmolLM2-135M-Instruct on its GGUF blocks (Q4_1 layers, Q8_0 tied embedding;
 under TP=2 each rank builds and loads only its share, see shmvllm/model/parallel/layers.py), and,
@@ -11,6 +12,11 @@ machine's noise falls on all alike. Per repetition:
 
 - single: one request, 85 prompt tokens, 64 greedy tokens (EOS ignored): output tok/s;
 - batch: 32 requests of 85 prompt tokens (distinct), 64 greedy tokens each: output tok/s.
+
+PP=2 (pipeline_parallel_size=2) runs two stage programs of 15 layers each (the engine process
+computes nothing), cpu_count // 2 threads each; its single-request cost per decode step over
+TP=1's is printed as the per-step cost of the pipeline (the hand-offs over the rings, and the
+layer-by-layer path where TP=1 runs the native all-layer decode step).
 
 On the blocks, two TP=2 engines: the layers' all-reduces through gloo (the default) and through
 the shared-memory arena (SHMVLLM_TP_ALLREDUCE=shm, engine "TP=2 shm").
@@ -74,13 +80,14 @@ def same_greedy(ref_tokens: list[list[int]], ref_logprobs: list[Any], tokens: li
     return True, forgiven
 
 
-# (name, tensor_parallel_size, all-reduce, quantization, the TP=1 engine it is checked against)
+# (name, tensor_parallel_size, pipeline_parallel_size, all-reduce, quantization, the TP=1 engine it is checked against)
 ENGINES = [
-    ("TP=1", 1, "gloo", None, None),
-    ("TP=2", 2, "gloo", None, "TP=1"),
-    ("TP=2 shm", 2, "shm", None, "TP=1"),
-    ("TP=1 fp32", 1, "gloo", "none", None),
-    ("TP=2 fp32", 2, "gloo", "none", "TP=1 fp32"),
+    ("TP=1", 1, 1, "gloo", None, None),
+    ("TP=2", 2, 1, "gloo", None, "TP=1"),
+    ("TP=2 shm", 2, 1, "shm", None, "TP=1"),
+    ("PP=2", 1, 2, "gloo", None, "TP=1"),
+    ("TP=1 fp32", 1, 1, "gloo", "none", None),
+    ("TP=2 fp32", 2, 1, "gloo", "none", "TP=1 fp32"),
 ]
 
 
@@ -119,16 +126,17 @@ def main() -> None:
     from shmvllm import LLM
 
     cores = os.cpu_count() or 1
-    specs = {name: (tp, allreduce, quantization, reference) for name, tp, allreduce, quantization, reference in ENGINES
-             if not (args.no_fp32 and quantization == "none")}
+    specs = {name: (tp, pp, allreduce, quantization, reference) for name, tp, pp, allreduce, quantization, reference
+             in ENGINES if not (args.no_fp32 and quantization == "none")}
     engines: dict[str, Any] = {}
     load_s: dict[str, float] = {}
     try:
-        for name, (tp, allreduce, quantization, _) in specs.items():
+        for name, (tp, pp, allreduce, quantization, _) in specs.items():
             started = time.perf_counter()
             os.environ["SHMVLLM_TP_ALLREDUCE"] = allreduce  # read when the engine process builds its executor
-            engines[name] = LLM(model=MODEL, quantization=quantization, tensor_parallel_size=tp, max_model_len=512,
-                                enable_prefix_caching=False, kv_cache_memory=256 << 20)
+            engines[name] = LLM(model=MODEL, quantization=quantization, tensor_parallel_size=tp,
+                                pipeline_parallel_size=pp, max_model_len=512, enable_prefix_caching=False,
+                                kv_cache_memory=256 << 20)
             load_s[name] = time.perf_counter() - started
         os.environ.pop("SHMVLLM_TP_ALLREDUCE")
         batch = prompts(engines["TP=1"].get_tokenizer(), args.batch)
@@ -152,9 +160,9 @@ def main() -> None:
     for (name, workload), values in walls.items():
         n = args.max_tokens * (1 if workload == "single" else args.batch)
         rates = [n / w for w in values]
-        tp, _, quantization, _ = specs[name]
+        tp, pp, _, quantization, _ = specs[name]
         rows.append({"engine": name, "workload": workload, "weights": "fp32" if quantization == "none" else "GGUF blocks",
-                     "threads_per_rank": max(1, cores // tp), "tok_per_s": statistics.median(rates),
+                     "threads_per_rank": max(1, cores // (tp * pp)), "tok_per_s": statistics.median(rates),
                      "min": min(rates), "max": max(rates), "load_s": load_s[name], "peak_rss_mib_per_rank": peaks[name]})
     print(f"{cores} cores; SmolLM2-135M (GGUF Q4_1 blocks{'' if args.no_fp32 else '; fp32'}); {PROMPT_TOKENS} prompt "
           f"tokens, {args.max_tokens} greedy tokens, batch {args.batch}; median of {args.repeats} (min..max)")
@@ -164,14 +172,18 @@ def main() -> None:
               f"{r['tok_per_s']:8.1f} ({r['min']:.1f}..{r['max']:.1f}) {r['load_s']:7.1f}")
     by = {(r["engine"], r["workload"]): r for r in rows}
     checks = []
-    for name, (_, _, _, reference) in specs.items():
+    for name, (tp, pp, _, _, reference) in specs.items():
         print(f"{name}: peak RSS per rank (MiB) {' + '.join(f'{p:.0f}' for p in peaks[name])}")
-        if reference is not None and specs[name][0] > 1:
+        if reference is not None and tp * pp > 1:
             worst, whole = max(peaks[name]), max(peaks[reference])
             checks.append(f"CHECK {name} every rank's peak RSS below {reference}'s = {worst:.0f} / {whole:.0f} MiB = "
                           f"{worst / whole:.2f}x (< 1.0x): {'holds' if worst < whole else 'FAILS'}")
+    step_cost_ms = 1000 * (1 / by["PP=2", "single"]["tok_per_s"] - 1 / by["TP=1", "single"]["tok_per_s"])
+    print(f"PP=2 per-step cost over TP=1 (single request, per decode step): {step_cost_ms:.2f} ms")
     for workload in ("single", "batch"):
-        for name, (_, _, _, reference) in specs.items():
+        pp_vs_tp = by["PP=2", workload]["tok_per_s"] / by["TP=2", workload]["tok_per_s"]
+        print(f"PP=2 / TP=2 {workload}: {pp_vs_tp:.2f}x")
+        for name, (_, _, _, _, reference) in specs.items():
             if reference is not None:
                 ratio = by[name, workload]["tok_per_s"] / by[reference, workload]["tok_per_s"]
                 print(f"{name}/{reference} {workload}: {ratio:.2f}x")
@@ -179,7 +191,7 @@ def main() -> None:
         print(f"TP=2 shm all-reduce / gloo all-reduce {workload}: {shm_vs_gloo:.2f}x")
         checks.append(f"CHECK TP=2 shared-memory all-reduce faster than gloo ({workload}) = {shm_vs_gloo:.2f}x (> 1.0x): "
                       f"{'holds' if shm_vs_gloo > 1.0 else 'FAILS'}")
-        for name, (_, _, _, reference) in specs.items():
+        for name, (_, _, _, _, reference) in specs.items():
             if reference is not None:
                 ok, forgiven = same_greedy(*tokens[reference, workload], tokens[name, workload][0])
                 checks.append(f"CHECK {name} greedy tokens equal {reference}'s ({workload}, {forgiven} forgiven at "
@@ -189,7 +201,8 @@ def main() -> None:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"cores": cores, "prompt_tokens": PROMPT_TOKENS, "max_tokens": args.max_tokens,
-                                               "batch": args.batch, "rows": rows, "checks": checks}, indent=2) + "\n")
+                                               "batch": args.batch, "pp2_step_cost_ms": step_cost_ms, "rows": rows,
+                                               "checks": checks}, indent=2) + "\n")
     if args.plot:
         import matplotlib
 
@@ -197,7 +210,7 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         names = list(engines)
-        colors = ["tab:blue", "tab:orange", "tab:gray", "tab:cyan", "tab:red"]
+        colors = ["tab:blue", "tab:orange", "tab:gray", "tab:green", "tab:cyan", "tab:red"]
         fig, axes = plt.subplots(1, 2, figsize=(12, 4))
         for ax, workload in zip(axes, ("single", "batch")):
             values = [by[n, workload]["tok_per_s"] for n in names]

@@ -202,6 +202,7 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # stage processes, each with a share of the layers (executor/pipeline.py)
     data_parallel_size: int = 1  # engine processes, each a replica (shmvllm.engine.core_client.MPClient)
 
 

@@ -1,5 +1,5 @@
 """kill -9 of any process of an engine's tree mid-generation (the engine of TP=1, the engine or
-the worker of TP=2, either engine of DP=2): EngineDeadError within 2 s, and by the time it is
+the worker of TP=2, the engine or either stage of PP=2, either engine of DP=2): EngineDeadError within 2 s, and by the time it is
 raised no process of the tree is left and nothing any of them created is left in /dev/shm (the
 frontend's channel, the TP broadcast ring, the all-reduce arena, their semaphores)."""
 
@@ -74,6 +74,16 @@ def test_kill_9_of_either_process_of_a_tp2_engine_leaves_nothing(tiny_llama_dir,
         assert len(workers) == 1, workers
         assert _segments_of({engine}), "the TP=2 engine should hold its broadcast ring"
         _kill_mid_generate(llm, engine if victim == "engine" else workers[0], {engine, *workers})
+
+
+@pytest.mark.parametrize("victim", [0, 1, "engine"])
+def test_kill_9_of_any_process_of_a_pp2_engine_leaves_nothing(tiny_llama_dir, victim):
+    with LLM(str(tiny_llama_dir), pipeline_parallel_size=2, **ENGINE_ARGS) as llm:
+        engine = llm.llm_engine.engine_core.engine_pid
+        # a stage's command line: python -m shmvllm.worker.pp_worker RING INDEX ...
+        stages = {int(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[4]): pid for pid in _children(engine)}
+        assert sorted(stages) == [0, 1], stages
+        _kill_mid_generate(llm, engine if victim == "engine" else stages[victim], {engine, *stages.values()})
 
 
 @pytest.mark.parametrize("victim", [0, 1])

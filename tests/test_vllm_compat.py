@@ -181,7 +181,7 @@ def test_ignored_arguments_are_accepted_at_any_value_and_change_nothing(llm, tin
 
 @pytest.mark.parametrize("name, value", [
     ("quantization", "awq"), ("enable_lora", True), ("speculative_config", {"method": "eagle", "num_speculative_tokens": 2}),
-    ("tensor_parallel_size", 4), ("pipeline_parallel_size", 2), ("kv_cache_dtype", "fp8"), ("revision", "main"),
+    ("tensor_parallel_size", 4), ("pipeline_parallel_size", 3), ("kv_cache_dtype", "fp8"), ("revision", "main"),
     ("hf_overrides", {"num_hidden_layers": 1}), ("runner", "draft"), ("convert", "classify"),
     ("tokenizer_mode", "mistral"), ("logits_processors", ["my.Processor"]), ("cpu_offload_gb", 4),
     ("enable_sleep_mode", True), ("distributed_executor_backend", "ray"), ("dtype", "int8"),

@@ -40,7 +40,7 @@ def _only(name: str, default: Any, why: str, *more: Any, cli_type: Optional[Call
 
 _NO_CUDA_GRAPHS = "shmvllm runs the model eagerly and compiles nothing (no CUDA graphs, no torch.compile)"
 _ONE_NODE = "shmvllm's data-parallel engines are all started and routed by one LLM on one machine (data_parallel_size=N)"
-_CPU_TP = "shmvllm's parallelism is data_parallel_size engines and tensor_parallel_size CPU ranks per engine, on one machine"
+_CPU_TP = "shmvllm's parallelism is data_parallel_size engines, and tensor_parallel_size ranks or pipeline_parallel_size stages per engine, on one machine"
 _NO_DOWNLOAD = "shmvllm loads local models only and downloads nothing"
 _NO_MM = "shmvllm serves text-only models; this only matters for multimodal ones"
 _NO_LORA = "LoRA adapters are not supported (enable_lora=True is refused)"
@@ -134,7 +134,6 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     _only("rope_scaling", None, "the model's config is used as it is", {}),
     _only("rope_theta", None, "the model's config is used as it is"),
     _only("model_impl", "auto", "shmvllm has its own model classes only", "vllm"),
-    _only("pipeline_parallel_size", 1, _CPU_TP + "; pipeline parallelism is not implemented", cli_type=int),
     _only("data_parallel_rank", None, _ONE_NODE, cli_type=int),
     _only("data_parallel_start_rank", None, _ONE_NODE, cli_type=int),
     _only("data_parallel_size_local", None, _ONE_NODE, cli_type=int),

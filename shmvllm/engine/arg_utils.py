@@ -64,6 +64,7 @@ class EngineArgs(VllmArgs):
     enable_chunked_prefill: Optional[bool] = True
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # N > 1: the layers split over N stage processes (executor/pipeline.py)
     data_parallel_size: int = 1  # N > 1: N engine processes, each on cores / N cores (MPClient)
     max_logprobs: int = 20
     skip_tokenizer_init: bool = False
@@ -150,6 +151,7 @@ class EngineArgs(VllmArgs):
         if speculative is not None and speculative.uses_draft_model:
             draft_config, draft_source = self._draft_model_config(speculative, model_config)
         _verify_tensor_parallel(self.tensor_parallel_size, task, hf_config, device)
+        self._verify_pipeline_parallel(task, hf_config, device, speculative)
         chunked_prefill = self.enable_chunked_prefill is not False
         max_batched, max_num_seqs = _scheduler_limits(
             self.max_num_batched_tokens, self.max_num_seqs, task, max_model_len, chunked_prefill
@@ -179,7 +181,8 @@ class EngineArgs(VllmArgs):
                 async_scheduling=self._async_scheduling(task, speculative),
             ),
             parallel_config=ParallelConfig(
-                tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size
+                tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
+                data_parallel_size=self.data_parallel_size,
             ),
             speculative_config=speculative,
             draft_model_config=draft_config,
@@ -242,6 +245,32 @@ class EngineArgs(VllmArgs):
                 raise ValueError(f"task={self.task!r} contradicts runner={self.runner!r} / convert={self.convert!r}.")
             wanted = task
         return wanted or detected
+
+    def _verify_pipeline_parallel(
+        self, task: Task, hf_config: Any, device: str, speculative: Optional[SpeculativeConfig]
+    ) -> None:
+        """What pipeline parallelism (executor/pipeline.py) does not combine with, refused by name."""
+        pp = self.pipeline_parallel_size
+        if pp == 1:
+            return
+        if device != "cpu":
+            raise ValueError(f"pipeline_parallel_size={pp} runs on the CPU only; device={device!r} is not supported.")
+        if task != "generate":
+            raise ValueError(f"pipeline_parallel_size={pp} is not supported for task {task!r}: only decoders are split.")
+        for name, value in (("tensor_parallel_size", self.tensor_parallel_size),
+                            ("data_parallel_size", self.data_parallel_size)):
+            if value != 1:
+                raise ValueError(f"pipeline_parallel_size={pp} with {name}={value} is not supported: "
+                                 "each stage is one process.")
+        if speculative is not None:
+            raise ValueError(f"pipeline_parallel_size={pp} is not supported with speculative_config={self.speculative_config!r}.")
+        if self.async_scheduling:
+            raise ValueError(f"pipeline_parallel_size={pp} with async_scheduling=True is not supported: the stages "
+                             "already keep one micro-batch each in flight.")
+        layers = getattr(hf_config, "num_hidden_layers", 0) or 0
+        if layers < pp:
+            raise ValueError(f"pipeline_parallel_size={pp} is more than the model's num_hidden_layers={layers}: "
+                             "every stage needs at least one layer.")
 
     def _async_scheduling(self, task: Task, speculative: Optional[SpeculativeConfig]) -> bool:
         if self.async_scheduling and task != "generate":
@@ -322,6 +351,9 @@ class EngineArgs(VllmArgs):
         dp = self.data_parallel_size
         if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
             raise ValueError(f"data_parallel_size must be a positive int, got {dp!r}.")
+        pp = self.pipeline_parallel_size
+        if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+            raise ValueError(f"pipeline_parallel_size must be a positive int, got {pp!r}.")
         if dp > 1 and tp > 1:
             raise ValueError(
                 f"data_parallel_size={dp} with tensor_parallel_size={tp} is not supported: "

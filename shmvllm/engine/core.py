@@ -45,6 +45,10 @@ logger = logging.getLogger(__name__)
 
 
 def _default_executor_class(config: EngineConfig) -> type:
+    if config.parallel_config.pipeline_parallel_size > 1:
+        from shmvllm.executor.pipeline import PipelineExecutor
+
+        return PipelineExecutor
     if config.parallel_config.tensor_parallel_size > 1:
         from shmvllm.executor.multiproc import MultiprocExecutor
 
@@ -69,9 +73,11 @@ class EngineCore:
             self.model_config.vocab_size,
             config.scheduler_config.max_num_seqs,
         )
+        # an executor with stages (pipeline parallel) runs up to this many micro-batches at once
+        self._depth = getattr(self.executor, "max_concurrent_batches", 1)
         self.scheduler = Scheduler(
             config.scheduler_config, config.cache_config, self.num_kv_blocks, self.structured_output_manager,
-            config.speculative_config,
+            config.speculative_config, micro_batches=self._depth,
         )
         self._rejected: list[EngineCoreOutput] = []
         self._in_flight: collections.deque[tuple[SchedulerOutput, Future]] = collections.deque()
@@ -181,6 +187,8 @@ class EngineCore:
         rejected, self._rejected = self._rejected, []
         if self._step_thread is not None:
             outputs = self._step_async()
+        elif self._depth > 1:
+            outputs = self._step_pipelined()
         elif not self.scheduler.has_unfinished_requests():
             outputs = None
         else:
@@ -213,6 +221,24 @@ class EngineCore:
             return None  # the first step of a run: the next call schedules the second behind it
         scheduler_output, future = self._in_flight.popleft()
         return self.scheduler.update_from_output(scheduler_output, future.result())
+
+    def _step_pipelined(self) -> Optional[EngineCoreOutputs]:
+        """Pipeline parallel (vLLM's batch queue): submits a micro-batch while fewer than the
+        stages are in flight (the scheduler leaves out a request whose step is in flight), then
+        updates from the oldest one (None: the pipeline is still filling)."""
+        if self.scheduler.has_unfinished_requests() and len(self._in_flight) < self._depth:
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.total_num_scheduled_tokens > 0:
+                self.executor.submit(scheduler_output)
+                self._in_flight.append((scheduler_output, None))
+                if len(self._in_flight) < self._depth:
+                    return None
+            elif not self._in_flight:
+                return self.scheduler.update_from_output(scheduler_output, EMPTY_MODEL_RUNNER_OUTPUT)
+        if not self._in_flight:
+            return None
+        scheduler_output, _ = self._in_flight.popleft()
+        return self.scheduler.update_from_output(scheduler_output, self.executor.collect())
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         try:

@@ -11,7 +11,7 @@ before the fork (a forked libgomp pool hangs the child). Either way it answers R
 once its KV cache is sized, or `EngineFailed` with its start-up traceback, which becomes an
 `EngineStartupError` here. A child that dies without a word is noticed by polling it.
 
-The engine's tree (the engine and its tensor-parallel workers, noted at READY) creates segments
+The engine's tree (the engine and its tensor-parallel workers or pipeline stages, noted at READY) creates segments
 and semaphores of its own (the broadcast ring, the all-reduce arena), named after their creator's
 pid: once the engine is declared dead (`reap`) or stopped (`shutdown`), what is left of the tree
 is killed and everything of those pids is unlinked here, whoever died first; the sweep at the next
@@ -100,7 +100,8 @@ class CoreEngineProcManager:
         prestarted: a fork made before the config existed, which becomes the engine (a fork
         start of the only engine) or is discarded."""
         self.engine_index = engine_index
-        self._tensor_parallel = config.parallel_config.tensor_parallel_size > 1
+        parallel = config.parallel_config
+        self._has_workers = parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1
         self.workers: list[tuple[int, int]] = []  # (pid, start time) of the engine's worker processes
         args = EngineProcArgs.build(
             config,
@@ -168,8 +169,8 @@ class CoreEngineProcManager:
             pass
 
     def _note_workers(self) -> None:
-        """The engine's child processes (its tensor-parallel workers, started before READY)."""
-        if self._tensor_parallel:
+        """The engine's child processes (its tensor-parallel workers or pipeline stages, started before READY)."""
+        if self._has_workers:
             self.workers = [(pid, process_start_time(pid)) for pid in _children(self.proc.pid)]
 
     def reap(self, grace: float) -> None:

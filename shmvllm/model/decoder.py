@@ -337,10 +337,23 @@ class DecoderLayer(nn.Module):
         return hidden + (out if self.residual_scale == 1.0 else out * self.residual_scale)
 
 
+class MissingLayer(nn.Module):
+    """A decoder layer another pipeline stage holds: no parameters, so that the layers this
+    stage holds keep their checkpoint index (model.layers.N)."""
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        raise RuntimeError("this decoder layer is held by another pipeline stage.")
+
+
 class DecoderModel(nn.Module):
+    """The embedding, the layers and the final norm, or the part of them a pipeline stage holds
+    (`placement.stage`: its layers; the first stage the embedding, the last the norm)."""
+
     def __init__(self, config: Any, options: DecoderOptions, max_position: int, placement: Placement) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, placement.group)
+        stage = placement.stage
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, placement.group)
+                             if stage.is_first else None)
         head_dim = head_dim_of(config)
         used = {layer.rope for layer in options.layers if layer.rope is not None}
         # one table per rope kind, shared by the layers that use it
@@ -349,26 +362,35 @@ class DecoderModel(nn.Module):
             for key in sorted(used)
         })
         self.layers = nn.ModuleList(
-            DecoderLayer(config, options, layer, placement, f"model.layers.{index}") for index, layer in enumerate(options.layers)
+            DecoderLayer(config, options, layer, placement, f"model.layers.{index}") if stage.holds_layer(index)
+            else MissingLayer() for index, layer in enumerate(options.layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, options.norm_offset)
+        self.held_layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, options.norm_offset) if stage.is_last else None
         self.embed_scale = options.embed_scale
         self.decode_step: Optional[DecodeStep] = None  # set by process_weights_after_loading
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        if self.embed_scale != 1.0:
-            # transformers multiplies by the scale rounded to the weights' dtype
-            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        hidden: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """hidden: the previous pipeline stage's output (a stage without the embedding)."""
+        if self.embed_tokens is not None:
+            hidden = self.embed_tokens(input_ids)
+            if self.embed_scale != 1.0:
+                # transformers multiplies by the scale rounded to the weights' dtype
+                hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        elif hidden is None:
+            raise ValueError("a pipeline stage without the embedding needs the previous stage's hidden states.")
         if self.decode_step is not None:
             out = self.decode_step.run(hidden, positions, meta)
             if out is not None:
                 return out
         # looked up once for all layers
         ropes = {key: table(positions, hidden.dtype, meta.rope_lengths) for key, table in self.rotary.items()}
-        for layer in self.layers:
+        for layer in self.held_layers:
             hidden = layer(ropes, hidden, meta)
-        return self.norm(hidden)
+        return self.norm(hidden) if self.norm is not None else hidden
 
 
 class DecoderForCausalLM(nn.Module):
@@ -385,15 +407,20 @@ class DecoderForCausalLM(nn.Module):
         self.config = config
         self.options = options
         self.world_size = placement.world_size
+        self.stage = placement.stage
         self.model = DecoderModel(config, options, max_position, placement)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, placement.group)
-        if self.tie_word_embeddings:
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, placement.group) if self.stage.is_last else None
+        if self.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden_size]."""
-        return self.model(input_ids, positions, meta)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        hidden: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden_size]
+        (a pipeline stage: its layers' output; one after the first takes the previous one's as `hidden`)."""
+        return self.model(input_ids, positions, meta, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states of the sampled rows -> float32 logits [rows, vocab_size]."""
@@ -407,6 +434,8 @@ class DecoderForCausalLM(nn.Module):
 
     def tie_blocks(self) -> None:
         """A tied lm_head runs on the embedding's blocks when the embedding has them."""
+        if self.model.embed_tokens is None or self.lm_head is None:
+            return  # a pipeline stage with one of them loads the lm_head from the embedding's tensor itself
         blocks = self.model.embed_tokens.blocks
         if self.tie_word_embeddings and blocks is not None:
             self.lm_head.set_blocks([(0, blocks)])
@@ -420,14 +449,14 @@ class DecoderForCausalLM(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.fold_offset()
         # the native all-layer step knows nothing of the collectives
-        step = DecodeStep(self.model) if decode_step_enabled() and self.world_size == 1 else None
+        step = DecodeStep(self.model) if decode_step_enabled() and self.world_size == 1 and self.stage.whole else None
         self.model.decode_step = step if step is not None and step.usable() else None
         if step is not None and self.model.decode_step is None:
             logger.info("single-request decode runs layer by layer: %s", "; ".join(decode_fallback_reasons(self.model))
                         or "no C kernels")
 
     def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [layer.self_attn.attn for layer in self.model.held_layers]
 
     def checkpoint_name(self, name: str) -> str:
         """A checkpoint tensor's name in this model's terms (the family's renames applied); a
@@ -436,7 +465,23 @@ class DecoderForCausalLM(nn.Module):
             name = "model." + name
         for old, new in self.options.renames:
             name = name.replace(old, new)
+        if name == "model.embed_tokens.weight" and self.model.embed_tokens is None and self.tie_word_embeddings:
+            return "lm_head.weight"  # the last pipeline stage's tied lm_head, without the embedding
         return name
+
+    def skips(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` (in this model's terms) belongs to another pipeline
+        stage: its layer, or the embedding / norm / lm_head this stage does not hold."""
+        stage = self.stage
+        if stage.whole:
+            return False
+        if name.startswith("model.layers."):
+            return not stage.holds_layer(int(name.split(".", 3)[2]))
+        if name.startswith("model.embed_tokens."):
+            return self.model.embed_tokens is None
+        if name.startswith(("model.norm.", "lm_head.")):
+            return self.lm_head is None
+        return False
 
     def shard_for(self, param_name: str) -> tuple[str, int] | None:
         """A checkpoint name of a fused part -> (our parameter, the part's index)."""

@@ -2,7 +2,8 @@
 
 On CPUs with AVX-512, oneDNN's fused linears (model/bert.py's `_linear`) are the fastest of what
 was measured; capped to AVX2 they lose 15-21% at MiniLM's shapes, while the C kernel here runs
-~10-15% ahead of them (benchmarks/results/embed.md, "The AVX2 path"). So the encoders use the C
+9-45% ahead of them per GEMM and the whole encoder 16% faster (benchmarks/results/embed.md,
+"The AVX2 GEMM"). So the encoders use the C
 kernel where AVX2 + FMA is the best vector ISA: CPUs without AVX-512, or ``SHMVLLM_QUANT_ISA=avx2``
 (the knob that already holds shmvllm's kernels to AVX2).
 """

@@ -36,6 +36,7 @@ from shmvllm.model.linear import Linear, VocabEmbedding
 from shmvllm.model.models import ARCHITECTURES, decoder_architecture, family
 from shmvllm.model.parallel.group import TPGroup
 from shmvllm.model.parallel.layers import Placement, default_weight_loader, report
+from shmvllm.model.parallel.pipeline import PipelineStage
 from shmvllm.model.quant import FORMAT_IDS, QuantizedWeight, quantize, read_gguf
 from shmvllm.model.registry import gguf_source, weight_files
 
@@ -54,11 +55,15 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def get_model(model_config: ModelConfig, group: Optional[TPGroup] = None) -> nn.Module:
+def get_model(
+    model_config: ModelConfig, group: Optional[TPGroup] = None, stage: Optional[PipelineStage] = None
+) -> nn.Module:
     """Returns the model of `model_config` (`group`: this tensor-parallel rank's share of it;
-    None: the whole), weights loaded, in eval mode on its device."""
+    `stage`: the pipeline stage's layers; None: the whole), weights loaded, in eval mode on its
+    device. A stage reads only its own tensors from the checkpoint."""
     started = time.perf_counter()
     group = group or TPGroup(0, 1)
+    stage = stage or PipelineStage()
     hf_config = model_config.hf_config
     builder = family(decoder_architecture(hf_config))
     device = torch.device(model_config.device)
@@ -82,11 +87,11 @@ def get_model(model_config: ModelConfig, group: Optional[TPGroup] = None) -> nn.
     if source is not None:
         tensors: Checkpoint = list(read_gguf(source, hf_config, builder, dequantize=not on_blocks))
         held = {name: t.qtype for name, t in tensors if on_blocks and not t.dense}
-        placement = Placement(group, held.get)
+        placement = Placement(group, held.get, stage)
     elif q8_0:
-        tensors, placement = safetensors_tensors(weight_files(model_dir)), Placement(group, _q8_0_linear_weight)
+        tensors, placement = safetensors_tensors(weight_files(model_dir)), Placement(group, _q8_0_linear_weight, stage)
     else:
-        tensors, placement = safetensors_tensors(weight_files(model_dir)), Placement(group)
+        tensors, placement = safetensors_tensors(weight_files(model_dir)), Placement(group, stage=stage)
     with one_torch_thread():
         with built_on_meta():
             model = builder.build(hf_config, max_position, placement)
@@ -203,10 +208,13 @@ def load_weights(model: nn.Module, tensors: Checkpoint) -> None:
     unexpected: list[str] = []
     shard_for = getattr(model, "shard_for", lambda name: None)
     rename = getattr(model, "checkpoint_name", lambda name: name)
+    skips = getattr(model, "skips", lambda name: False)
     for name, tensor in tensors:
         if "rotary_emb.inv_freq" in name:
             continue
         name = rename(name)
+        if skips(name):  # another pipeline stage's: never read
+            continue
         shard = shard_for(name)
         target, part = shard if shard is not None and shard[0] in params else (name, None)
         if target not in params:

@@ -10,6 +10,7 @@ were asked, sample, and append each sampled token to its request's state.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -22,6 +23,7 @@ from shmvllm.model.attention import AttentionMetadata, PrefillSeq, build_attenti
 from shmvllm.model.loader import get_model, torch_dtype
 from shmvllm.model.logits_processors import RequestLogitsProcessors
 from shmvllm.model.parallel.group import TPGroup
+from shmvllm.model.parallel.pipeline import PipelineStage
 from shmvllm.model.prompt_logprobs import prompt_logprobs
 from shmvllm.model.rotary import RotaryEmbedding
 from shmvllm.model.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs, seeded_generator
@@ -34,6 +36,21 @@ from shmvllm.worker.huge_pages import advise_huge_pages
 from shmvllm.worker.input_batch import CachedRequestState, InputBatch
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInputs:
+    """One step laid out: per batch row its scheduled tokens, tokens computed before, end and
+    known tokens (and proposals, when verified); the flat model inputs."""
+
+    query_lens: np.ndarray
+    num_computed: np.ndarray
+    ends: np.ndarray
+    known: np.ndarray
+    num_proposed: Optional[np.ndarray]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
 
 
 class ModelRunner:
@@ -71,9 +88,10 @@ class ModelRunner:
             )
 
     # ---- set-up -------------------------------------------------------------------------
-    def load_model(self, group: Optional[TPGroup] = None) -> None:
-        """Loads the model, or this tensor-parallel rank's share of it (`group`)."""
-        self.model = get_model(self.model_config, group)
+    def load_model(self, group: Optional[TPGroup] = None, stage: Optional[PipelineStage] = None) -> None:
+        """Loads the model, or this tensor-parallel rank's share of it (`group`), or this
+        pipeline stage's layers (`stage`)."""
+        self.model = get_model(self.model_config, group, stage)
         self.rope_lengths_needed = any(
             isinstance(m, RotaryEmbedding) and m.length_dependent for m in self.model.modules()
         )
@@ -132,16 +150,24 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        step = self.begin_step(scheduler_output)
+        if step is None:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        hidden = self.model(step.input_ids, step.positions, step.meta)
+        return self.finish_step(step, hidden, scheduler_output)
+
+    def begin_step(self, scheduler_output: SchedulerOutput) -> Optional[StepInputs]:
+        """Applies the scheduler's changes and lays out the step's inputs (None: no request runs)."""
         if self.kv_cache is None:
             raise RuntimeError("initialize_kv_cache must run before execute_model.")
         self._update_states(scheduler_output)
         batch = self.input_batch
         if batch.num_reqs == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return None
         query_lens = np.array([scheduler_output.num_scheduled_tokens[r] for r in batch.req_ids], dtype=np.int32)
         num_computed = batch.num_computed_tokens[: batch.num_reqs].copy()
         ends = num_computed + query_lens
-        known = batch.num_tokens[: batch.num_reqs]
+        known = batch.num_tokens[: batch.num_reqs].copy()
         proposals = scheduler_output.scheduled_spec_decode_tokens
         if proposals:
             num_proposed = self._place_proposals(proposals)
@@ -156,22 +182,46 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare_inputs(
             query_lens, num_computed, num_proposed > 0 if proposals else None
         )
-        hidden = self.model(input_ids, positions, meta)
+        return StepInputs(query_lens, num_computed, ends, known, num_proposed if proposals else None,
+                          input_ids, positions, meta)
+
+    def finish_step(self, step: StepInputs, hidden: torch.Tensor, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Samples (or verifies proposals) from the final hidden states, then `advance`s."""
+        query_lens, num_computed, ends = step.query_lens, step.num_computed, step.ends
         cu_ends = np.cumsum(query_lens)
-        sample_rows = np.flatnonzero(ends == known)
-        if proposals:
-            output = self._verify(hidden, cu_ends, sample_rows, num_proposed, scheduler_output)
+        sample_rows = np.flatnonzero(ends == step.known)
+        if step.num_proposed is not None:
+            output = self._verify(hidden, cu_ends, sample_rows, step.num_proposed, scheduler_output)
         else:
             output = self._sample(hidden, cu_ends, sample_rows, scheduler_output)
         prompt_logprobs = self._prompt_logprobs(hidden, cu_ends - query_lens, query_lens, num_computed, output.errors)
         if prompt_logprobs:
             output.prompt_logprobs = prompt_logprobs
-        batch.num_computed_tokens[: batch.num_reqs] = ends
-        for row, state in enumerate(batch.states):
-            state.num_computed_tokens = int(ends[row])
+        self.advance(step)
         if self.drafter is not None:
             self._draft(ends, output)
         return output
+
+    def advance(self, step: StepInputs) -> None:
+        """The step's tokens are computed (a pipeline stage before the last ends its step here)."""
+        batch = self.input_batch
+        batch.num_computed_tokens[: batch.num_reqs] = step.ends
+        for row, state in enumerate(batch.states):
+            state.num_computed_tokens = int(step.ends[row])
+
+    def append_sampled(self, sampled: dict[str, list[int]]) -> None:
+        """Tokens another process sampled (a pipeline stage before the last gets them from the
+        engine), appended to the requests this runner still holds."""
+        batch = self.input_batch
+        for req_id, tokens in sampled.items():
+            state = self.requests.get(req_id)
+            if state is None:
+                continue  # finished or preempted since: its state was dropped
+            row = batch.req_id_to_index.get(req_id)
+            for token in tokens:
+                state.output_token_ids.append(token)
+                if row is not None:
+                    batch.append_token(row, token)
 
     def _draft(self, ends: np.ndarray, output: ModelRunnerOutput) -> None:
         """The draft model's step: every request catches up to its computed tokens (and, once it

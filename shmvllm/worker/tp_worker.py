@@ -50,7 +50,7 @@ class TPWorker(Worker):
         return self.group.all_reduce_min(super().determine_num_kv_blocks())
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -63,7 +63,7 @@ def serve(
     from ipc import PeerGoneError
     from ipc.broadcast import BroadcastReader
 
-    _die_with_parent()
+    die_with_parent()
     if os.getppid() != parent_pid:
         return  # the engine is already gone
     torch.set_num_threads(threads)

@@ -76,11 +76,13 @@ class Worker:
         return int(num_blocks)
 
     def _cpu_kv_budget(self) -> int:
+        # pipeline stages split the engine's budget: together they hold what one process would
+        stages = self.config.parallel_config.pipeline_parallel_size
         if self.config.cache_config.kv_cache_memory is not None:
-            return self.config.cache_config.kv_cache_memory
+            return self.config.cache_config.kv_cache_memory // stages
         # data-parallel engines share the default: together they take what one engine would
         engines = self.config.parallel_config.data_parallel_size
-        return int(min(DEFAULT_CPU_KV_CACHE_CAP, DEFAULT_CPU_KV_CACHE_SHARE * _available_ram()) / engines)
+        return int(min(DEFAULT_CPU_KV_CACHE_CAP, DEFAULT_CPU_KV_CACHE_SHARE * _available_ram()) / engines / stages)
 
     def _cuda_kv_budget(self) -> int:
         started = time.perf_counter()

@@ -75,7 +75,13 @@ class Scheduler:
         num_blocks: int,
         structured_output_manager: Optional["StructuredOutputManager"] = None,
         speculative_config: Optional[SpeculativeConfig] = None,
+        micro_batches: int = 1,
     ) -> None:
+        """micro_batches: how many steps the engine keeps in flight (pipeline parallel); each
+        takes at most its share of the running requests, so that the next one has some."""
+        if not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"micro_batches must be a positive int, got {micro_batches!r}.")
+        self.micro_batches = micro_batches
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
@@ -169,8 +175,9 @@ class Scheduler:
         proposals: dict[str, list[int]] = {}
         kept_blocks: dict[str, int] = {}
 
-        i = 0
-        while i < len(self.running) and budget > 0:
+        i = scheduled_running = 0
+        share = -(-len(self.running) // self.micro_batches)
+        while i < len(self.running) and budget > 0 and scheduled_running < share:
             request = self.running[i]
             num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget)
             if num_new <= 0 or (request.num_output_placeholders and self._ends_in_flight(request)):
@@ -195,6 +202,7 @@ class Scheduler:
             cached.num_computed_tokens.append(request.num_computed_tokens)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            scheduled_running += 1
             i += 1
 
         if not preempted:

@@ -46,6 +46,7 @@ from torch import nn
 from shmvllm.model.checkpoint import CheckpointTensor
 from shmvllm.model.linear import Linear, VocabEmbedding
 from shmvllm.model.parallel.group import TPGroup
+from shmvllm.model.parallel.pipeline import PipelineStage
 from shmvllm.model.parallel.split import split_range
 from shmvllm.model.quant import QuantizedWeight, format_name
 
@@ -59,10 +60,12 @@ def _dense(name: str) -> Optional[int]:
 @dataclass(frozen=True)
 class Placement:
     """Where the weights go: this rank of `group`, and `formats(checkpoint name)`, the GGML
-    format a weight will be held in (None: dense), which fixes where its input may be split."""
+    format a weight will be held in (None: dense), which fixes where its input may be split;
+    `stage`: the pipeline stage whose layers this process holds."""
 
     group: TPGroup = field(default_factory=lambda: TPGroup(0, 1))
     formats: Callable[[str], Optional[int]] = _dense
+    stage: PipelineStage = field(default_factory=PipelineStage)
 
     @property
     def rank(self) -> int:

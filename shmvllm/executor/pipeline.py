@@ -1,0 +1,189 @@
+"""PipelineExecutor: pipeline_parallel_size stage processes, each holding a contiguous share of
+the decoder's layers and their KV cache (`shmvllm.worker.pp_worker`).
+
+This process computes nothing: it writes one command per call to a broadcast ring that every
+stage reads (`ipc.broadcast`: the engine config first, then each step's SchedulerOutput with the
+tokens sampled since the last command, which the stages before the last have not seen), and
+reads the last stage's outputs from an SPSC ring it owns. Hidden states go from stage to stage
+over SPSC rings the receiving stages create. `submit` queues a step and `collect` returns the
+oldest step's output, so the engine keeps up to `max_concurrent_batches` (= the number of
+stages) micro-batches in flight, each stage working on a different one.
+
+A stage that dies is found while this process waits for an output or writes a command (each
+stage's exit status is looked at every 0.05 s, with no collective to block on): WorkerDeadError,
+which ends the engine. `shutdown` asks the stages to stop (or kills them at once when one is
+dead), closes the rings and unlinks the ones a killed stage could not.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import select
+import subprocess
+import sys
+import time
+from typing import Any
+
+from shmvllm.config import EngineConfig
+from shmvllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from shmvllm.engine.exceptions import WorkerDeadError
+from shmvllm.worker.pp_worker import START_TIMEOUT_S, edge_record_bytes
+
+logger = logging.getLogger(__name__)
+
+RING_CAPACITY = 1 << 24  # a step's message (a grammar bitmask included) travels whole below 4 MiB
+OUTPUT_CAPACITY = 1 << 24
+SHUTDOWN_GRACE_S = 2.0
+_POLL_S = 0.05
+
+
+class PipelineExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        from ipc import RingBuffer
+        from ipc.broadcast import BroadcastWriter
+
+        started = time.perf_counter()
+        self.config = config
+        self.size = size = config.parallel_config.pipeline_parallel_size
+        if size < 2:
+            raise ValueError(f"PipelineExecutor needs pipeline_parallel_size >= 2, got {size}")
+        self.max_concurrent_batches = size
+        self.threads = max(1, (os.cpu_count() or 1) // size)
+        self.procs: list[subprocess.Popen] = []
+        self.edge_names: list[str] = []
+        self._sampled: dict[str, list[int]] = {}  # tokens the stages before the last have not been sent
+        self.ring = BroadcastWriter.create(size, RING_CAPACITY, poll_interval=_POLL_S)
+        self.output = RingBuffer.create(OUTPUT_CAPACITY, poll_interval=_POLL_S)
+        try:
+            record = edge_record_bytes(config)
+            capacity = 2 * max(record, 4096)  # two steps' hidden states in flight per edge
+            level = logging.getLogger("shmvllm").getEffectiveLevel()
+            pipes = []
+            for index in range(size):
+                read_fd, write_fd = os.pipe()
+                argv = [sys.executable, "-m", "shmvllm.worker.pp_worker", self.ring.name, str(index), str(size),
+                        str(self.threads), str(os.getpid()), str(capacity), str(max(record, 4096)), str(write_fd),
+                        "--log-level", str(level)]
+                self.procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, pass_fds=(write_fd,)))
+                os.close(write_fd)
+                pipes.append(read_fd)
+            try:
+                self.edge_names = [self._read_name(index, fd) for index, fd in enumerate(pipes) if index > 0]
+            finally:
+                for fd in pipes:
+                    os.close(fd)
+            # edge_names[i]: the ring stage i writes to (stage i + 1 reads it)
+            self.edge_names = self.edge_names + [""]
+            self.ring.push(pickle.dumps((config, self.edge_names, self.output.name), protocol=pickle.HIGHEST_PROTOCOL))
+        except BaseException as exc:
+            dead = self._dead_stages()
+            self.shutdown()
+            if dead and not isinstance(exc, WorkerDeadError):
+                raise WorkerDeadError(f"pipeline stages died while starting: {dead}") from exc
+            raise
+        logger.info("PipelineExecutor: %d stages x %d threads started in %.2f s", size, self.threads,
+                    time.perf_counter() - started)
+
+    def _read_name(self, index: int, fd: int) -> str:
+        """The name of the ring stage `index` reads from (it writes it on its pipe once created)."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        data = b""
+        while not data.endswith(b"\n"):
+            ready, _, _ = select.select([fd], [], [], _POLL_S)
+            if ready:
+                chunk = os.read(fd, 256)
+                if not chunk:
+                    raise WorkerDeadError(f"pipeline stage {index} exited before creating its ring: {self._dead_stages()}")
+                data += chunk
+            elif self._dead_stages():
+                raise WorkerDeadError(f"pipeline stages died while starting: {self._dead_stages()}")
+            elif time.monotonic() > deadline:
+                raise TimeoutError(f"pipeline stage {index} did not start within {START_TIMEOUT_S} s")
+        return data.decode().strip()
+
+    def _dead_stages(self) -> list[str]:
+        """'stage i (pid p) exited with c' for each stage that is gone."""
+        return [f"stage {index} (pid {proc.pid}) exited with {proc.returncode}"
+                for index, proc in enumerate(self.procs) if proc.poll() is not None]
+
+    def _command(self, *command: Any) -> None:
+        from ipc import PeerDeadError
+
+        dead = self._dead_stages()
+        if dead:
+            raise WorkerDeadError(f"pipeline stages died: {', '.join(dead)}")
+        try:
+            self.ring.push(pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL))
+        except PeerDeadError as exc:
+            raise WorkerDeadError(str(exc)) from exc
+
+    def _receive(self) -> Any:
+        """The last stage's next message; WorkerDeadError as soon as any stage is gone."""
+        from ipc import PeerGoneError, RingTimeoutError
+
+        while True:
+            try:
+                return self.output.consume(pickle.loads, timeout=_POLL_S)
+            except RingTimeoutError:
+                pass
+            except PeerGoneError as exc:
+                raise WorkerDeadError(f"pipeline stages died: {', '.join(self._dead_stages()) or exc}") from exc
+            dead = self._dead_stages()
+            if dead:
+                raise WorkerDeadError(f"pipeline stages died: {', '.join(dead)}")
+
+    def determine_num_kv_blocks(self) -> int:
+        """The fewest blocks any stage's budget holds (every stage keeps the same block table)."""
+        self._command("num_blocks")
+        return int(self._receive())
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._command("init_kv", num_blocks)
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Queues a step behind the ones in flight."""
+        sampled, self._sampled = self._sampled, {}
+        self._command("step", scheduler_output, sampled)
+
+    def collect(self) -> ModelRunnerOutput:
+        """The output of the oldest step in flight (blocks until the last stage sends it)."""
+        output: ModelRunnerOutput = self._receive()
+        for req_id, tokens in zip(output.req_ids, output.sampled_token_ids):
+            if tokens:
+                self._sampled.setdefault(req_id, []).extend(tokens)
+        return output
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(scheduler_output)
+        return self.collect()
+
+    def shutdown(self) -> None:
+        """Stops the stages (SHUTDOWN, then SIGKILL after a grace period; at once when one is
+        dead, since the others may wait on it), closes the rings and unlinks the stages' rings."""
+        import posix_ipc
+
+        from ipc.segment import unlink_quietly
+
+        if self.ring.closed:
+            return
+        dead = self._dead_stages()
+        if self.procs and not dead:
+            try:
+                self.ring.push(pickle.dumps(("shutdown",)), timeout=_POLL_S)
+            except Exception:  # a full ring or a dead reader: the kill below ends them
+                pass
+        deadline = time.monotonic() + (0.0 if dead else SHUTDOWN_GRACE_S)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.ring.close()
+        self.output.close()
+        for name in filter(None, self.edge_names):  # a killed stage leaves the ring it created
+            unlink_quietly(posix_ipc.unlink_shared_memory, name)
+            for bell in ("-d", "-s"):
+                unlink_quietly(posix_ipc.unlink_semaphore, name + bell)

@@ -1,0 +1,230 @@
+"""A pipeline-parallel stage: the program of every stage process (`python -m shmvllm.worker.pp_worker`).
+
+Stage i of N holds the decoder layers `PipelineStage.of(layers, N, i)` (the first the
+embedding, the last the final norm and the lm_head) and the KV cache of those layers. It reads
+the engine's commands from the executor's broadcast ring (as reader i), and the hidden states
+of each step from the stage before it over an SPSC ring (`ipc.ring`) that it creates (its name
+goes back to the engine over a pipe, and the engine hands it to the stage before). Every stage
+applies the same scheduler output to the same request states; the hidden states travel in
+place (a loan of the next record, written by one copy, read as a tensor over the ring's memory).
+The last stage samples and sends the step's ModelRunnerOutput to the engine's output ring;
+the stages before it get the sampled tokens with a later step's command.
+
+An edge record is an 8-byte tag then the payload: HIDDEN (the [tokens, hidden] states),
+ERROR (the text of a failure upstream: every later stage passes it on and the last fails the
+step's requests), or VALUE (a pickled value folded along the pipeline: the KV cache size).
+
+A stage ends on SHUTDOWN, when the engine closes or dies (the broadcast ring's PeerGoneError,
+within its poll), when a neighbour dies while it waits on their ring (PeerDeadError), or with
+the engine's process (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pickle
+import signal
+import sys
+from typing import Any, Optional
+
+import torch
+
+from shmvllm.config import EngineConfig
+from shmvllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from shmvllm.model.loader import torch_dtype
+from shmvllm.model.parallel.pipeline import PipelineStage
+from shmvllm.worker.tp_worker import die_with_parent
+from shmvllm.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.05  # how often a waiting stage looks at its peers
+START_TIMEOUT_S = 600.0
+TAG_BYTES = 8
+HIDDEN, ERROR, VALUE = b"H", b"E", b"V"
+
+
+def edge_record_bytes(config: EngineConfig) -> int:
+    """The largest edge record: a step's hidden states for max_num_batched_tokens, and its tag."""
+    element = torch.tensor([], dtype=torch_dtype(config.model_config.dtype)).element_size()
+    payload = config.scheduler_config.max_num_batched_tokens * config.model_config.hf_config.hidden_size * element
+    return -(-(TAG_BYTES + payload + 8) // 8) * 8
+
+
+class Stage:
+    """One stage's worker and its two rings: `inbound` from the stage before (None: the
+    first), `outbound` to the next stage or, for the last, to the engine."""
+
+    def __init__(self, worker: Worker, stage: PipelineStage, inbound: Any, outbound: Any) -> None:
+        self.worker, self.stage = worker, stage
+        self.runner = worker.model_runner
+        self.inbound, self.outbound = inbound, outbound
+        self.dtype = self.runner.dtype
+        self.hidden_size = worker.config.model_config.hf_config.hidden_size
+
+    def num_blocks(self) -> None:
+        """The fewest KV blocks any stage's budget holds, folded along the pipeline."""
+        blocks = self.worker.determine_num_kv_blocks()
+        if self.inbound is not None:
+            blocks = min(blocks, self._receive_value())
+        if self.stage.is_last:
+            self.outbound.push(pickle.dumps(blocks))
+        else:
+            self.outbound.push(VALUE.ljust(TAG_BYTES, b"\0") + pickle.dumps(blocks))
+
+    def _receive_value(self) -> Any:
+        message = self.inbound.pop()
+        if message[:1] == ERROR:
+            raise RuntimeError(message[TAG_BYTES:].decode(errors="replace"))
+        if message[:1] != VALUE:
+            raise RuntimeError(f"pipeline stage {self.stage.index}: expected a value, got tag {message[:1]!r}")
+        return pickle.loads(message[TAG_BYTES:])
+
+    @torch.inference_mode()
+    def step(self, scheduler_output: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
+        runner, error = self.runner, None
+        if not self.stage.is_last:
+            runner.append_sampled(sampled)
+        step = hidden = None
+        try:
+            step = runner.begin_step(scheduler_output)
+            if step is None:
+                raise RuntimeError("a step with scheduled tokens laid out no request")
+        except Exception as exc:  # the stages after this one still take their part of the step
+            error = _describe(exc)
+        if self.inbound is None:
+            if error is None:
+                hidden, error = self._forward(step, None)
+        else:
+            view = self.inbound.pop_view()
+            try:
+                tag = bytes(view[:1])
+                if tag == ERROR:
+                    error = error or bytes(view[TAG_BYTES:]).decode(errors="replace")
+                elif tag != HIDDEN:
+                    error = error or f"pipeline stage {self.stage.index}: expected hidden states, got tag {tag!r}"
+                elif error is None:
+                    incoming = torch.frombuffer(view, dtype=self.dtype, offset=TAG_BYTES,
+                                                count=len(step.input_ids) * self.hidden_size)
+                    hidden, error = self._forward(step, incoming.view(-1, self.hidden_size))
+                    del incoming  # the ring's record is freed below: nothing may view it after
+            finally:
+                self.inbound.release()
+        if self.stage.is_last:
+            output = None
+            if error is None:
+                try:
+                    output = runner.finish_step(step, hidden, scheduler_output)
+                except Exception as exc:
+                    error = _describe(exc)
+            if error is not None:
+                output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[],
+                                           errors=dict.fromkeys(scheduler_output.num_scheduled_tokens, error))
+            self.outbound.push(pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL))
+        elif error is not None:
+            self.outbound.push(ERROR.ljust(TAG_BYTES, b"\0") + error.encode())
+        else:
+            self._send_hidden(hidden)
+            runner.advance(step)
+
+    def _forward(self, step: Any, incoming: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], Optional[str]]:
+        try:
+            return self.runner.model(step.input_ids, step.positions, step.meta, incoming), None
+        except Exception as exc:
+            logger.warning("pipeline stage %d: the step failed", self.stage.index, exc_info=True)
+            return None, _describe(exc)
+
+    def _send_hidden(self, hidden: torch.Tensor) -> None:
+        count = hidden.numel()
+        loan = self.outbound.reserve(TAG_BYTES + count * hidden.element_size())
+        loan[:1] = HIDDEN
+        target = torch.frombuffer(loan, dtype=hidden.dtype, offset=TAG_BYTES, count=count)
+        target.copy_(hidden.reshape(-1))
+        del target  # commit ends the loan: nothing may view the record after
+        self.outbound.commit()
+
+
+def serve(
+    ring_name: str, index: int, size: int, threads: int, parent_pid: int, edge_capacity: int, edge_record: int,
+    name_fd: int,
+) -> None:
+    from ipc import PeerGoneError, RingBuffer
+    from ipc.broadcast import BroadcastReader
+
+    die_with_parent()
+    if os.getppid() != parent_pid:
+        return  # the engine is already gone
+    torch.set_num_threads(threads)
+    reader = BroadcastReader.attach(ring_name, index, poll_interval=POLL_S)
+    inbound = outbound = None
+    try:
+        if index > 0:
+            inbound = RingBuffer.create(edge_capacity, max_record=edge_record, poll_interval=POLL_S)
+            os.write(name_fd, f"{inbound.name}\n".encode())
+        os.close(name_fd)
+        config, edge_names, output_name = reader.consume(pickle.loads, timeout=START_TIMEOUT_S)
+        stage = PipelineStage.of(config.model_config.hf_config.num_hidden_layers, size, index)
+        outbound = RingBuffer.attach(output_name if stage.is_last else edge_names[index], poll_interval=POLL_S)
+        worker = Worker(config, index)
+        worker.init_device()
+        worker.model_runner.load_model(stage=stage)
+        node = Stage(worker, stage, inbound, outbound)
+        logger.info("pipeline stage %d of %d: layers [%d, %d)", index, size, stage.start, stage.stop)
+        while True:
+            try:
+                command, *args = reader.consume(pickle.loads)
+            except PeerGoneError as exc:
+                logger.warning("pipeline stage %d: the engine is gone (%s): exiting", index, exc)
+                return
+            if command == "step":
+                node.step(*args)
+            elif command == "num_blocks":
+                node.num_blocks()
+            elif command == "init_kv":
+                worker.initialize_kv_cache(*args)
+            elif command == "shutdown":
+                return
+            else:
+                raise ValueError(f"pipeline stage {index}: unknown command {command!r}")
+    finally:
+        for ring in (reader, inbound, outbound):
+            if ring is not None:
+                ring.close()
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("ring")
+    parser.add_argument("index", type=int)
+    parser.add_argument("size", type=int)
+    parser.add_argument("threads", type=int)
+    parser.add_argument("parent_pid", type=int)
+    parser.add_argument("edge_capacity", type=int)
+    parser.add_argument("edge_record", type=int)
+    parser.add_argument("name_fd", type=int, help="where this stage writes the name of the ring it reads from")
+    parser.add_argument("--log-level", type=int, default=logging.WARNING)
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the engine decides
+    logging.basicConfig(level=args.log_level,
+                        format=f"(PPStage {args.index} pid={os.getpid()}) %(levelname)s %(name)s: %(message)s")
+    code = 0
+    try:
+        serve(args.ring, args.index, args.size, args.threads, args.parent_pid, args.edge_capacity, args.edge_record,
+              args.name_fd)
+    except BaseException:
+        logger.exception("pipeline stage %d failed", args.index)
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

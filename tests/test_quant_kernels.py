@@ -142,12 +142,12 @@ def test_gemv_row_is_the_same_alone_or_among_rows(isa, name):
 
 @pytest.mark.parametrize("int8_isa", [pytest.param(isa, marks=pytest.mark.skipif(isa not in ISAS, reason=f"the CPU lacks {isa}"))
                                       for isa in ("avx512vnni", "avx2")])
-@pytest.mark.parametrize("name", ["Q2_K", "Q3_K"])
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q5_0", "Q5_1"])
 @pytest.mark.parametrize("rows", [1, 4])
 def test_int8_rows_error_is_the_split_of_x(int8_isa, name, rows):
-    """The VNNI and AVX2 builds' Q2_K / Q3_K GEMV holds x per 256 values in three int8 pieces, to within
-    max |x| / 127 / 32768: with outliers 1000x the rest, the error stays within sum |w| times that
-    (plus fp32 rounding)."""
+    """The VNNI and AVX2 builds' Q2_K / Q3_K GEMV (and AVX2's Q5_0 / Q5_1) holds x per block (256 / 32
+    values) in three int8 pieces, to within max |x| / 127 / 32768: with outliers 1000x the rest, the
+    error stays within sum |w| times that (plus fp32 rounding)."""
     rng = np.random.default_rng(11)
     n, k = 37, 1024
     weight = random_weight(name, n, k, rng)
@@ -159,8 +159,9 @@ def test_int8_rows_error_is_the_split_of_x(int8_isa, name, rows):
     assert lib.shm_qgemm(out.data_ptr(), n, x.data_ptr(), k, weight.data.data_ptr(), weight.data.shape[1],
                          weight.qtype, None, None, 0, rows, n, k) == 0
     err = (out.double() - x.double() @ w.T).abs()
-    step = x.double().abs().view(rows, k // 256, 256).amax(-1) / 127 / 32768
-    bound = 1.01 * step.repeat_interleave(256, -1) @ w.abs().T + 2e-6 * (x.double().abs() @ w.abs().T + 1.0)
+    split = block_width(name)
+    step = x.double().abs().view(rows, k // split, split).amax(-1) / 127 / 32768
+    bound = 1.01 * step.repeat_interleave(split, -1) @ w.abs().T + 2e-6 * (x.double().abs() @ w.abs().T + 1.0)
     assert bool((err <= bound).all()), float((err / bound).max())
 
 

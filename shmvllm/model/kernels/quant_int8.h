@@ -1,4 +1,4 @@
-/* The GEMV rows of the 2- and 3-bit K formats (Q2_K, Q3_K) on integer dot products of unsigned by
+/* The GEMV rows of the 2- and 3-bit K formats (Q2_K, Q3_K; and Q5_0 / Q5_1 on AVX2) on integer dot products of unsigned by
  * signed bytes, in two widths from one source: the AVX-512 VNNI build (512-bit vectors, vpdpbusd:
  * 64 products an instruction) and the AVX2 build (256-bit, vpmaddubsw + vpmaddwd: 32 products in
  * two instructions). Included by quant_kernels.c in those builds; plain AVX-512 keeps fp32 rows.
@@ -38,11 +38,11 @@ static inline iv iv_mullo16(iv a, iv b) { return _mm512_mullo_epi16(a, b); }
 static inline iv iv_shuffle8(iv table, iv idx) { return _mm512_shuffle_epi8(table, idx); }
 static inline iv iv_bcast128(__m128i v) { return _mm512_broadcast_i32x4(v); }
 /* 16384 A0 + 128 A1 + A2 per 32-bit lane, Ai its 4 products of the bytes w (unsigned) by piece i
- * at q + 256 i (signed): the running sum shifted in between */
-static inline iv pieces_dot(iv w, const int8_t *q) {
+ * at q + stride i (signed): the running sum shifted in between */
+static inline iv pieces_dot(iv w, const int8_t *q, int stride) {
     iv t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(q));
-    t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 7), w, _mm512_loadu_si512(q + 256));
-    return _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 7), w, _mm512_loadu_si512(q + 512));
+    t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 7), w, _mm512_loadu_si512(q + stride));
+    return _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 7), w, _mm512_loadu_si512(q + 2 * stride));
 }
 /* the same summed over four fields (w[s], the pieces at q + 64 s): each piece's sums accumulated
  * apart, combined once */
@@ -101,9 +101,9 @@ static inline iv iv_shuffle8(iv table, iv idx) { return _mm256_shuffle_epi8(tabl
 static inline iv iv_bcast128(__m128i v) { return _mm256_broadcastsi128_si256(v); }
 /* vpmaddubsw gives the int16 sums of product pairs (it saturates past int16: at most 2 * 45 * 127
  * = 11430 here); vpmaddwd by 16384, 128, 1 sums those pairs into int32 lanes already weighted */
-static inline iv pieces_dot(iv w, const int8_t *q) {
-    const iv p0 = _mm256_maddubs_epi16(w, iv_load(q)), p1 = _mm256_maddubs_epi16(w, iv_load(q + 256));
-    const iv p2 = _mm256_maddubs_epi16(w, iv_load(q + 512));
+static inline iv pieces_dot(iv w, const int8_t *q, int stride) {
+    const iv p0 = _mm256_maddubs_epi16(w, iv_load(q)), p1 = _mm256_maddubs_epi16(w, iv_load(q + stride));
+    const iv p2 = _mm256_maddubs_epi16(w, iv_load(q + 2 * stride));
     return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p0, _mm256_set1_epi16(16384)),
                                              _mm256_madd_epi16(p1, _mm256_set1_epi16(128))),
                             _mm256_madd_epi16(p2, _mm256_set1_epi16(1)));
@@ -160,18 +160,22 @@ static inline fv u8_to_fv(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_
 static inline fv fv_permute(iv idx, fv table) { return _mm256_permutevar8x32_ps(table, idx); }
 #endif
 
-/* Block b of row m's three pieces at xq + (m * blocks + b) * PIECES_BYTES, its d at xd[m * blocks + b],
- * the sums of the values the pieces hold per 16 at xs[m * k / 16 + ...] (for the mins / offsets:
- * then every weight sees the same x, and the result's error is sum |w| |x - pieces'| at most). */
-static void split_x(int M, const float *x, int64_t ldx, int64_t k, int8_t *xq, float *xd, float *xs) {
-    const int64_t blocks = k / 256;
+/* x split per block of qk values (256: the K formats', in their bit order; 32: Q5_0 / Q5_1's, in
+ * order): block b of row m's three pieces at xq + (m * blocks + b) * 3 qk (piece i at + qk i), its d
+ * at xd[m * blocks + b], the sums of the values the pieces hold per 16 at xs[m * k / 16 + ...] (for
+ * the mins / offsets: then every weight sees the same x, and the result's error is sum |w| |x -
+ * pieces'| at most). */
+static inline void split_x(int M, const float *x, int64_t ldx, int64_t k, const int qk, int8_t *xq, float *xd,
+                           float *xs) {
+    const int64_t blocks = k / qk;
     for (int m = 0; m < M; m++)
         for (int64_t b = 0; b < blocks; b++) {
-            const float *xb = x + m * ldx + 256 * b;
-            int8_t *q = xq + (m * blocks + b) * PIECES_BYTES;
+            const float *xb = x + m * ldx + qk * b;
+            int8_t *q = xq + (m * blocks + b) * 3 * qk;
+            float *sums = xs + m * (k / 16) + (qk / 16) * b;
             fv top = fv_zero();
             int nan = 0;
-            for (int t = 0; t < 256 / FW; t++) {
+            for (int t = 0; t < qk / FW; t++) {
                 const fv v = fv_load(xb + FW * t);
                 top = fv_max_abs(top, v);
                 nan |= fv_any_nan(v);
@@ -179,20 +183,20 @@ static void split_x(int M, const float *x, int64_t ldx, int64_t k, int8_t *xq, f
             const float amax = nan ? __builtin_nanf("") : fv_reduce_max(top);
             if (!(amax > 0.0f && amax <= 3.4028235e38f)) {
                 /* zeros give zero; inf / NaN give NaN (0 times it), as they would in fp32 */
-                memset(q, 0, PIECES_BYTES);
+                memset(q, 0, 3 * qk);
                 xd[m * blocks + b] = amax == 0.0f ? 0.0f : __builtin_nanf("");
-                for (int t = 0; t < 16; t++) xs[m * (k / 16) + 16 * b + t] = xd[m * blocks + b];
+                for (int t = 0; t < qk / 16; t++) sums[t] = xd[m * blocks + b];
                 continue;
             }
             const float d = amax / 127.0f;
             const fv inv = fv_set1(1.0f / d), dv = fv_set1(d);
             const fv d1 = fv_set1(d / 128.0f), inv1 = fv_set1(128.0f / d);
             const fv inv2 = fv_set1(16384.0f / d);
-            for (int t = 0; t < 16; t++) {
+            for (int t = 0; t < qk / 16; t++) {
                 /* 16384 a0 + 128 a1 + a2 < 2^22 per value, < 2^26 per 16: exact in int32 */
                 iv held = iv_zero();
                 for (int e = 16 * t; e < 16 * t + 16; e += FW) {
-                    const int at = 64 * ((e % 128) / 32) + 32 * (e / 128) + e % 32;
+                    const int at = qk == 256 ? 64 * ((e % 128) / 32) + 32 * (e / 128) + e % 32 : e;
                     const fv v = fv_load(xb + e);
                     const iv a0 = fv_round(fv_mul(v, inv));
                     const fv r1 = fv_fnmadd(iv_to_fv(a0), dv, v);
@@ -200,11 +204,11 @@ static void split_x(int M, const float *x, int64_t ldx, int64_t k, int8_t *xq, f
                     const fv r2 = fv_fnmadd(iv_to_fv(a1), d1, r1);
                     const iv a2 = fv_round(fv_mul(r2, inv2));
                     iv_store_int8(q + at, a0);
-                    iv_store_int8(q + 256 + at, a1);
-                    iv_store_int8(q + 512 + at, a2);
+                    iv_store_int8(q + qk + at, a1);
+                    iv_store_int8(q + 2 * qk + at, a2);
                     held = iv_add32(held, iv_add32(iv_slli32(iv_add32(iv_slli32(a0, 7), a1), 7), a2));
                 }
-                xs[m * (k / 16) + 16 * b + t] = (d * (1.0f / 16384.0f)) * (float)iv_reduce_add32(held);
+                sums[t] = (d * (1.0f / 16384.0f)) * (float)iv_reduce_add32(held);
             }
             xd[m * blocks + b] = d;
         }
@@ -324,7 +328,7 @@ static inline __attribute__((always_inline)) void q3_k_row_int8(const int M, flo
                 const iv w = q3_k_q(field2(qs, s), hm, s, p);
                 const fv scale = fv_permute(pick[s][p], dl[lane_sub_block(s, p, 0) / FW]);
                 for (int m = 0; m < M; m++)
-                    part[m] = fv_fmadd(iv_to_fv(pieces_dot(w, xq + (m * blocks + b) * PIECES_BYTES + 64 * s + IW * p)),
+                    part[m] = fv_fmadd(iv_to_fv(pieces_dot(w, xq + (m * blocks + b) * PIECES_BYTES + 64 * s + IW * p, 256)),
                                        scale, part[m]);
             }
         }
@@ -335,15 +339,59 @@ static inline __attribute__((always_inline)) void q3_k_row_int8(const int M, flo
     for (int m = 0; m < M; m++) macc[m] = 4.0f * fv_reduce_add(offs[m]);
     int8_row_out(M, acc, macc, out, ldo, bias, residual, ldr, j);
 }
-/* NAME##_range for these rows: x split and its sums per 16 once per call, then row by row. */
-#define DEFINE_INT8_RANGE(NAME)                                                                                 \
+
+#if IW == 32
+#define INT8_Q5_ROWS 1
+/* Q5_0 / Q5_1 (AVX2; VNNI keeps the fp32 rows: a 32-value block fills half its vector): w = d q + m
+ * per block of 32 (q 5 bits, Q5_0's m = -16 d), x split per 32 values. The bytes are q (0..31,
+ * values i and 16 + i from the low and high nibbles of byte i, the fifth bits in qh), so a block's
+ * three sums combine at once (per lane 4 products of 31 * 127: < 2.6e8), times d d_x; m times the
+ * block's sum of x as the pieces hold it. */
+static inline iv q5_bytes(const uint8_t *qs, uint32_t qh) {
+    const __m128i packed = _mm_loadu_si128((const __m128i *)qs), low4 = _mm_set1_epi8(0x0f);
+    const iv nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low4), _mm_and_si128(packed, low4));
+    /* byte i takes byte i / 8 of qh (vpshufb within each 128-bit lane), then tests bit i % 8 */
+    const iv spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
+                                          _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    const iv bit = _mm256_set1_epi64x(0x8040201008040201);
+    const iv fifth = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+    return _mm256_or_si256(nibbles, fifth);
+}
+static inline __attribute__((always_inline)) void q5_row_int8(const int M, float *out, int64_t ldo, const int8_t *xq,
+                                                              const float *xd, const float *xs, int64_t blocks,
+                                                              const uint8_t *row, const float *bias,
+                                                              const float *residual, int64_t ldr, int64_t j,
+                                                              const int has_m) {
+    const int bb = has_m ? 24 : 22, qh_at = has_m ? 4 : 2;
+    fv acc[FEW_ROWS];
+    float macc[FEW_ROWS];
+    for (int m = 0; m < M; m++) acc[m] = fv_zero(), macc[m] = 0.0f;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *blk = row + b * bb;
+        const iv w = q5_bytes(blk + qh_at + 4, load_u32(blk + qh_at));
+        const float d = fp16_to_fp32(load_u16(blk));
+        const float mb = has_m ? fp16_to_fp32(load_u16(blk + 2)) : -16.0f * d;
+        for (int m = 0; m < M; m++) {
+            const iv total = pieces_dot(w, xq + (m * blocks + b) * 96, 32);
+            acc[m] = fv_fmadd(iv_to_fv(total), fv_set1(d * xd[m * blocks + b] * (1.0f / 16384.0f)), acc[m]);
+            macc[m] -= mb * (xs[m * 2 * blocks + 2 * b] + xs[m * 2 * blocks + 2 * b + 1]);
+        }
+    }
+    int8_row_out(M, acc, macc, out, ldo, bias, residual, ldr, j);
+}
+#define q5_0_row_int8(M, ...) q5_row_int8(M, __VA_ARGS__, 0)
+#define q5_1_row_int8(M, ...) q5_row_int8(M, __VA_ARGS__, 1)
+#endif
+
+/* NAME##_range for these rows: x split per QK values and its sums per 16 once per call, then row by row. */
+#define DEFINE_INT8_RANGE(NAME, QK)                                                                             \
     static void NAME##_range(int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *w,      \
                              int64_t row_bytes, const float *bias, const float *residual, int64_t ldr, int64_t j0, \
                              int64_t j1, int64_t k) {                                                           \
-        const int64_t blocks = k / 256;                                                                         \
-        int8_t xq[M * blocks * PIECES_BYTES];                                                                   \
+        const int64_t blocks = k / QK;                                                                          \
+        int8_t xq[M * blocks * 3 * QK];                                                                         \
         float xd[M * blocks], xs[M * (k / 16)];                                                                 \
-        split_x(M, x, ldx, k, xq, xd, xs);                                                                      \
+        split_x(M, x, ldx, k, QK, xq, xd, xs);                                                                  \
         for (int64_t j = j0; j < j1; j++) {                                                                     \
             const uint8_t *row = w + j * row_bytes;                                                             \
             switch (M) {                                                                                        \

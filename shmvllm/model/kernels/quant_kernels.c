@@ -13,8 +13,8 @@
  *
  * Built four times from this one file (kernels/__init__.py): with AVX-512 (VW = 16; with and
  * without VNNI), with AVX2 + FMA (VW = 8) and for the baseline ISA (portable), through GCC's vector
- * extensions (the VNNI and AVX2 builds run Q2_K / Q3_K's GEMV on integer dot products:
- * quant_int8.h), and picked at run time by what the CPU reports (shm_quant_cpu_supports). Compiled without
+ * extensions (the VNNI and AVX2 builds run Q2_K / Q3_K's GEMV on integer dot products, AVX2 Q5_0 / Q5_1's
+ * too: quant_int8.h), and picked at run time by what the CPU reports (shm_quant_cpu_supports). Compiled without
  * -ffast-math: no reassociation may touch the dequantization arithmetic.
  *
  * The GEMV takes up to FEW_ROWS activation rows (decoding), where the kernel should be bound by
@@ -513,30 +513,14 @@ static inline void block_sums(float *xs, int M, const float *x, int64_t ldx, int
 }
 
 /* Q5_0 / Q5_1: the 16 nibble bytes at qs (values i and 16 + i) with the fifth bits of all 32
- * values in qh (little-endian uint32). AVX-512 ORs the fifth bits in as a lane mask. */
+ * values in qh (little-endian uint32). AVX-512 ORs the fifth bits in as a lane mask (AVX2 runs these
+ * rows on integer dot products: quant_int8.h). */
 #if VW == 16 && defined(__AVX512F__)
 static inline void q5_to_float(const uint8_t *qs, uint32_t qh, vf q[32 / VW]) {
     const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs)), sixteen = _mm512_set1_epi32(16);
     const __m512i lo = _mm512_and_si512(wide, _mm512_set1_epi32(0x0f)), hi = _mm512_srli_epi32(wide, 4);
     q[0] = (vf)_mm512_cvtepi32_ps(_mm512_mask_or_epi32(lo, (__mmask16)qh, lo, sixteen));
     q[1] = (vf)_mm512_cvtepi32_ps(_mm512_mask_or_epi32(hi, (__mmask16)(qh >> 16), hi, sixteen));
-}
-#elif VW == 8 && defined(__AVX2__)
-/* the fifth bit of value v moved to bit 4 of its lane by a variable shift of qh broadcast (of qh << 4
- * for values 0..15, so that no count is negative), then masked: no table, no scalar work per lane */
-static inline void q5_to_float(const uint8_t *qs, uint32_t qh, vf q[32 / VW]) {
-    const __m256i mask = _mm256_set1_epi32(0x0f), sixteen = _mm256_set1_epi32(16);
-    const __m256i low_bits = _mm256_set1_epi32((int)(qh << 4)), high_bits = _mm256_set1_epi32((int)qh);
-    for (int c = 0; c < 2; c++) {
-        const __m256i counts = _mm256_setr_epi32(8 * c, 8 * c + 1, 8 * c + 2, 8 * c + 3, 8 * c + 4, 8 * c + 5, 8 * c + 6, 8 * c + 7);
-        const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * c)));
-        const __m256i lo = _mm256_or_si256(_mm256_and_si256(wide, mask),
-                                           _mm256_and_si256(_mm256_srlv_epi32(low_bits, counts), sixteen));
-        const __m256i hi = _mm256_or_si256(_mm256_srli_epi32(wide, 4),
-                                           _mm256_and_si256(_mm256_srlv_epi32(high_bits, _mm256_add_epi32(counts, _mm256_set1_epi32(12))), sixteen));
-        q[c] = (vf)_mm256_cvtepi32_ps(lo);
-        q[2 + c] = (vf)_mm256_cvtepi32_ps(hi);
-    }
 }
 #else
 static inline void q5_to_float(const uint8_t *qs, uint32_t qh, vf q[32 / VW]) {
@@ -977,8 +961,10 @@ DEFINE_ROW(q5_k, deq_q5_k, 256, 176)
 DEFINE_ROW(f16, deq_f16, 32, 64)
 DEFINE_ROW(bf16, deq_bf16, 32, 64)
 DEFINE_ROW(f32, deq_f32, 32, 128)
+#ifndef INT8_Q5_ROWS
 DEFINE_FOLDED_ROW(q5_0, 22, 1)
 DEFINE_FOLDED_ROW(q5_1, 24, 1)
+#endif
 #if !defined(LOW_BIT_ROWS) && !defined(INT8_ROWS)
 DEFINE_ROW(q2_k, deq_q2_k, 256, 84)
 DEFINE_ROW(q3_k, deq_q3_k, 256, 110)
@@ -1000,12 +986,19 @@ DEFINE_FORMAT(q6_k, deq_q6_k, 256, 210, 0)
 DEFINE_FORMAT(f16, deq_f16, 32, 64, 0)
 DEFINE_FORMAT(bf16, deq_bf16, 32, 64, 0)
 DEFINE_FORMAT(f32, deq_f32, 32, 128, 0)
+#ifdef INT8_Q5_ROWS
+DEFINE_INT8_RANGE(q5_0, 32)
+DEFINE_FEW_DEQ(q5_0, deq_q5_0, 32, 22)
+DEFINE_INT8_RANGE(q5_1, 32)
+DEFINE_FEW_DEQ(q5_1, deq_q5_1, 32, 24)
+#else
 DEFINE_FORMAT(q5_0, deq_q5_0, 32, 22, 32)
 DEFINE_FORMAT(q5_1, deq_q5_1, 32, 24, 32)
+#endif
 #if defined(INT8_ROWS)
-DEFINE_INT8_RANGE(q2_k)
+DEFINE_INT8_RANGE(q2_k, 256)
 DEFINE_FEW_DEQ(q2_k, deq_q2_k, 256, 84)
-DEFINE_INT8_RANGE(q3_k)
+DEFINE_INT8_RANGE(q3_k, 256)
 DEFINE_FEW_DEQ(q3_k, deq_q3_k, 256, 110)
 #elif defined(LOW_BIT_ROWS)
 DEFINE_FORMAT(q2_k, deq_q2_k, 256, 84, 16)

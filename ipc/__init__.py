@@ -16,6 +16,7 @@ from ipc.ring import (
     RingCorruptedError,
     RingError,
     native_available,
+    unlink_ring,
 )
 from ipc.segment import SharedMemoryFullError, sweep_stale_segments
 from ipc.wait import RingTimeoutError
@@ -34,6 +35,7 @@ __all__ = [
     "SharedMemoryFullError",
     "native_available",
     "sweep_stale_segments",
+    "unlink_ring",
 ]
 
 

@@ -140,13 +140,18 @@ def _nothing() -> None:
     pass
 
 
-def _unlink_ring(name: str, creator_pid: int) -> None:
-    """Finalizer: the creator removes the segment and its semaphores (never a forked child)."""
-    if os.getpid() != creator_pid:
-        return
+def unlink_ring(name: str) -> None:
+    """Removes a ring's segment and its doorbells' semaphores, whatever is left of them (for a
+    ring whose creator was killed before it could)."""
     unlink_quietly(posix_ipc.unlink_shared_memory, name)
     for suffix in ("-d", "-s"):
         unlink_quietly(posix_ipc.unlink_semaphore, name + suffix)
+
+
+def _unlink_ring(name: str, creator_pid: int) -> None:
+    """Finalizer: the creator removes the segment and its semaphores (never a forked child)."""
+    if os.getpid() == creator_pid:
+        unlink_ring(name)
 
 
 def _deadline(timeout: Optional[float]) -> Optional[float]:

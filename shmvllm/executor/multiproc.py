@@ -41,18 +41,20 @@ import torch
 from shmvllm.config import EngineConfig
 from shmvllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from shmvllm.engine.exceptions import WorkerDeadError
+from shmvllm.executor.worker_procs import WorkerProcs
 from shmvllm.model.parallel.group import DEFAULT_TIMEOUT_S, TPGroup, use_arena
 from shmvllm.worker.tp_worker import STORE_HOST, TPWorker
 
 logger = logging.getLogger(__name__)
 
 RING_CAPACITY = 1 << 24  # a step's message (a grammar bitmask included) travels whole below 4 MiB
-SHUTDOWN_GRACE_S = 2.0
 STUCK_GRACE_S = 0.5  # past the arena's 0.1 s check: the collective that can notice has had its chance
 _POLL_S = 0.05
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(WorkerProcs):
+    GROUP, MEMBER, FIRST_INDEX = "tensor-parallel workers", "rank", 1
+
     def __init__(self, config: EngineConfig) -> None:
         from ipc.broadcast import BroadcastWriter
 
@@ -95,7 +97,7 @@ class MultiprocExecutor:
             self.worker.init_device()
             self.worker.load_model()
         except BaseException as exc:
-            dead = self._dead_workers()
+            dead = self._dead()
             self.shutdown()
             if dead and not isinstance(exc, WorkerDeadError):
                 raise WorkerDeadError(f"tensor-parallel workers died while starting: {dead}") from exc
@@ -108,7 +110,7 @@ class MultiprocExecutor:
         dead_since: Optional[float] = None
         while not self.ring.closed:
             time.sleep(_POLL_S)
-            dead = self._dead_workers()
+            dead = self._dead()
             in_call = self._in_call_since
             if not dead or in_call is None:
                 dead_since = None
@@ -118,10 +120,7 @@ class MultiprocExecutor:
                 continue
             logger.error("tensor-parallel workers died: %s; rank 0 is stuck in a collective: ending the engine",
                          ", ".join(dead))
-            for proc in self.procs:
-                if proc.poll() is None:
-                    proc.kill()
-            self.ring.close()
+            self._stop_workers()
             if self.arena is not None:
                 self.arena.close()
             os._exit(1)
@@ -130,28 +129,12 @@ class MultiprocExecutor:
         deadline = time.monotonic() + DEFAULT_TIMEOUT_S
         keys = [f"joined/{rank}" for rank in range(1, self.world_size)]
         while not store.check(keys):
-            dead = self._dead_workers()
+            dead = self._dead()
             if dead:
                 raise WorkerDeadError(f"tensor-parallel workers died while starting: {dead}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"tensor-parallel workers did not join within {DEFAULT_TIMEOUT_S} s")
             time.sleep(_POLL_S)
-
-    def _dead_workers(self) -> list[str]:
-        """'rank r (pid p) exited with c' for each worker that is gone."""
-        return [f"rank {rank} (pid {proc.pid}) exited with {proc.returncode}"
-                for rank, proc in enumerate(self.procs, start=1) if proc.poll() is not None]
-
-    def _command(self, *command: Any) -> None:
-        from ipc import PeerDeadError
-
-        dead = self._dead_workers()
-        if dead:
-            raise WorkerDeadError(f"tensor-parallel workers died: {', '.join(dead)}")
-        try:
-            self.ring.push(pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL))
-        except PeerDeadError as exc:
-            raise WorkerDeadError(str(exc)) from exc
 
     def _call(self, fn: Any, *args: Any) -> Any:
         """Rank 0's share of a collective call: a failure with a dead worker is WorkerDeadError."""
@@ -159,10 +142,10 @@ class MultiprocExecutor:
         try:
             return fn(*args)
         except Exception as exc:
-            dead = self._dead_workers()
+            dead = self._dead()
             if not dead:  # a worker closes its sockets a moment before it can be reaped
                 time.sleep(_POLL_S)
-                dead = self._dead_workers()
+                dead = self._dead()
             if dead:
                 raise WorkerDeadError(f"tensor-parallel workers died: {', '.join(dead)}") from exc
             raise
@@ -186,22 +169,10 @@ class MultiprocExecutor:
         return output
 
     def shutdown(self) -> None:
-        """Stops the workers (SHUTDOWN, then SIGKILL after a grace period) and unlinks the ring."""
+        """Stops the workers (`WorkerProcs._stop_workers`), then rank 0's own share."""
         if self.ring.closed:
             return
-        if self.procs and not self._dead_workers():
-            try:
-                self.ring.push(pickle.dumps(("shutdown",)), timeout=_POLL_S)
-            except Exception:  # a full ring or a dead reader: the kill below ends them
-                pass
-        deadline = time.monotonic() + SHUTDOWN_GRACE_S
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self.ring.close()
+        self._stop_workers()
         if self.arena is not None:
             self.arena.close()
         if self.worker is not None:

@@ -29,17 +29,19 @@ from typing import Any
 from shmvllm.config import EngineConfig
 from shmvllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from shmvllm.engine.exceptions import WorkerDeadError
+from shmvllm.executor.worker_procs import WorkerProcs
 from shmvllm.worker.pp_worker import START_TIMEOUT_S, edge_record_bytes
 
 logger = logging.getLogger(__name__)
 
 RING_CAPACITY = 1 << 24  # a step's message (a grammar bitmask included) travels whole below 4 MiB
 OUTPUT_CAPACITY = 1 << 24
-SHUTDOWN_GRACE_S = 2.0
 _POLL_S = 0.05
 
 
-class PipelineExecutor:
+class PipelineExecutor(WorkerProcs):
+    GROUP, MEMBER, FIRST_INDEX = "pipeline stages", "stage", 0
+
     def __init__(self, config: EngineConfig) -> None:
         from ipc import RingBuffer
         from ipc.broadcast import BroadcastWriter
@@ -78,7 +80,7 @@ class PipelineExecutor:
             self.edge_names = self.edge_names + [""]
             self.ring.push(pickle.dumps((config, self.edge_names, self.output.name), protocol=pickle.HIGHEST_PROTOCOL))
         except BaseException as exc:
-            dead = self._dead_stages()
+            dead = self._dead()
             self.shutdown()
             if dead and not isinstance(exc, WorkerDeadError):
                 raise WorkerDeadError(f"pipeline stages died while starting: {dead}") from exc
@@ -95,29 +97,13 @@ class PipelineExecutor:
             if ready:
                 chunk = os.read(fd, 256)
                 if not chunk:
-                    raise WorkerDeadError(f"pipeline stage {index} exited before creating its ring: {self._dead_stages()}")
+                    raise WorkerDeadError(f"pipeline stage {index} exited before creating its ring: {self._dead()}")
                 data += chunk
-            elif self._dead_stages():
-                raise WorkerDeadError(f"pipeline stages died while starting: {self._dead_stages()}")
+            elif self._dead():
+                raise WorkerDeadError(f"pipeline stages died while starting: {self._dead()}")
             elif time.monotonic() > deadline:
                 raise TimeoutError(f"pipeline stage {index} did not start within {START_TIMEOUT_S} s")
         return data.decode().strip()
-
-    def _dead_stages(self) -> list[str]:
-        """'stage i (pid p) exited with c' for each stage that is gone."""
-        return [f"stage {index} (pid {proc.pid}) exited with {proc.returncode}"
-                for index, proc in enumerate(self.procs) if proc.poll() is not None]
-
-    def _command(self, *command: Any) -> None:
-        from ipc import PeerDeadError
-
-        dead = self._dead_stages()
-        if dead:
-            raise WorkerDeadError(f"pipeline stages died: {', '.join(dead)}")
-        try:
-            self.ring.push(pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL))
-        except PeerDeadError as exc:
-            raise WorkerDeadError(str(exc)) from exc
 
     def _receive(self) -> Any:
         """The last stage's next message; WorkerDeadError as soon as any stage is gone."""
@@ -129,8 +115,8 @@ class PipelineExecutor:
             except RingTimeoutError:
                 pass
             except PeerGoneError as exc:
-                raise WorkerDeadError(f"pipeline stages died: {', '.join(self._dead_stages()) or exc}") from exc
-            dead = self._dead_stages()
+                raise WorkerDeadError(f"pipeline stages died: {', '.join(self._dead()) or exc}") from exc
+            dead = self._dead()
             if dead:
                 raise WorkerDeadError(f"pipeline stages died: {', '.join(dead)}")
 
@@ -160,30 +146,13 @@ class PipelineExecutor:
         return self.collect()
 
     def shutdown(self) -> None:
-        """Stops the stages (SHUTDOWN, then SIGKILL after a grace period; at once when one is
-        dead, since the others may wait on it), closes the rings and unlinks the stages' rings."""
-        import posix_ipc
-
-        from ipc.segment import unlink_quietly
+        """Stops the stages (`WorkerProcs._stop_workers`), closes the output ring and unlinks the
+        rings the stages created (a killed stage leaves its own)."""
+        from ipc import unlink_ring
 
         if self.ring.closed:
             return
-        dead = self._dead_stages()
-        if self.procs and not dead:
-            try:
-                self.ring.push(pickle.dumps(("shutdown",)), timeout=_POLL_S)
-            except Exception:  # a full ring or a dead reader: the kill below ends them
-                pass
-        deadline = time.monotonic() + (0.0 if dead else SHUTDOWN_GRACE_S)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self.ring.close()
+        self._stop_workers()
         self.output.close()
         for name in filter(None, self.edge_names):  # a killed stage leaves the ring it created
-            unlink_quietly(posix_ipc.unlink_shared_memory, name)
-            for bell in ("-d", "-s"):
-                unlink_quietly(posix_ipc.unlink_semaphore, name + bell)
+            unlink_ring(name)

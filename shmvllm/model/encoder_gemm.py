@@ -10,34 +10,11 @@ kernel where AVX2 + FMA is the best vector ISA: CPUs without AVX-512, or ``SHMVL
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-from shmvllm import envs
-
 GELU_CODES = {None: 0, "none": 1, "tanh": 2}  # `_linear`'s gelu argument -> encoder_gemm.c's code
-
-
-@functools.lru_cache(maxsize=None)
-def _cpu_flags() -> frozenset[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
-
-
-def _avx2_is_best() -> bool:
-    flags = _cpu_flags()
-    if not {"avx2", "fma"} <= flags:
-        return False
-    return "avx512f" not in flags or envs.SHMVLLM_QUANT_ISA() == "avx2"
 
 
 class PackedLinear:
@@ -75,9 +52,10 @@ class PackedLinear:
 def pack_for_cpu(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[PackedLinear]:
     """The AVX2 kernel's packed linear when it is the one to use for these tensors (fp32 on a CPU
     whose best ISA is AVX2, the kernel built); None: keep to oneDNN / torch."""
-    from shmvllm.model.kernels import encoder_gemm_kernels
+    from shmvllm.model.kernels import encoder_gemm_kernels, quant_isa
 
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not _avx2_is_best():
+    # the build the quantized kernels run: "avx2" without AVX-512, or held there by SHMVLLM_QUANT_ISA
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or quant_isa() != "avx2":
         return None
     if encoder_gemm_kernels() is None:
         return None

@@ -25,8 +25,6 @@ import argparse
 import logging
 import os
 import pickle
-import signal
-import sys
 from typing import Any, Optional
 
 import torch
@@ -35,7 +33,7 @@ from shmvllm.config import EngineConfig
 from shmvllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from shmvllm.model.loader import torch_dtype
 from shmvllm.model.parallel.pipeline import PipelineStage
-from shmvllm.worker.tp_worker import die_with_parent
+from shmvllm.worker.program import die_with_parent, run_worker
 from shmvllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -210,20 +208,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("name_fd", type=int, help="where this stage writes the name of the ring it reads from")
     parser.add_argument("--log-level", type=int, default=logging.WARNING)
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the engine decides
-    logging.basicConfig(level=args.log_level,
-                        format=f"(PPStage {args.index} pid={os.getpid()}) %(levelname)s %(name)s: %(message)s")
-    code = 0
-    try:
-        serve(args.ring, args.index, args.size, args.threads, args.parent_pid, args.edge_capacity, args.edge_record,
-              args.name_fd)
-    except BaseException:
-        logger.exception("pipeline stage %d failed", args.index)
-        code = 1
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    run_worker(f"PPStage {args.index}", args.log_level, lambda: serve(
+        args.ring, args.index, args.size, args.threads, args.parent_pid, args.edge_capacity, args.edge_record,
+        args.name_fd))
 
 
 if __name__ == "__main__":

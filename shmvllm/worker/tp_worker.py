@@ -16,19 +16,17 @@ PeerClosedError / PeerDeadError, within its poll interval), or with the engine's
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import logging
 import os
 import pickle
-import signal
-import sys
 from typing import Optional
 
 import torch
 
 from shmvllm.config import EngineConfig
 from shmvllm.model.parallel.group import DEFAULT_TIMEOUT_S, TPGroup
+from shmvllm.worker.program import die_with_parent, run_worker
 from shmvllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -48,12 +46,6 @@ class TPWorker(Worker):
     def determine_num_kv_blocks(self) -> int:
         """The fewest blocks any rank's budget holds (every rank keeps the same block table)."""
         return self.group.all_reduce_min(super().determine_num_kv_blocks())
-
-
-def die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def serve(
@@ -122,19 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", type=int, default=logging.WARNING)
     parser.add_argument("--arena", help="the shared-memory arena of the all-reduces (else gloo)")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the engine decides
-    logging.basicConfig(level=args.log_level, format=f"(TPWorker rank={args.rank} pid={os.getpid()}) %(levelname)s %(name)s: %(message)s")
-    code = 0
-    try:
-        serve(args.ring, args.rank, args.world_size, args.store_port, args.threads, args.parent_pid, args.arena)
-    except BaseException:
-        logger.exception("rank %d failed", args.rank)
-        code = 1
-    # Skip the interpreter's teardown: torch.distributed's would wait for the other ranks' groups.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    run_worker(f"TPWorker rank={args.rank}", args.log_level, lambda: serve(
+        args.ring, args.rank, args.world_size, args.store_port, args.threads, args.parent_pid, args.arena))
 
 
 if __name__ == "__main__":

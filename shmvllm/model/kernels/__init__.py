@@ -272,6 +272,13 @@ def quant_kernels(isa: Optional[str] = None) -> Optional[ctypes.CDLL]:
     """The block-quantized GEMM kernels (quant_kernels.c) for `isa`, default the best this CPU
     runs, or ``$SHMVLLM_QUANT_ISA`` (avx512vnni | avx512 | avx2 | portable) when set; None when they cannot be
     built. Asking for a build the CPU cannot run is a ValueError."""
+    isa = quant_isa(isa)
+    return None if isa is None else _quant_build(isa)
+
+
+def quant_isa(isa: Optional[str] = None) -> Optional[str]:
+    """The quantized-kernel build `quant_kernels(isa)` loads: `isa`, else ``$SHMVLLM_QUANT_ISA``,
+    else the best this CPU runs; None when none can be built."""
     isa = isa or envs.SHMVLLM_QUANT_ISA()
     names = [name for name, _, _ in QUANT_ISAS]
     if isa is not None and isa not in names:
@@ -280,7 +287,7 @@ def quant_kernels(isa: Optional[str] = None) -> Optional[ctypes.CDLL]:
     if not supported:
         return None
     if isa is None:
-        isa = supported[0]
-    elif isa not in supported:
+        return supported[0]
+    if isa not in supported:
         raise ValueError(f"quantized kernel build {isa!r} needs instructions this CPU lacks; it runs {supported}.")
-    return _quant_build(isa)
+    return isa

@@ -74,15 +74,15 @@ def check_close(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, w: torch
     assert float(err.max()) < 1e-5, float(err.max())
 
 
-# The formats whose blocked GEMM (more than 4 rows) the VNNI build runs with x as int8 per block of 32
+# The formats whose blocked GEMM (more than 4 rows) the VNNI build runs with x in two int8 pieces per block of 32
 INT8_GEMM_FORMATS = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K"}
 
 
 def int8_gemm_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """What x as int8 per block of 32 (within max |x| / 127 / 2 of x) may cost each output: sum |w|
-    times that, plus fp32 rounding."""
+    """What x in two int8 pieces per block of 32 (within max |x| / 127 / 256 of x) may cost each
+    output: sum |w| times that, plus fp32 rounding."""
     rows, k = x.shape
-    step = x.double().abs().view(rows, k // 32, 32).amax(-1) / 127 / 2
+    step = x.double().abs().view(rows, k // 32, 32).amax(-1) / 127 / 256
     return 1.01 * step.repeat_interleave(32, -1) @ w.double().abs().T + 2e-6 * (x.double().abs() @ w.double().abs().T + 1.0)
 
 
@@ -208,8 +208,8 @@ def test_mixed_format_parts_fill_their_columns(isa, rows):
 @pytest.mark.skipif("avx512vnni" not in ISAS, reason="the CPU lacks avx512vnni")
 @pytest.mark.parametrize("name", sorted(INT8_GEMM_FORMATS))
 @pytest.mark.parametrize("rows", [5, 85])
-def test_int8_gemm_error_is_the_rounding_of_x(name, rows):
-    """The VNNI build's blocked GEMM holds x per block of 32 as int8, to within max |x| / 127 / 2:
+def test_int8_gemm_error_is_the_split_of_x(name, rows):
+    """The VNNI build's blocked GEMM holds x per block of 32 in two int8 pieces, to within max |x| / 127 / 256:
     with outliers 1000x the rest, the error stays within sum |w| times that; x that is not finite
     gives NaN in its row's outputs, zeros give zeros."""
     rng = np.random.default_rng(13)

@@ -1,29 +1,32 @@
 /* The blocked GEMM, on int8 dot products, of the formats whose blocks are 32 values w = s q + m with
  * q a signed byte (Q4_0 q - 8, Q5_0 q - 16, Q8_0 q, m = 0; Q4_1, Q5_1 q, m; Q4_K per sub-block of
- * 32, s = d sc, m = -dmin min): the AVX-512 VNNI build, vpdpbusd (64 byte products an instruction;
- * on Zen 4 twice the products a second of fp32 FMAs). Included by quant_kernels.c in that build;
- * shm_qgemm runs it for more than FEW_ROWS rows, the prefill's GEMMs.
+ * 32, s = d sc, m = -dmin min): the AVX-512 VNNI build, vpdpbusd (64 byte products an instruction,
+ * on Zen 4 about 2.4 times the products a second of fp32 FMAs). Included by quant_kernels.c in that
+ * build; shm_qgemm runs it for more than FEW_ROWS rows, the prefill's GEMMs.
  *
- * x is quantized once per call, per block of 32 values, to int8 as llama.cpp's Q8_0 activations
- * are: x = d a, d = max |x| / 127 (split_x's first piece), within d / 2 of x. (A second piece, to
- * 2^-15 of the block's largest value, doubles the dot products: measured 1.2x the fp32 GEMM's
- * speed, against 1.7x with one.) Per block and output the integer sum of q a is exact, then scaled by s d in fp32,
- * and m times the block's sum of x as a holds it: every weight sees the same x, so the result's
- * error is sum |w| |x - d a| at most. The GEMV (FEW_ROWS rows, decoding) keeps its precision.
+ * x is split once per call, per block of 32 values, into two int8 pieces, x = d (a0 + a1 / 128)
+ * with d = max |x| / 127 (split_x's first two pieces): they hold x to within d / 256, 2^-15 of the
+ * block's largest value. (One piece, as llama.cpp's Q8_0 activations, within d / 2, runs 1.7x the
+ * fp32 GEMM's speed against 1.2x, but moves the logits of the tiny test models by more than their
+ * top-two margins.) Per block and output the integer sum of q (128 a0 + a1) is exact (below),
+ * then scaled by s d / 128 in fp32, and m times the block's sum of x as the pieces hold it: every
+ * weight sees the same x, so the result's error is sum |w| |x - pieces'| at most.
  *
  * vpdpbusd multiplies unsigned bytes by signed ones, and broadcasts only its signed operand from
- * memory: the weights' q are that operand, 4 bytes broadcast in the instruction, and x the
- * unsigned vectors, stored as a + 128; the 128 sum(q) that adds is subtracted per block and
- * column. Vectors run over 16 activation rows. The weights of I8_PANEL output columns are unpacked
- * once per call into a panel, [block][column][32 q] with s, m and that correction per block and
- * column, which every row tile reuses; x is packed once per call, [block][quad of values][16-row
- * vector][16 rows x 4 bytes], with d and the held sum per block and row. A micro tile is I8_MV
- * row vectors x I8_NJ columns: 12 int32 accumulators for the block, 12 fp32 ones for the sum. */
+ * memory: the weights' q are that operand, 4 bytes broadcast in the instruction, and x's pieces
+ * the unsigned vectors, stored as a + 128; the 128 (128 + 1) sum(q) that adds is subtracted per
+ * block and column (|sum| <= 32 * 128 * (255 * 128 + 192) < 2^31). Vectors run over 16
+ * activation rows. The weights of I8_PANEL output columns are unpacked once per call into a panel,
+ * [block][column][32 q] with s, m and that correction per block and column, which every row tile
+ * reuses; x is packed once per call, [block][quad of values][16-row vector][piece][16 rows x 4
+ * bytes], with d / 128 and the held sum per block and row. A micro tile is I8_MV row vectors x
+ * I8_NJ columns: 12 int32 accumulators for the block (piece 0's sum, shifted by 7, then piece
+ * 1's), 12 fp32 ones for the whole sum. */
 
 #define I8_PANEL 16 /* output columns per unpacked panel */
 #define I8_NJ 4     /* output columns per micro tile */
 #define I8_MV 3     /* 16-row vectors per micro tile */
-#define I8_BIAS 128 /* what x's + 128 adds to a */
+#define I8_BIAS (128 * 128 + 128) /* what the pieces' + 128 add to 128 a0 + a1 */
 
 
 /* 16 bytes of nibbles (values i: low, 16 + i: high) -> the 32 values' bytes */
@@ -78,31 +81,32 @@ static inline __attribute__((always_inline)) void i8_q4_k(const uint8_t *row, in
     *m = -fp16_to_fp32(load_u16(blk + 2)) * (float)mn;
 }
 
-/* x's int8 + 128 packed (see above) for rows [0, rows) of `vecs` 16-row vectors (rows past `rows`
- * are never stored). Per block and row: d, and xs = d sum(a), the sum of x as a holds it. */
+/* x's two pieces + 128 packed (see above) for rows [0, rows) of `vecs` 16-row vectors (rows past
+ * `rows` are never stored). Per block and row: dx = d / 128, xs = the pieces' sum of x. */
 static void i8_pack_x(const float *x, int64_t ldx, int64_t rows, int64_t k, int64_t vecs, uint8_t *xp, float *dx,
                       float *xs) {
     const int64_t blocks = k / 32;
     int8_t *pieces = malloc((size_t)blocks * 96);
     float *d = malloc((size_t)blocks * sizeof(float)), *sums = malloc((size_t)(k / 16) * sizeof(float));
-    memset(xp, 0, (size_t)blocks * 8 * vecs * 64);
+    memset(xp, 0, (size_t)blocks * 8 * vecs * 128);
     memset(dx, 0, (size_t)blocks * vecs * 16 * sizeof(float));
     memset(xs, 0, (size_t)blocks * vecs * 16 * sizeof(float));
     for (int64_t r = 0; r < rows; r++) {
         split_x(1, x + r * ldx, ldx, k, 32, pieces, d, sums);
         const int64_t v = r / 16, lane = r % 16;
         for (int64_t b = 0; b < blocks; b++) {
-            const int8_t *a = pieces + 96 * b;
+            const int8_t *a0 = pieces + 96 * b, *a1 = a0 + 32;
             int32_t held = 0;
             for (int t = 0; t < 8; t++) {
-                uint8_t *dst = xp + ((b * 8 + t) * vecs + v) * 64 + 4 * lane;
+                uint8_t *dst = xp + ((b * 8 + t) * vecs + v) * 128 + 4 * lane;
                 for (int i = 0; i < 4; i++) {
-                    dst[i] = (uint8_t)(a[4 * t + i] + 128);
-                    held += a[4 * t + i];
+                    dst[i] = (uint8_t)(a0[4 * t + i] + 128);
+                    dst[64 + i] = (uint8_t)(a1[4 * t + i] + 128);
+                    held += 128 * a0[4 * t + i] + a1[4 * t + i];
                 }
             }
-            dx[b * vecs * 16 + r] = d[b];
-            xs[b * vecs * 16 + r] = d[b] * (float)held; /* NaN d (x not finite): NaN */
+            dx[b * vecs * 16 + r] = d[b] * (1.0f / 128.0f);
+            xs[b * vecs * 16 + r] = d[b] * (1.0f / 128.0f) * (float)held; /* NaN d (x not finite): NaN */
         }
     }
     free(pieces);
@@ -129,14 +133,20 @@ static inline __attribute__((always_inline)) void i8_tile(const int mv, const in
         for (int j = 0; j < I8_NJ; j++)
             for (int v = 0; v < mv; v++) sum[j][v] = _mm512_setzero_si512();
         const int8_t *qb = pq + (b * I8_PANEL + j0) * 32;
+#pragma GCC unroll 2
+        for (int p = 0; p < 2; p++) {
+            if (p == 1)
+                for (int j = 0; j < I8_NJ; j++)
+                    for (int v = 0; v < mv; v++) sum[j][v] = _mm512_slli_epi32(sum[j][v], 7);
 #pragma GCC unroll 8
-        for (int t = 0; t < 8; t++) {
-            const uint8_t *xt = xp + ((b * 8 + t) * vecs + v0) * 64;
-            __m512i xv[I8_MV];
-            for (int v = 0; v < mv; v++) xv[v] = _mm512_loadu_si512(xt + 64 * v);
+            for (int t = 0; t < 8; t++) {
+                const uint8_t *xt = xp + ((b * 8 + t) * vecs + v0) * 128 + 64 * p;
+                __m512i xv[I8_MV];
+                for (int v = 0; v < mv; v++) xv[v] = _mm512_loadu_si512(xt + 128 * v);
 #pragma GCC unroll 4
-            for (int j = 0; j < I8_NJ; j++)
-                for (int v = 0; v < mv; v++) I8_DOT(sum[j][v], xv[v], qb, 32 * j + 4 * t);
+                for (int j = 0; j < I8_NJ; j++)
+                    for (int v = 0; v < mv; v++) I8_DOT(sum[j][v], xv[v], qb, 32 * j + 4 * t);
+            }
         }
         for (int v = 0; v < mv; v++) {
             const int64_t at = (b * vecs + v0 + v) * 16;
@@ -199,7 +209,7 @@ static int gemm_int8(int type, float *out, int64_t ldo, const float *x, int64_t 
     int has_m;
     const i8_panel_fn panel_of = i8_panel_of(type, &has_m);
     const int64_t blocks = k / 32, vecs = (m_rows + 15) / 16;
-    uint8_t *xp = aligned_alloc(64, (size_t)blocks * 8 * vecs * 64);
+    uint8_t *xp = aligned_alloc(64, (size_t)blocks * 8 * vecs * 128);
     float *dx = alloc_floats(blocks * vecs * 16), *xs = alloc_floats(blocks * vecs * 16);
     int failed = xp == NULL || dx == NULL || xs == NULL;
     if (!failed) i8_pack_x(x, ldx, m_rows, k, vecs, xp, dx, xs);

@@ -91,9 +91,12 @@ typedef struct {
  * counter; a MoE layer's experts take synchronisation words of their own (moe.c's moe_team). */
 #define PHASES_PER_LAYER 7
 
-/* Output rows per chunk handed out: about four chunks per thread, whole cache lines of output. */
+/* Output rows per chunk handed out: about CHUNKS chunks per thread, whole cache lines of output. */
+#ifndef CHUNKS
+#define CHUNKS 1
+#endif
 static inline int64_t chunk_rows(int64_t n, int threads) {
-    const int64_t rows = (n + 4 * threads - 1) / (4 * threads);
+    const int64_t rows = (n + CHUNKS * threads - 1) / (CHUNKS * threads);
     return rows < 16 ? 16 : (rows + 15) & ~(int64_t)15;
 }
 

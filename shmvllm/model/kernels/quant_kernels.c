@@ -949,11 +949,15 @@ static inline __attribute__((always_inline)) void q6_k_row(const int M, float *o
 
 #ifdef NIBBLE_ROWS
 DEFINE_NIBBLE_ROW(q4_0, 18, 2)
+#ifndef INT8_ROWS
 DEFINE_NIBBLE_ROW(q4_1, 20, 4)
+#endif
 #define Q4_XSUM 0
 #else
 DEFINE_FOLDED_ROW(q4_0, 18, 1)
+#ifndef INT8_ROWS
 DEFINE_FOLDED_ROW(q4_1, 20, 1)
+#endif
 #define Q4_XSUM 32 /* the folded rows' m * sum(x) */
 #endif
 DEFINE_FOLDED_ROW(q8_0, 34, 0)
@@ -978,7 +982,11 @@ DEFINE_ROW(mxfp4, deq_mxfp4, 32, 17)
 #endif
 
 DEFINE_FORMAT(q4_0, deq_q4_0, 32, 18, Q4_XSUM)
+#ifdef INT8_ROWS
+DEFINE_FEW_DEQ(q4_1, deq_q4_1, 32, 20)
+#else
 DEFINE_FORMAT(q4_1, deq_q4_1, 32, 20, Q4_XSUM)
+#endif
 DEFINE_FORMAT(q8_0, deq_q8_0, 32, 34, 0)
 DEFINE_FORMAT(q4_k, deq_q4_k, 256, 144, 32)
 DEFINE_FORMAT(q5_k, deq_q5_k, 256, 176, 0)

@@ -1,6 +1,6 @@
-/* The GEMV rows of the 2- and 3-bit K formats (Q2_K, Q3_K; and Q5_0 / Q5_1 on AVX2) on integer dot products of unsigned by
- * signed bytes, in two widths from one source: the AVX-512 VNNI build (512-bit vectors, vpdpbusd:
- * 64 products an instruction) and the AVX2 build (256-bit, vpmaddubsw + vpmaddwd: 32 products in
+/* The GEMV rows of the 2- and 3-bit K formats (Q2_K, Q3_K), of Q4_1 (and Q5_0 / Q5_1 on AVX2) on
+ * integer dot products of unsigned by signed bytes, in two widths from one source: the AVX-512
+ * VNNI build (512-bit vectors, vpdpbusd: 64 products an instruction) and the AVX2 build (256-bit, vpmaddubsw + vpmaddwd: 32 products in
  * two instructions). Included by quant_kernels.c in those builds; plain AVX-512 keeps fp32 rows.
  *
  * With fp32 x and one FMA per weight these formats cannot be read as fast as Q4_1 (the work per
@@ -387,11 +387,10 @@ static inline __attribute__((always_inline)) void q5_row_int8(const int M, float
  * per 32 values. Each block's 16 bytes go to both 128-bit halves and the upper half's 32-bit lanes
  * shift right by 4 (srlv: no shuffle), so after & 15 the 32 bytes are values 0..31 in order, the
  * pieces' order; the three sums combine at once (per lane 4 products of 15 * 127: < 1.3e8), one
- * 256-bit vector a block (VNNI: vpdpbusd; AVX2: vpmaddubsw + vpmaddwd). A row's block scales are
- * converted in a scalar pass over 8 blocks first (d d_x kept for the vector loop's broadcast
- * loads; m times the block's sum of x, xs here per block, summed there): a gather of the scales
- * measured slower, and the 512-bit fp32 nibble rows this replaces were bound by their shuffles
- * (vpmovzxbd, vpermps). */
+ * 256-bit vector a block (VNNI: vpdpbusd; AVX2: vpmaddubsw + vpmaddwd). A row's block scales go
+ * through a scalar pass per 8 blocks (d d_x stored for the vector loop's broadcast loads, m times
+ * the block's sum of x summed there): a gather measured slower, and the fp32 rows this replaces
+ * were bound by their shuffles (vpmovzxbd, vpermps). */
 #if IW == 64
 static inline __m256i q4_dot3(__m256i w, const int8_t *q) {
     __m256i t = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, _mm256_loadu_si256((const __m256i *)q));

@@ -13,8 +13,8 @@
  *
  * Built four times from this one file (kernels/__init__.py): with AVX-512 (VW = 16; with and
  * without VNNI), with AVX2 + FMA (VW = 8) and for the baseline ISA (portable), through GCC's vector
- * extensions (the VNNI and AVX2 builds run Q2_K / Q3_K's GEMV on integer dot products, AVX2 Q5_0 / Q5_1's
- * too: quant_int8.h), and picked at run time by what the CPU reports (shm_quant_cpu_supports). Compiled without
+ * extensions (the VNNI and AVX2 builds run Q2_K / Q3_K / Q4_1's GEMV on integer dot products, AVX2 Q5_0 /
+ * Q5_1's too: quant_int8.h), and picked at run time by what the CPU reports (shm_quant_cpu_supports). Compiled without
  * -ffast-math: no reassociation may touch the dequantization arithmetic.
  *
  * The GEMV takes up to FEW_ROWS activation rows (decoding), where the kernel should be bound by
@@ -459,7 +459,8 @@ static inline void store_tile(vf acc[NR][MV], const int mv, float *out, int64_t 
  * costs one widen, one convert and one FMA, and the block constants one FMA per block: about half
  * the vector work of dequantizing first (d * q + m, then * x). The sums are the dequantized
  * weights' dot product reassociated (fp32 rounding differs at the last bits, as any change of
- * summation order does). AVX-512 runs Q4_0 / Q4_1 on the nibble rows below instead. */
+ * summation order does). AVX-512 runs Q4_0 on the nibble rows below instead (and Q4_1 where it has
+ * no VNNI); the VNNI and AVX2 builds run Q4_1 on quant_int8.h's integer rows. */
 #if VW == 16 && defined(__AVX512F__)
 /* the 16 bytes widened to 32-bit lanes once: & 15 gives the low nibbles, >> 4 the high ones */
 static inline void nibbles_to_float(const uint8_t *qs, vf q[32 / VW]) {
@@ -600,7 +601,7 @@ static inline float mxfp4_m(const uint8_t *blk) { (void)blk; return 0.0f; }
     }
 
 #if VW == 16 && defined(__AVX512F__)
-/* Q4_0 / Q4_1 rows on AVX-512, the rows sharing each block's dequantization (the folded rows repeat
+/* Q4_0 / Q4_1 rows on AVX-512 (Q4_1 without VNNI), the rows sharing each block's dequantization (the folded rows repeat
  * d * s and m * sum(x) per row): the block's 16 possible weights d * i + m (i = 0..15; Q4_0's m is
  * -8 d) made by one FMA, exactly the reference's values (d * i is exact, the sum rounded once), each
  * weight looked up by its nibble (vpermps reads the low 4 bits of each index), then one FMA per row

@@ -27,13 +27,14 @@ transient of its own, tens of µs a wake-up until it settles).
 
 Rounds: the speed of a shared machine drifts by tens of percent from one second to the next, so
 a case measured in one stretch can be judged on a slow second. For each payload the benchmark
-runs `--repeats` rounds; a round runs every case once (a fresh echo process each time, so that
-no polling peer stays alive beside the others), in an order rotated by one case per round, with
-its share of the busy and paced round trips and its throughput passes. A row's median and p99
-are over the round trips of all rounds together, its msg/s the median of the rounds' rates; the
-rows carry the rounds' medians and rates too (`rtt_us_round_medians`, `msgs_per_s_rounds`), the
-table their range. The floor runs as one more case in the rounds of the 64 B payload (or of
-the first payload chosen).
+runs `--repeats` rounds; a round is REPETITIONS repetitions, each running every case once (a
+fresh echo process each time, so that no polling peer stays alive beside the others) in an order
+rotated by one case per repetition, with its share of the busy and paced round trips and its
+throughput passes; the round keeps each case's better repetition per mode (the round trips of
+the lower median, the higher rate). A row's median and p99 are over the kept round trips of all
+rounds together, its msg/s the median of the rounds' rates; the rows carry the rounds' medians
+and rates too (`rtt_us_round_medians`, `msgs_per_s_rounds`), the table their range. The floor
+runs as one more case in the rounds of the 64 B payload (or of the first payload chosen).
 
 Transports (`transport` in the JSON, `variant` where there are several):
 - shm: ipc.RingBuffer, one ring per direction;
@@ -920,8 +921,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--payloads", default=",".join(payloads), help="comma-separated subset")
     parser.add_argument("--no-floor", action="store_true", help="skip the C floor")
     parser.add_argument("--repeats", type=int, metavar="R",
-                        help=f"rounds per payload, each running every case once in a rotated order "
-                             f"(default {REPEATS[True]} with --quick, else {REPEATS[False]})")
+                        help=f"rounds per payload, each running every case {REPETITIONS} times in a rotated order "
+                             f"and keeping the better (default {REPEATS[True]} with --quick, else {REPEATS[False]})")
     args = parser.parse_args(argv)
     repeats = REPEATS[args.quick] if args.repeats is None else args.repeats
     if repeats < 1:

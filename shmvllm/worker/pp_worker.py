@@ -1,14 +1,18 @@
 """A pipeline-parallel stage: the program of every stage process (`python -m shmvllm.worker.pp_worker`).
 
 Stage i of N holds the decoder layers `PipelineStage.of(layers, N, i)` (the first the
-embedding, the last the final norm and the lm_head) and the KV cache of those layers. It reads
-the engine's commands from the executor's broadcast ring (as reader i), and the hidden states
-of each step from the stage before it over an SPSC ring (`ipc.ring`) that it creates (its name
-goes back to the engine over a pipe, and the engine hands it to the stage before). Every stage
+embedding, the last the final norm and the lm_head) and the KV cache of those layers; with
+tensor_parallel_size=T it is T processes, process p being rank p % T of stage p // T, each
+holding its rank's shard of the stage's layers (a `TPWorker` in the stage's own gloo group).
+A process reads the engine's commands from the executor's broadcast ring (as reader p), and the
+hidden states of each step from the same rank of the stage before it over an SPSC ring
+(`ipc.ring`) that it creates (its name goes back to the engine over a pipe, and the engine
+hands it to the sender). Every stage
 applies the same scheduler output to the same request states; the hidden states travel in
 place (a loan of the next record, written by one copy, read as a tensor over the ring's memory).
-The last stage samples and sends the step's ModelRunnerOutput to the engine's output ring;
-the stages before it get the sampled tokens with a later step's command.
+Every rank of the last stage samples the same tokens (as tensor-parallel ranks do) and its rank
+0 sends the step's ModelRunnerOutput to the engine's output ring; the stages before it get the
+sampled tokens with a later step's command.
 
 An edge record is an 8-byte tag then the payload: HIDDEN (the [tokens, hidden] states),
 ERROR (the text of a failure upstream: every later stage passes it on and the last fails the
@@ -22,6 +26,7 @@ the engine's process (PR_SET_PDEATHSIG).
 from __future__ import annotations
 
 import argparse
+import datetime
 import logging
 import os
 import pickle
@@ -32,8 +37,10 @@ import torch
 from shmvllm.config import EngineConfig
 from shmvllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from shmvllm.model.loader import torch_dtype
+from shmvllm.model.parallel.group import DEFAULT_TIMEOUT_S, TPGroup
 from shmvllm.model.parallel.pipeline import PipelineStage
 from shmvllm.worker.program import die_with_parent, run_worker
+from shmvllm.worker.tp_worker import STORE_HOST, TPWorker
 from shmvllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -52,8 +59,9 @@ def edge_record_bytes(config: EngineConfig) -> int:
 
 
 class Stage:
-    """One stage's worker and its two rings: `inbound` from the stage before (None: the
-    first), `outbound` to the next stage or, for the last, to the engine."""
+    """One stage process's worker and its two rings: `inbound` from the stage before (None: the
+    first), `outbound` to the next stage or, for the last stage's rank 0, to the engine (None:
+    the last stage's other ranks, which send nothing)."""
 
     def __init__(self, worker: Worker, stage: PipelineStage, inbound: Any, outbound: Any) -> None:
         self.worker, self.stage = worker, stage
@@ -68,7 +76,8 @@ class Stage:
         if self.inbound is not None:
             blocks = min(blocks, self._receive_value())
         if self.stage.is_last:
-            self.outbound.push(pickle.dumps(blocks))
+            if self.outbound is not None:
+                self.outbound.push(pickle.dumps(blocks))
         else:
             self.outbound.push(VALUE.ljust(TAG_BYTES, b"\0") + pickle.dumps(blocks))
 
@@ -120,7 +129,8 @@ class Stage:
             if error is not None:
                 output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[],
                                            errors=dict.fromkeys(scheduler_output.num_scheduled_tokens, error))
-            self.outbound.push(pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL))
+            if self.outbound is not None:
+                self.outbound.push(pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL))
         elif error is not None:
             self.outbound.push(ERROR.ljust(TAG_BYTES, b"\0") + error.encode())
         else:
@@ -146,7 +156,7 @@ class Stage:
 
 def serve(
     ring_name: str, index: int, size: int, threads: int, parent_pid: int, edge_capacity: int, edge_record: int,
-    name_fd: int,
+    name_fd: int, tp: int = 1, store_port: Optional[int] = None, arena_name: Optional[str] = None,
 ) -> None:
     from ipc import PeerGoneError, RingBuffer
     from ipc.broadcast import BroadcastReader
@@ -155,26 +165,32 @@ def serve(
     if os.getppid() != parent_pid:
         return  # the engine is already gone
     torch.set_num_threads(threads)
+    stage_index, rank = divmod(index, tp)
+    label = f"pipeline stage {stage_index}" + (f" rank {rank}" if tp > 1 else "")
     reader = BroadcastReader.attach(ring_name, index, poll_interval=POLL_S)
     inbound = outbound = None
     try:
-        if index > 0:
+        if stage_index > 0:
             inbound = RingBuffer.create(edge_capacity, max_record=edge_record, poll_interval=POLL_S)
             os.write(name_fd, f"{inbound.name}\n".encode())
         os.close(name_fd)
         config, edge_names, output_name = reader.consume(pickle.loads, timeout=START_TIMEOUT_S)
-        stage = PipelineStage.of(config.model_config.hf_config.num_hidden_layers, size, index)
-        outbound = RingBuffer.attach(output_name if stage.is_last else edge_names[index], poll_interval=POLL_S)
-        worker = Worker(config, index)
+        stage = PipelineStage.of(config.model_config.hf_config.num_hidden_layers, size, stage_index)
+        if not stage.is_last:
+            outbound = RingBuffer.attach(edge_names[index], poll_interval=POLL_S)
+        elif rank == 0:
+            outbound = RingBuffer.attach(output_name, poll_interval=POLL_S)
+        group = _join_stage_group(stage_index, rank, tp, store_port, arena_name) if tp > 1 else None
+        worker = Worker(config, index) if group is None else TPWorker(config, rank, group)
         worker.init_device()
-        worker.model_runner.load_model(stage=stage)
+        worker.model_runner.load_model(group, stage)
         node = Stage(worker, stage, inbound, outbound)
-        logger.info("pipeline stage %d of %d: layers [%d, %d)", index, size, stage.start, stage.stop)
+        logger.info("%s of %d: layers [%d, %d)", label, size, stage.start, stage.stop)
         while True:
             try:
                 command, *args = reader.consume(pickle.loads)
             except PeerGoneError as exc:
-                logger.warning("pipeline stage %d: the engine is gone (%s): exiting", index, exc)
+                logger.warning("%s: the engine is gone (%s): exiting", label, exc)
                 return
             if command == "step":
                 node.step(*args)
@@ -185,11 +201,27 @@ def serve(
             elif command == "shutdown":
                 return
             else:
-                raise ValueError(f"pipeline stage {index}: unknown command {command!r}")
+                raise ValueError(f"{label}: unknown command {command!r}")
     finally:
         for ring in (reader, inbound, outbound):
             if ring is not None:
                 ring.close()
+
+
+def _join_stage_group(stage_index: int, rank: int, tp: int, store_port: Optional[int],
+                      arena_name: Optional[str]) -> TPGroup:
+    """This process's tensor-parallel group: the ranks of its stage, rendezvoused under the
+    stage's key prefix of the engine's TCPStore."""
+    if store_port is None:
+        raise ValueError(f"pipeline stage {stage_index} rank {rank}: tp={tp} needs --store-port")
+    store = torch.distributed.TCPStore(STORE_HOST, store_port, tp, False,
+                                       timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+    arena = None
+    if arena_name is not None:
+        from ipc.arena import Arena
+
+        arena = Arena.attach(arena_name, rank)
+    return TPGroup.join(torch.distributed.PrefixStore(f"stage{stage_index}/", store), rank, tp, arena)
 
 
 def _describe(exc: BaseException) -> str:
@@ -206,11 +238,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("edge_capacity", type=int)
     parser.add_argument("edge_record", type=int)
     parser.add_argument("name_fd", type=int, help="where this stage writes the name of the ring it reads from")
+    parser.add_argument("--tp", type=int, default=1, help="ranks per stage (index = stage * tp + rank)")
+    parser.add_argument("--store-port", type=int, help="the engine's TCPStore, where tp > 1")
+    parser.add_argument("--arena", help="the stage's all-reduce arena (else gloo)")
     parser.add_argument("--log-level", type=int, default=logging.WARNING)
     args = parser.parse_args(argv)
     run_worker(f"PPStage {args.index}", args.log_level, lambda: serve(
         args.ring, args.index, args.size, args.threads, args.parent_pid, args.edge_capacity, args.edge_record,
-        args.name_fd))
+        args.name_fd, args.tp, args.store_port, args.arena))
 
 
 if __name__ == "__main__":

@@ -85,6 +85,9 @@ def test_pp2_x_tp2_on_qwen2_equals_pp1_in_a_mixed_batch(tiny_qwen2_dir):
     reference, _ = run(tiny_qwen2_dir, 1, multiprocess=False, params=params, prompts=prompts)
     outputs, stats = run(tiny_qwen2_dir, 2, multiprocess=False, params=params, prompts=prompts, tp=2)
     assert stats["prefix_cache_hits"] > 0, stats
+    handoff = stats["pipeline_handoff"]  # every step's hand-offs timed, none negative
+    assert handoff["steps"] == stats["num_steps"] and handoff["edges_ms"] > 0, handoff
+    assert min(handoff["command_ms"], handoff["output_ms"]) >= 0, handoff
     assert_same_greedy(reference, outputs)
 
 

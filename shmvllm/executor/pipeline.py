@@ -10,7 +10,8 @@ reads the last stage's outputs from an SPSC ring it owns. Hidden states go from 
 over SPSC rings the receiving stages create, rank r of a stage to rank r of the next (every rank
 of a stage holds the same hidden states after its all-reduce, so no rank fans out copies). `submit` queues a step and `collect` returns the
 oldest step's output, so the engine keeps up to `max_concurrent_batches` (= the number of
-stages) micro-batches in flight, each stage working on a different one.
+stages) micro-batches in flight, each stage working on a different one. `handoff_stats` says
+what the hand-offs cost per step (the command, the edges, the output; timed in the stages).
 
 A stage that dies is found while this process waits for an output or writes a command (each
 stage's exit status is looked at every 0.05 s, with no collective to block on): WorkerDeadError,
@@ -67,6 +68,7 @@ class PipelineExecutor(WorkerProcs):
         self.edge_names: list[str] = []
         self.arenas: list[Any] = []
         self._sampled: dict[str, list[int]] = {}  # tokens the stages before the last have not been sent
+        self._handoff_ns = dict.fromkeys(("steps", "command", "edges", "output"), 0)
         self.ring = BroadcastWriter.create(processes, RING_CAPACITY, poll_interval=_POLL_S)
         self.output = RingBuffer.create(OUTPUT_CAPACITY, poll_interval=_POLL_S)
         try:
@@ -158,11 +160,17 @@ class PipelineExecutor(WorkerProcs):
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         """Queues a step behind the ones in flight."""
         sampled, self._sampled = self._sampled, {}
-        self._command("step", scheduler_output, sampled)
+        self._command("step", scheduler_output, sampled, time.monotonic_ns())
 
     def collect(self) -> ModelRunnerOutput:
         """The output of the oldest step in flight (blocks until the last stage sends it)."""
-        output: ModelRunnerOutput = self._receive()
+        waiting_since = time.monotonic_ns()
+        output, command_ns, edges_ns, sent = self._receive()
+        handoff = self._handoff_ns
+        handoff["steps"] += 1
+        handoff["command"] += command_ns
+        handoff["edges"] += edges_ns
+        handoff["output"] += max(time.monotonic_ns() - max(waiting_since, sent), 0)
         for req_id, tokens in zip(output.req_ids, output.sampled_token_ids):
             if tokens:
                 self._sampled.setdefault(req_id, []).extend(tokens)
@@ -171,6 +179,13 @@ class PipelineExecutor(WorkerProcs):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.submit(scheduler_output)
         return self.collect()
+
+    def handoff_stats(self) -> dict[str, float]:
+        """Per step since the start, in ms: the command's way to stage 0 (pickling included), the
+        hidden states' over every edge (copy and wake-up, summed), the output's way back."""
+        steps = max(self._handoff_ns["steps"], 1)
+        return {"steps": self._handoff_ns["steps"],
+                **{f"{part}_ms": self._handoff_ns[part] / steps / 1e6 for part in ("command", "edges", "output")}}
 
     def shutdown(self) -> None:
         """Stops the stages (`WorkerProcs._stop_workers`), closes the output ring and unlinks the

@@ -14,7 +14,14 @@ Every rank of the last stage samples the same tokens (as tensor-parallel ranks d
 0 sends the step's ModelRunnerOutput to the engine's output ring; the stages before it get the
 sampled tokens with a later step's command.
 
-An edge record is an 8-byte tag then the payload: HIDDEN (the [tokens, hidden] states),
+Each step's hand-offs are timed on the monotonic clock, which every process shares: the
+command's (the engine's stamp before pickling to stage 0's unpickled message), each edge's (the
+sender's copy into the ring, then from the later of its commit and the receiver starting to
+wait to the receiver holding the view), summed along the pipeline in the edge records' header
+and sent with the step's output, whose own hand-off the engine times (`PipelineExecutor.handoff_stats`).
+
+An edge record is a 40-byte header (a tag, the copy's start and end, the command's and the
+edges' nanoseconds so far) then the payload: HIDDEN (the [tokens, hidden] states),
 ERROR (the text of a failure upstream: every later stage passes it on and the last fails the
 step's requests), or VALUE (a pickled value folded along the pipeline: the KV cache size).
 
@@ -30,6 +37,8 @@ import datetime
 import logging
 import os
 import pickle
+import struct
+import time
 from typing import Any, Optional
 
 import torch
@@ -47,7 +56,8 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.05  # how often a waiting stage looks at its peers
 START_TIMEOUT_S = 600.0
-TAG_BYTES = 8
+HEADER = struct.Struct("=8sQQQQ")  # tag, copy start ns, copy end ns, command ns, edges ns
+HEADER_BYTES = HEADER.size
 HIDDEN, ERROR, VALUE = b"H", b"E", b"V"
 
 
@@ -55,7 +65,7 @@ def edge_record_bytes(config: EngineConfig) -> int:
     """The largest edge record: a step's hidden states for max_num_batched_tokens, and its tag."""
     element = torch.tensor([], dtype=torch_dtype(config.model_config.dtype)).element_size()
     payload = config.scheduler_config.max_num_batched_tokens * config.model_config.hf_config.hidden_size * element
-    return -(-(TAG_BYTES + payload + 8) // 8) * 8
+    return -(-(HEADER_BYTES + payload + 8) // 8) * 8
 
 
 class Stage:
@@ -79,22 +89,24 @@ class Stage:
             if self.outbound is not None:
                 self.outbound.push(pickle.dumps(blocks))
         else:
-            self.outbound.push(VALUE.ljust(TAG_BYTES, b"\0") + pickle.dumps(blocks))
+            self.outbound.push(HEADER.pack(VALUE, 0, 0, 0, 0) + pickle.dumps(blocks))
 
     def _receive_value(self) -> Any:
         message = self.inbound.pop()
         if message[:1] == ERROR:
-            raise RuntimeError(message[TAG_BYTES:].decode(errors="replace"))
+            raise RuntimeError(message[HEADER_BYTES:].decode(errors="replace"))
         if message[:1] != VALUE:
             raise RuntimeError(f"pipeline stage {self.stage.index}: expected a value, got tag {message[:1]!r}")
-        return pickle.loads(message[TAG_BYTES:])
+        return pickle.loads(message[HEADER_BYTES:])
 
     @torch.inference_mode()
-    def step(self, scheduler_output: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
+    def step(self, scheduler_output: SchedulerOutput, sampled: dict[str, list[int]], command_ns: int) -> None:
+        """`command_ns`: how long the step's command took to reach this stage (kept by stage 0)."""
         runner, error = self.runner, None
         if not self.stage.is_last:
             runner.append_sampled(sampled)
         step = hidden = None
+        edges_ns = 0
         try:
             step = runner.begin_step(scheduler_output)
             if step is None:
@@ -105,15 +117,19 @@ class Stage:
             if error is None:
                 hidden, error = self._forward(step, None)
         else:
+            waiting_since = time.monotonic_ns()
             view = self.inbound.pop_view()
+            arrived = time.monotonic_ns()
             try:
-                tag = bytes(view[:1])
+                tag, copy_start, copy_end, command_ns, edges_ns = HEADER.unpack_from(view)
+                edges_ns += copy_end - copy_start + max(arrived - max(waiting_since, copy_end), 0)
+                tag = tag[:1]
                 if tag == ERROR:
-                    error = error or bytes(view[TAG_BYTES:]).decode(errors="replace")
+                    error = error or bytes(view[HEADER_BYTES:]).decode(errors="replace")
                 elif tag != HIDDEN:
                     error = error or f"pipeline stage {self.stage.index}: expected hidden states, got tag {tag!r}"
                 elif error is None:
-                    incoming = torch.frombuffer(view, dtype=self.dtype, offset=TAG_BYTES,
+                    incoming = torch.frombuffer(view, dtype=self.dtype, offset=HEADER_BYTES,
                                                 count=len(step.input_ids) * self.hidden_size)
                     hidden, error = self._forward(step, incoming.view(-1, self.hidden_size))
                     del incoming  # the ring's record is freed below: nothing may view it after
@@ -130,11 +146,12 @@ class Stage:
                 output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[],
                                            errors=dict.fromkeys(scheduler_output.num_scheduled_tokens, error))
             if self.outbound is not None:
-                self.outbound.push(pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL))
+                message = (output, command_ns, edges_ns, time.monotonic_ns())
+                self.outbound.push(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
         elif error is not None:
-            self.outbound.push(ERROR.ljust(TAG_BYTES, b"\0") + error.encode())
+            self.outbound.push(HEADER.pack(ERROR, 0, 0, 0, 0) + error.encode())
         else:
-            self._send_hidden(hidden)
+            self._send_hidden(hidden, command_ns, edges_ns)
             runner.advance(step)
 
     def _forward(self, step: Any, incoming: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], Optional[str]]:
@@ -144,13 +161,14 @@ class Stage:
             logger.warning("pipeline stage %d: the step failed", self.stage.index, exc_info=True)
             return None, _describe(exc)
 
-    def _send_hidden(self, hidden: torch.Tensor) -> None:
+    def _send_hidden(self, hidden: torch.Tensor, command_ns: int, edges_ns: int) -> None:
         count = hidden.numel()
-        loan = self.outbound.reserve(TAG_BYTES + count * hidden.element_size())
-        loan[:1] = HIDDEN
-        target = torch.frombuffer(loan, dtype=hidden.dtype, offset=TAG_BYTES, count=count)
+        started = time.monotonic_ns()
+        loan = self.outbound.reserve(HEADER_BYTES + count * hidden.element_size())
+        target = torch.frombuffer(loan, dtype=hidden.dtype, offset=HEADER_BYTES, count=count)
         target.copy_(hidden.reshape(-1))
         del target  # commit ends the loan: nothing may view the record after
+        HEADER.pack_into(loan, 0, HIDDEN, started, time.monotonic_ns(), command_ns, edges_ns)
         self.outbound.commit()
 
 
@@ -187,13 +205,15 @@ def serve(
         node = Stage(worker, stage, inbound, outbound)
         logger.info("%s of %d: layers [%d, %d)", label, size, stage.start, stage.stop)
         while True:
+            waiting_since = time.monotonic_ns()
             try:
                 command, *args = reader.consume(pickle.loads)
             except PeerGoneError as exc:
                 logger.warning("%s: the engine is gone (%s): exiting", label, exc)
                 return
             if command == "step":
-                node.step(*args)
+                scheduler_output, sampled, sent = args
+                node.step(scheduler_output, sampled, max(time.monotonic_ns() - max(waiting_since, sent), 0))
             elif command == "num_blocks":
                 node.num_blocks()
             elif command == "init_kv":

@@ -313,6 +313,7 @@ class EngineCore:
             **self._totals,
             **({"spec_decode": self.scheduler.spec_stats.as_dict()} if self.scheduler.spec_stats else {}),
             **({"structured_output": self.structured_output_manager.stats()} if self.structured_output_manager else {}),
+            **({"pipeline_handoff": self.executor.handoff_stats()} if hasattr(self.executor, "handoff_stats") else {}),
         }
 
     def shutdown(self) -> None:

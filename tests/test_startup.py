@@ -312,6 +312,8 @@ class HeldEngineCore(core.EngineCore):
             f.write(str(os.getpid()))
         while not os.path.exists(os.environ["GO_MARK"]):
             time.sleep(0.02)
+        if os.environ.get("FAIL_LOAD"):
+            raise FileNotFoundError(2, "no such weights", "/nowhere/model.safetensors")
         super().__init__(*args, **kwargs)
 
 
@@ -325,9 +327,9 @@ llm.shutdown()
 """
 
 
-def _held_after_ready(tmp_path: Path, model_dir: Path) -> tuple[subprocess.Popen, int]:
+def _held_after_ready(tmp_path: Path, model_dir: Path, **env: str) -> tuple[subprocess.Popen, int]:
     """A frontend whose LLM() returned while its engine is held before building its model; (frontend, engine pid)."""
-    proc = _launch(tmp_path, LOADS_AFTER_READY.format(model=str(model_dir)), GO_MARK=str(tmp_path / "go"))
+    proc = _launch(tmp_path, LOADS_AFTER_READY.format(model=str(model_dir)), GO_MARK=str(tmp_path / "go"), **env)
     assert proc.stdout.readline().split() == ["LLM", "False"]  # LLM() is back, the model not built
     return proc, int((tmp_path / "loading").read_text())
 
@@ -352,6 +354,19 @@ def test_llm_returns_before_the_model_loads_and_serves_once_it_has(tmp_path, tin
         llm.shutdown()
     assert out.split("TOKENS", 1)[1].strip() == str(list(expected)), out
     _assert_nothing_left(proc.pid, engine, within=5.0)
+
+
+def test_a_load_failing_after_ready_is_the_first_calls_error(tmp_path, tiny_llama_dir):
+    """The engine's traceback reaches the caller as EngineDeadError on the call that needs it."""
+    proc, engine = _held_after_ready(tmp_path, tiny_llama_dir, FAIL_LOAD="1")
+    try:
+        (tmp_path / "go").touch()
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 1 and "EngineDeadError" in err, err
+        assert "FileNotFoundError: [Errno 2] no such weights" in err, err
+        _assert_nothing_left(proc.pid, engine, within=5.0)
+    finally:
+        proc.kill()
 
 
 def test_kill_9_of_the_engine_loading_after_ready(tmp_path, tiny_llama_dir):

@@ -299,6 +299,9 @@ class EngineCoreProc:
             early = limits_before_load(config) if executor_class is None else None
             if early is not None:
                 self.outbox.send(early)
+                # the model gets the blocks announced, whatever the RAM available reads once it is loaded
+                config = dataclasses.replace(
+                    config, cache_config=dataclasses.replace(config.cache_config, num_kv_blocks=early.num_kv_blocks))
             early_at = time.monotonic()
             if executor_class is None:  # waits for a prestarted engine's import in progress
                 import torch  # noqa: F401  (every built-in executor needs it: timed as a phase of its own)

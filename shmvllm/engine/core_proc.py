@@ -5,7 +5,9 @@ The process is a program of its own, `python -m shmvllm.engine.core_proc`, start
 main module runs in it, so scripts without a main guard, `python -c` and notebooks work; or,
 with SHMVLLM_ENGINE_START=fork, a fork of the frontend (`serve_forked`, vLLM's way). It
 opens its side of the channel (`Addresses.opener`), builds the EngineCore, and answers READY
-(`EngineReady`, the engine's limits), or `EngineFailed` with the traceback if building failed.
+(`EngineReady`, the engine's limits), or `EngineFailed` with the traceback if building failed;
+where its config alone decides the limits (`core.limits_before_load`) it answers READY first and
+builds after (a failure then is an `EngineFailed` after READY).
 Then the busy loop, which follows the channel's flow-control rule (shmvllm.boundary.channel):
 flush the outbox, take everything the frontend sent (ADD / ABORT / UTILITY / SHUTDOWN), step
 unless the outbox is backlogged, queue the step's outputs; wait on the input ring when there is

@@ -2,7 +2,7 @@
 nothing) against PP=1 on tiny random Llama (tied lm_head) and Qwen2 (untied) models and on the
 shipped SmolLM2, in mixed batches with preemption, prefix-cache hits and chunked prefill; PP=3
 on a 3-layer model (a stage per layer); PP=2 x TP=2 (four processes) against PP=1 on Qwen2 and
-SmolLM2, and kill -9 of one of its ranks; what each stage builds and reads; the scheduler's
+SmolLM2, and kill -9 of a rank of each stage; what each stage builds and reads; the scheduler's
 micro-batches; knobs refused by name. Kill -9 of each PP=2 stage: test_engine_death."""
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ from test_tensor_parallel import MAX_MODEL_LEN, assert_same_greedy, mixed_prompt
 pytestmark = pytest.mark.usefixtures("no_engine_left_behind")
 
 
-def run(model_dir: Path, pp: int, multiprocess: bool, params=None, prompts=None, tp: int = 1) -> tuple[list, dict]:
+def run(model_dir: Path, pp: int, multiprocess: bool, params=None, prompts=None, tp: int = 1,
+        num_kv_blocks: int = 40) -> tuple[list, dict]:
     # 40 blocks of 16 tokens for 32 requests of up to ~120 tokens: the scheduler preempts; a
     # budget of 64 tokens a step cuts the longer prompts into chunks
-    with LLM(model=str(model_dir), multiprocess=multiprocess, max_model_len=MAX_MODEL_LEN, num_kv_blocks=40,
+    with LLM(model=str(model_dir), multiprocess=multiprocess, max_model_len=MAX_MODEL_LEN, num_kv_blocks=num_kv_blocks,
              max_num_batched_tokens=64, pipeline_parallel_size=pp, tensor_parallel_size=tp) as llm:
         outputs = llm.generate(prompts or mixed_prompts(), params or params_for(), use_tqdm=False)
         stats = llm.llm_engine.engine_core.get_stats()
@@ -80,11 +81,12 @@ def test_pp2_on_the_shipped_smollm2_equals_pp1(smollm2_dir):
 
 
 def test_pp2_x_tp2_on_qwen2_equals_pp1_in_a_mixed_batch(tiny_qwen2_dir):
-    # four processes on two cores: 8 requests (half with the shared prefix), chunked by the budget
+    # four processes on two cores: 8 requests (half with the shared prefix), chunked by the budget,
+    # preempted in 16 blocks
     prompts, params = mixed_prompts(8), params_for(8)
-    reference, _ = run(tiny_qwen2_dir, 1, multiprocess=False, params=params, prompts=prompts)
-    outputs, stats = run(tiny_qwen2_dir, 2, multiprocess=False, params=params, prompts=prompts, tp=2)
-    assert stats["prefix_cache_hits"] > 0, stats
+    reference, _ = run(tiny_qwen2_dir, 1, multiprocess=False, params=params, prompts=prompts, num_kv_blocks=16)
+    outputs, stats = run(tiny_qwen2_dir, 2, multiprocess=False, params=params, prompts=prompts, tp=2, num_kv_blocks=16)
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0, stats
     handoff = stats["pipeline_handoff"]  # every step's hand-offs timed, none negative
     assert handoff["steps"] == stats["num_steps"] and handoff["edges_ms"] > 0, handoff
     assert min(handoff["command_ms"], handoff["output_ms"]) >= 0, handoff
@@ -102,13 +104,14 @@ def test_pp2_x_tp2_on_the_shipped_smollm2_equals_pp1(smollm2_dir):
     assert_same_greedy(outputs[1], outputs[2])
 
 
-def test_kill_9_of_a_rank_of_pp2_x_tp2_leaves_nothing(tiny_llama_dir):
+@pytest.mark.parametrize("victim", [1, 3])  # stage 0's rank 1 (amid all-reduces), stage 1's (which sends nothing)
+def test_kill_9_of_a_rank_of_pp2_x_tp2_leaves_nothing(tiny_llama_dir, victim):
     with LLM(str(tiny_llama_dir), pipeline_parallel_size=2, tensor_parallel_size=2, **ENGINE_ARGS) as llm:
         engine = llm.llm_engine.engine_core.engine_pid
         # a process's command line: python -m shmvllm.worker.pp_worker RING INDEX ... (INDEX = stage * 2 + rank)
         procs = {int(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[4]): pid for pid in _children(engine)}
         assert sorted(procs) == [0, 1, 2, 3], procs
-        _kill_mid_generate(llm, procs[1], {engine, *procs.values()})  # stage 0's rank 1, amid its all-reduces
+        _kill_mid_generate(llm, procs[victim], {engine, *procs.values()})
 
 
 def test_each_stage_builds_and_reads_only_its_part(tiny_qwen2_3_layers_dir, monkeypatch):

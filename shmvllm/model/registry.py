@@ -223,9 +223,27 @@ def _gguf_config_values(gguf_path: Path) -> dict[str, Any]:
     # transformers' GGUF mapping drops the experts' width (it keeps the config's default)
     if f"{arch}.expert_feed_forward_length" in header and hasattr(config, "moe_intermediate_size"):
         config.moe_intermediate_size = int(header[f"{arch}.expert_feed_forward_length"])
+    if arch == "gpt-oss":
+        config = _gpt_oss_config(config, header)
     values = config_values(config)
     values.pop("quantization_config", None)
     return values
+
+
+def _gpt_oss_config(config: Any, header: dict[str, Any]) -> Any:
+    """What transformers' gpt-oss GGUF mapping leaves out: the heads' width (key_length), the
+    experts' width (expert_feed_forward_length), and YaRN's parameters as gpt-oss ships them
+    (its rope is not truncated; llama.cpp's file holds only type, factor and original length)."""
+    config.head_dim = int(header.get("gpt-oss.attention.key_length", config.head_dim))
+    config.intermediate_size = int(header.get("gpt-oss.expert_feed_forward_length", config.intermediate_size))
+    if header.get("gpt-oss.rope.scaling.type") == "yarn":
+        config.rope_parameters = {
+            "rope_type": "yarn", "rope_theta": float(header.get("gpt-oss.rope.freq_base", 150000.0)),
+            "factor": float(header["gpt-oss.rope.scaling.factor"]), "beta_fast": 32.0, "beta_slow": 1.0,
+            "original_max_position_embeddings": int(header["gpt-oss.rope.scaling.original_context_length"]),
+            "truncate": False,
+        }
+    return config
 
 
 def _mixtral_config(llama: Any, header: dict[str, Any]) -> Any:

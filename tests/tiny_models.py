@@ -235,9 +235,9 @@ def write_gguf(model_dir: Path, path: Path, qtype: str = "F32") -> Path:
             if family.startswith("gemma") and gguf_name.endswith("norm.weight"):
                 values = values + np.float32(1.0)
             values = np.ascontiguousarray(values, dtype=np.float32)
-            # llama.cpp keeps the router F32; gpt-oss's files hold the experts alone in MXFP4
+            # llama.cpp keeps the router F32; gpt-oss's files hold the experts' weights alone in MXFP4
             if (values.ndim >= 2 and qtype != "F32" and "ffn_gate_inp" not in gguf_name
-                    and (family != "gpt_oss" or "_exps." in gguf_name)):
+                    and (family != "gpt_oss" or "_exps.weight" in gguf_name)):
                 kind = gguf.GGMLQuantizationType[qtype]
                 writer.add_tensor(gguf_name, gguf.quants.quantize(values, kind), raw_dtype=kind)
             else:

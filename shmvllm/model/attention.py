@@ -18,9 +18,11 @@ to its slot (slot_mapping), then
   their fresh K/V when nothing precedes the chunk, else over the context gathered from the
   cache with a causal mask shifted by the prefix length.
 
-Per layer, two options of the decoder families: a sliding window (the query at position p sees
-the keys at positions > p - window, as transformers' sliding-window mask) and Gemma 2's
-soft-capping of the scores (cap * tanh(score / cap), before the mask). A bidirectional layer
+Per layer, three options of the decoder families: a sliding window (the query at position p sees
+the keys at positions > p - window, as transformers' sliding-window mask), Gemma 2's
+soft-capping of the scores (cap * tanh(score / cap), before the mask), and gpt-oss's sinks (a
+learned logit per query head that joins the softmax's denominator and weighs no value; the C
+decode kernel takes them, prefills run eagerly, SDPA having no place for them). A bidirectional layer
 (EmbeddingGemma's, pooling only) attends a whole fresh sequence both ways, its window the keys
 closer than `window` either side. The cache keeps every
 block of a request for every layer (a block that only sliding layers could drop is kept for the
@@ -224,7 +226,7 @@ class PagedAttention(torch.nn.Module):
         if meta.decodes is not None:
             if meta.slot_mapping is None or self.k_cache is None or self.v_cache is None:
                 raise RuntimeError("decode needs the KV cache (got metadata without slot_mapping).")
-            if kernels is not None and self.sinks is None:
+            if kernels is not None:
                 self._decode_native(kernels, q, meta.decodes, out)
             else:
                 self._decode(q, meta.decodes, out)
@@ -243,11 +245,13 @@ class PagedAttention(torch.nn.Module):
         k_cache, v_cache = self.k_cache, self.v_cache
         assert k_cache is not None and v_cache is not None and v_cache.is_contiguous()
         rows, table, seq_lens = batch.pointers
+        sinks = None if self.sinks is None else self.sinks.float().contiguous()  # the kernel reads fp32 sinks
         status = kernels.shm_paged_decode_attention_ex(
             out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0), rows, len(batch.rows),
             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1] * k_cache.shape[2], table,
             batch.block_table.shape[1], seq_lens, k_cache.shape[2], self.num_heads, self.num_kv_heads,
             self.head_dim, self.scale, self.sliding_window or 0, self.softcap or 0.0,
+            None if sinks is None else sinks.data_ptr(),
         )
         if status != 0:
             raise MemoryError("the decode attention kernel could not allocate its scratch memory")

@@ -1,6 +1,8 @@
-"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral): an fp32 router picks each token's top-k
-experts, and a step's tokens are grouped by expert so that each chosen expert's weights are read
-once and multiplied with all of its tokens; an expert no token chose is not touched.
+"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral, gpt-oss): an fp32 router picks each token's
+top-k experts, and a step's tokens are grouped by expert so that each chosen expert's weights are
+read once and multiplied with all of its tokens; an expert no token chose is not touched.
+gpt-oss's variant (router bias, softmax over the top-k logits, expert biases, the clamped SwiGLU)
+runs the experts one by one from Python (`native_options`): the C kernels have none of it.
 
 The router follows transformers' arithmetic in fp32: logits = x @ W_gate^T, softmax over all
 experts, top-k, then (Mixtral always; Qwen3-MoE where `norm_topk_prob`) the chosen weights

@@ -98,8 +98,12 @@ class EngineCore:
         self.model_config = config.model_config
         self.executor = (executor_class or _default_executor_class(config))(config)
         loaded = time.perf_counter()
-        self.num_kv_blocks = int(self.executor.determine_num_kv_blocks())
-        self.executor.initialize_kv_cache(self.num_kv_blocks)
+        try:
+            self.num_kv_blocks = int(self.executor.determine_num_kv_blocks())
+            self.executor.initialize_kv_cache(self.num_kv_blocks)
+        except BaseException:
+            self.executor.shutdown()  # its workers and rings would outlive a half-built engine
+            raise
         self.block_size = config.cache_config.block_size
         self.structured_output_manager = None if self.model_config.is_embedding else StructuredOutputManager(
             self.model_config.tokenizer_dir or self.model_config.model_dir,

@@ -62,7 +62,7 @@ HIDDEN, ERROR, VALUE = b"H", b"E", b"V"
 
 
 def edge_record_bytes(config: EngineConfig) -> int:
-    """The largest edge record: a step's hidden states for max_num_batched_tokens, and its tag."""
+    """The largest edge record: a step's hidden states for max_num_batched_tokens, and its header."""
     element = torch.tensor([], dtype=torch_dtype(config.model_config.dtype)).element_size()
     payload = config.scheduler_config.max_num_batched_tokens * config.model_config.hf_config.hidden_size * element
     return -(-(HEADER_BYTES + payload + 8) // 8) * 8
@@ -101,7 +101,8 @@ class Stage:
 
     @torch.inference_mode()
     def step(self, scheduler_output: SchedulerOutput, sampled: dict[str, list[int]], command_ns: int) -> None:
-        """`command_ns`: how long the step's command took to reach this stage (kept by stage 0)."""
+        """`command_ns`: how long the step's command took to reach this stage (stage 0's measure
+        travels on in the edge header and replaces the later stages' own)."""
         runner, error = self.runner, None
         if not self.stage.is_last:
             runner.append_sampled(sampled)
@@ -149,7 +150,8 @@ class Stage:
                 message = (output, command_ns, edges_ns, time.monotonic_ns())
                 self.outbound.push(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
         elif error is not None:
-            self.outbound.push(HEADER.pack(ERROR, 0, 0, 0, 0) + error.encode())
+            now = time.monotonic_ns()
+            self.outbound.push(HEADER.pack(ERROR, now, now, command_ns, edges_ns) + error.encode())
         else:
             self._send_hidden(hidden, command_ns, edges_ns)
             runner.advance(step)

@@ -91,9 +91,10 @@ typedef struct {
  * counter; a MoE layer's experts take synchronisation words of their own (moe.c's moe_team). */
 #define PHASES_PER_LAYER 7
 
-/* Output rows per chunk handed out: about four chunks per thread, whole cache lines of output. */
+/* Output rows per chunk handed out: one chunk per thread (each streams one contiguous run of weight
+ * rows, the hardware prefetcher's best case; smaller chunks measured slower, decode_profile.md). */
 static inline int64_t chunk_rows(int64_t n, int threads) {
-    const int64_t rows = (n + 4 * threads - 1) / (4 * threads);
+    const int64_t rows = (n + threads - 1) / threads;
     return rows < 16 ? 16 : (rows + 15) & ~(int64_t)15;
 }
 

@@ -53,7 +53,7 @@ _SIGNATURES = {
     ),
     "shm_paged_decode_attention_ex": (
         ctypes.c_int,
-        [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _f32, _i64, _f32],
+        [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _f32, _i64, _f32, _ptr],
     ),
     "shm_rms_norm": (None, [_ptr, _ptr, _ptr, _i64, _i64, _f32]),
     "shm_silu_and_mul": (None, [_ptr, _ptr, _i64, _i64]),

@@ -311,7 +311,7 @@ int shm_decode_step(const shm_model *m, float *hidden, float *out, int64_t rows,
     const int64_t own = own_floats(m, rows);
     const shm_attention_args args = {attn, q_size, qkv, qkv_width, decode_rows, rows, NULL, NULL, m->num_slots,
                                      block_table, block_table_stride, seq_lens, m->block_size, m->num_heads,
-                                     m->kv_heads, D, 0.0f, 1, 0, 0.0f};
+                                     m->kv_heads, D, 0.0f, 1, 0, 0.0f, NULL};
     int threads = omp_get_max_threads();
     threads = threads < m->threads ? threads : (int)m->threads;
 #pragma omp parallel num_threads(threads)

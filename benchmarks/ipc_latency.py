@@ -27,13 +27,14 @@ transient of its own, tens of µs a wake-up until it settles).
 
 Rounds: the speed of a shared machine drifts by tens of percent from one second to the next, so
 a case measured in one stretch can be judged on a slow second. For each payload the benchmark
-runs `--repeats` rounds; a round runs every case once (a fresh echo process each time, so that
-no polling peer stays alive beside the others), in an order rotated by one case per round, with
-its share of the busy and paced round trips and its throughput passes. A row's median and p99
-are over the round trips of all rounds together, its msg/s the median of the rounds' rates; the
-rows carry the rounds' medians and rates too (`rtt_us_round_medians`, `msgs_per_s_rounds`), the
-table their range. The floor runs as one more case in the rounds of the 64 B payload (or of
-the first payload chosen).
+runs `--repeats` rounds; a round is REPETITIONS repetitions, each running every case once (a
+fresh echo process each time, so that no polling peer stays alive beside the others) in an order
+rotated by one case per repetition, with its share of the busy and paced round trips and its
+throughput passes; the round keeps each case's better repetition per mode (the round trips of
+the lower median, the higher rate). A row's median and p99 are over the kept round trips of all
+rounds together, its msg/s the median of the rounds' rates; the rows carry the rounds' medians
+and rates too (`rtt_us_round_medians`, `msgs_per_s_rounds`), the table their range. The floor
+runs as one more case in the rounds of the 64 B payload (or of the first payload chosen).
 
 Transports (`transport` in the JSON, `variant` where there are several):
 - shm: ipc.RingBuffer, one ring per direction;
@@ -95,6 +96,10 @@ BATCH = 64  # messages per push_many / pop_many in the ring's throughput run
 # single pass; noise only ever slows a pass down, for every transport alike.
 TPUT_PASSES = 3
 REPEATS = {True: 3, False: 5}  # rounds per payload by default, with --quick and without
+# A round is this many repetitions of every case, interleaved, and keeps each case's better one
+# (per mode): a preemption, or a placement that holds for a whole repetition (the echo process
+# is fresh each time), then decides a round only when it hits both, for every transport alike.
+REPETITIONS = 2
 MIN_BUSY, MIN_PACED = 50, 20  # round trips a case makes in a round at least
 # The paced run follows the busy one in the same two processes. When both sides polled during the
 # busy run, the kernel has left them on two CPUs; a sleeper is then woken on its own idle CPU (a
@@ -650,6 +655,15 @@ def merge_rounds(transport: str, variant: str, payload: str, rounds: list[dict])
     return out
 
 
+def better_of(repetitions: list[dict]) -> dict:
+    """A round from its repetitions of one case (`run_round`'s results): per mode the round trips
+    of the repetition with the lower median, the higher of their rates."""
+    return dict(payload_bytes=repetitions[0]["payload_bytes"],
+                busy=min((r["busy"] for r in repetitions), key=statistics.median),
+                paced=min((r["paced"] for r in repetitions), key=statistics.median),
+                msgs_per_s=max(r["msgs_per_s"] for r in repetitions))
+
+
 def rotated(cases: list, round_index: int) -> list:
     """The order of the cases in a round: round r starts at case r mod n, so that each case is
     first (and last) in as many rounds as any other."""
@@ -660,20 +674,25 @@ def rotated(cases: list, round_index: int) -> list:
 def run_payload(payload: Payload, cases: list, repeats: int, quick: bool, ctx: Any, floor_program: Optional[str] = None,
                 progress: Callable[[str], Any] = lambda line: None) -> list[dict]:
     """`repeats` rounds of every case (and, with `floor_program`, of the floor) on one payload,
-    merged into rows."""
-    counts = counts_for(encoded_size(payload, payload.make()), quick).per_round(repeats)
+    each of REPETITIONS interleaved repetitions (the order rotated by one case for each), merged
+    into rows."""
+    counts = counts_for(encoded_size(payload, payload.make()), quick).per_round(repeats * REPETITIONS)
     jobs = list(cases) + ([FLOOR] if floor_program else [])
-    results: dict[tuple, list] = {job: [] for job in jobs}
+    results: dict[tuple, list] = {job: [[] for _ in range(repeats)] for job in jobs}
     for r in range(repeats):
-        for job in rotated(jobs, r):
-            if job == FLOOR:
-                results[job].append(floor_round(floor_program, quick, repeats))
-            else:
-                results[job].append(run_round(*job, payload, counts, ctx))
-            progress(f"round {r + 1}/{repeats} {payload.name:8s} {label(*job):24s}")
+        for k in range(REPETITIONS):
+            for job in rotated(jobs, r * REPETITIONS + k):
+                if job == FLOOR:
+                    results[job][r].append(floor_round(floor_program, quick, repeats * REPETITIONS))
+                else:
+                    results[job][r].append(run_round(*job, payload, counts, ctx))
+                progress(f"round {r + 1}/{repeats}.{k + 1} {payload.name:8s} {label(*job):24s}")
     rows = []
     for job in jobs:
-        rows.extend(merge_floor(results[job]) if job == FLOOR else merge_rounds(*job, payload.name, results[job]))
+        if job == FLOOR:
+            rows.extend(merge_floor([min(reps, key=statistics.median) for reps in results[job]]))
+        else:
+            rows.extend(merge_rounds(*job, payload.name, [better_of(reps) for reps in results[job]]))
     return rows
 
 
@@ -902,8 +921,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--payloads", default=",".join(payloads), help="comma-separated subset")
     parser.add_argument("--no-floor", action="store_true", help="skip the C floor")
     parser.add_argument("--repeats", type=int, metavar="R",
-                        help=f"rounds per payload, each running every case once in a rotated order "
-                             f"(default {REPEATS[True]} with --quick, else {REPEATS[False]})")
+                        help=f"rounds per payload, each running every case {REPETITIONS} times in a rotated order "
+                             f"and keeping the better (default {REPEATS[True]} with --quick, else {REPEATS[False]})")
     args = parser.parse_args(argv)
     repeats = REPEATS[args.quick] if args.repeats is None else args.repeats
     if repeats < 1:

@@ -1,5 +1,5 @@
-"""Tensor and pipeline parallelism on the default model: TP=1 against TP=2 and PP=2, single request
-and batch, one run.
+"""Tensor and pipeline parallelism on the default model: TP=1 against TP=2, PP=2 and PP=2 x TP=2,
+single request and batch, one run.
 
 The engines load SmolLM2-135M-Instruct on its GGUF blocks (Q4_1 layers, Q8_0 tied embedding;
 under TP=2 each rank builds and loads only its share, see shmvllm/model/parallel/layers.py), and,
@@ -14,9 +14,14 @@ machine's noise falls on all alike. Per repetition:
 - batch: 32 requests of 85 prompt tokens (distinct), 64 greedy tokens each: output tok/s.
 
 PP=2 (pipeline_parallel_size=2) runs two stage programs of 15 layers each (the engine process
-computes nothing), cpu_count // 2 threads each; its single-request cost per decode step over
-TP=1's is printed as the per-step cost of the pipeline (the hand-offs over the rings, and the
-layer-by-layer path where TP=1 runs the native all-layer decode step).
+computes nothing), cpu_count // 2 threads each; PP=2 x TP=2 four programs, each stage a TP=2
+group (shared-memory all-reduce), cpu_count // 4 threads each (at least one). Their
+single-request cost per decode step over TP=1's is printed as the per-step cost of the
+pipeline, and beside it the part that is the hand-offs, timed in the stages on the shared
+monotonic clock (the engine's get_stats()['pipeline_handoff'], differenced around each run): the
+command's way to stage 0, the hidden states' over the edge ring (the copy in, the receiver's
+wake-up), the output's way back. The rest is the layer-by-layer path (TP=1 runs the native
+all-layer decode step) and, with one request, stages that cannot overlap.
 
 On the blocks, two TP=2 engines: the layers' all-reduces through gloo (the default) and through
 the shared-memory arena (SHMVLLM_TP_ALLREDUCE=shm, engine "TP=2 shm").
@@ -86,9 +91,19 @@ ENGINES = [
     ("TP=2", 2, 1, "gloo", None, "TP=1"),
     ("TP=2 shm", 2, 1, "shm", None, "TP=1"),
     ("PP=2", 1, 2, "gloo", None, "TP=1"),
+    ("PP=2 x TP=2", 2, 2, "shm", None, "TP=1"),
     ("TP=1 fp32", 1, 1, "gloo", "none", None),
     ("TP=2 fp32", 2, 1, "gloo", "none", "TP=1 fp32"),
 ]
+
+
+HANDOFF_PARTS = ("steps", "command_ms", "edges_ms", "output_ms")
+
+
+def handoff_totals(llm: Any) -> dict[str, float]:
+    """The pipeline's hand-off milliseconds summed over every step so far, and the steps."""
+    stats = llm.llm_engine.engine_core.get_stats()["pipeline_handoff"]
+    return {part: stats["steps"] * (1 if part == "steps" else stats[part]) for part in HANDOFF_PARTS}
 
 
 def _proc_field(pid: int, index: int) -> str:
@@ -145,13 +160,19 @@ def main() -> None:
         for name in engines:  # warm-up: first-call costs (oneDNN, allocations) out of the timings
             run(engines[name], batch[:2], args.max_tokens)
         peaks = {name: rank_peaks_mib(llm) for name, llm in engines.items()}
+        pipelined = [name for name, (_, pp, *_) in specs.items() if pp > 1]
+        handoffs = {(n, w): dict.fromkeys(HANDOFF_PARTS, 0.0) for n in pipelined for w in ("single", "batch")}
         for rep in range(args.repeats):
             order = list(engines)[rep % len(engines):] + list(engines)[: rep % len(engines)]
             for workload, requests in (("single", batch[:1]), ("batch", batch)):
                 for name in order:
+                    before = handoff_totals(engines[name]) if name in pipelined else None
                     wall, toks, lps = run(engines[name], requests, args.max_tokens)
                     walls[name, workload].append(wall)
                     tokens[name, workload] = (toks, lps)
+                    if before is not None:
+                        for part, value in handoff_totals(engines[name]).items():
+                            handoffs[name, workload][part] += value - before[part]
     finally:
         for llm in engines.values():
             llm.shutdown()
@@ -178,8 +199,19 @@ def main() -> None:
             worst, whole = max(peaks[name]), max(peaks[reference])
             checks.append(f"CHECK {name} every rank's peak RSS below {reference}'s = {worst:.0f} / {whole:.0f} MiB = "
                           f"{worst / whole:.2f}x (< 1.0x): {'holds' if worst < whole else 'FAILS'}")
-    step_cost_ms = 1000 * (1 / by["PP=2", "single"]["tok_per_s"] - 1 / by["TP=1", "single"]["tok_per_s"])
-    print(f"PP=2 per-step cost over TP=1 (single request, per decode step): {step_cost_ms:.2f} ms")
+    step_cost_ms = {name: 1000 * (1 / by[name, "single"]["tok_per_s"] - 1 / by["TP=1", "single"]["tok_per_s"])
+                    for name in pipelined}
+    handoff_ms: dict[str, dict[str, float]] = {}
+    for (name, workload), totals in handoffs.items():
+        steps = max(totals["steps"], 1)
+        per_step = {part: totals[part] / steps for part in HANDOFF_PARTS[1:]}
+        per_step["total_ms"] = sum(per_step.values())
+        handoff_ms[f"{name} {workload}"] = {"steps": totals["steps"], **per_step}
+        print(f"{name} hand-offs per step ({workload}, {totals['steps']:.0f} steps): command {per_step['command_ms']:.3f} "
+              f"+ edges {per_step['edges_ms']:.3f} + output {per_step['output_ms']:.3f} = {per_step['total_ms']:.3f} ms")
+    for name in pipelined:
+        print(f"{name} per-step cost over TP=1 (single request, per decode step): {step_cost_ms[name]:.2f} ms, of which "
+              f"hand-offs {handoff_ms[f'{name} single']['total_ms']:.2f} ms")
     for workload in ("single", "batch"):
         pp_vs_tp = by["PP=2", workload]["tok_per_s"] / by["TP=2", workload]["tok_per_s"]
         print(f"PP=2 / TP=2 {workload}: {pp_vs_tp:.2f}x")
@@ -201,7 +233,8 @@ def main() -> None:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"cores": cores, "prompt_tokens": PROMPT_TOKENS, "max_tokens": args.max_tokens,
-                                               "batch": args.batch, "pp2_step_cost_ms": step_cost_ms, "rows": rows,
+                                               "batch": args.batch, "step_cost_over_tp1_ms": step_cost_ms,
+                                               "handoff_ms_per_step": handoff_ms, "rows": rows,
                                                "checks": checks}, indent=2) + "\n")
     if args.plot:
         import matplotlib
@@ -210,16 +243,17 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         names = list(engines)
-        colors = ["tab:blue", "tab:orange", "tab:gray", "tab:green", "tab:cyan", "tab:red"]
+        colors = ["tab:blue", "tab:orange", "tab:gray", "tab:green", "tab:olive", "tab:cyan", "tab:red"]
         fig, axes = plt.subplots(1, 2, figsize=(12, 4))
         for ax, workload in zip(axes, ("single", "batch")):
             values = [by[n, workload]["tok_per_s"] for n in names]
             errs = [[v - by[n, workload]["min"] for n, v in zip(names, values)],
                     [by[n, workload]["max"] - v for n, v in zip(names, values)]]
             ax.bar(names, values, yerr=errs, color=colors[: len(names)], capsize=4)
+            ax.tick_params(axis="x", labelsize=8)
             ax.set_title(f"{workload} ({1 if workload == 'single' else args.batch} x {args.max_tokens} tokens)")
             ax.set_ylabel("output tok/s")
-        fig.suptitle(f"SmolLM2-135M on {cores} cores: tensor parallel (GGUF blocks{'' if args.no_fp32 else '; fp32'})")
+        fig.suptitle(f"SmolLM2-135M on {cores} cores: tensor and pipeline parallel (GGUF blocks{'' if args.no_fp32 else '; fp32'})")
         fig.tight_layout()
         fig.savefig(args.plot, dpi=100)
 

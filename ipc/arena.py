@@ -80,8 +80,9 @@ class Arena:
         self._closed = False
 
     @classmethod
-    def create(cls, participants: int, slot_bytes: int, poll_interval: float = 0.1) -> "Arena":
-        """A new arena; this process is participant 0."""
+    def create(cls, participants: int, slot_bytes: int, poll_interval: float = 0.1, seated: bool = True) -> "Arena":
+        """A new arena; this process is participant 0, or (seated=False) only its owner, seat
+        0 left to the first process that attaches as index 0."""
         if not isinstance(participants, int) or not 1 <= participants <= MAX_PARTICIPANTS:
             raise ValueError(f"participants must be an int in [1, {MAX_PARTICIPANTS}], got {participants!r}")
         if not isinstance(slot_bytes, int) or slot_bytes < 8 or slot_bytes % 64:
@@ -99,7 +100,9 @@ class Arena:
             arena._store(OFF_SLOT_BYTES, slot_bytes)
             arena._store(OFF_CREATOR_START, process_start_time(pid))
             arena._store(OFF_CREATOR_PID, pid)
-            arena._take_seat()
+            if seated:
+                arena._take_seat()
+            arena.participants, arena.slot_bytes = participants, slot_bytes
             arena._store(0, MAGIC)
         except BaseException:
             finalizer()
@@ -118,8 +121,9 @@ class Arena:
         n, slot = arena._load(OFF_PARTICIPANTS), arena._load(OFF_SLOT_BYTES)
         if HEADER_SIZE + 2 * n * slot > segment.size:
             raise RingCorruptedError(f"{name} claims {n} x 2 slots of {slot} bytes in {segment.size} bytes")
-        if not isinstance(index, int) or not 1 <= index < n:
-            raise ValueError(f"index must be an int in [1, {n}) for arena {name}, got {index!r}")
+        first = 1 if arena._load(OFF_SEATS + S_PID) else 0  # seat 0 is free in an arena created unseated
+        if not isinstance(index, int) or not first <= index < n:
+            raise ValueError(f"index must be an int in [{first}, {n}) for arena {name}, got {index!r}")
         arena._take_seat()
         return arena
 

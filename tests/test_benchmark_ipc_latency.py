@@ -88,12 +88,22 @@ def test_rounds_interleave_the_cases_and_the_floor(monkeypatch):
 
     monkeypatch.setattr(bench, "run_round", fake_round)
     monkeypatch.setattr(bench, "floor_round", fake_floor)
+    monkeypatch.setattr(bench, "REPETITIONS", 2)
     cases = [("shm", "ring"), ("pipe", "os.pipe")]
     rows = bench.run_payload(bench.raw_payload("64B"), cases, 3, True, None, floor_program="floor")
-    assert calls == ["shm", "pipe", "floor", "pipe", "floor", "shm", "floor", "shm", "pipe"]
+    order = ["shm", "pipe", "floor"]
+    assert calls == [job for k in range(6) for job in bench.rotated(order, k)]
     shm_busy = next(r for r in rows if r["transport"] == "shm" and r["mode"] == "busy")
-    assert shm_busy["rtt_us_round_medians"] == [1.0, 6.0, 8.0]
+    # each round keeps the better (here: the earlier) of its two repetitions
+    assert shm_busy["rtt_us_round_medians"] == [float(calls.index("shm", 6 * r) + 1) for r in range(3)] == [1.0, 8.0, 15.0]
     assert [r["transport"] for r in rows] == ["shm", "shm", "pipe", "pipe", "floor"]
+
+
+def test_a_round_keeps_the_better_repetition_per_mode():
+    first = _round([1.0, 9.0, 9.0], [5.0, 5.0], 100.0, size=1024)
+    second = _round([2.0, 2.0, 8.0], [4.0, 6.0, 7.0], 50.0, size=1024)
+    assert bench.better_of([first, second]) == dict(payload_bytes=1024, busy=[2.0, 2.0, 8.0], paced=[5.0, 5.0], msgs_per_s=100.0)
+    assert bench.better_of([first]) == first
 
 
 def _row(transport, variant, payload, mode, rounds, rates=None):

@@ -122,6 +122,29 @@ def test_attention_runs_for_sorted_lengths(ours):
         torch.testing.assert_close(packed[i], alone, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [32, 40, 64, 12])  # 40: a last slice of 8 columns; 12: SDPA only
+@pytest.mark.parametrize("window", [None, 0, 5])
+def test_attention_kernel_matches_sdpa(monkeypatch, head_dim, window):
+    """kernels/encoder_attention.c (CPU, fp32) against the SDPA runs, over mixed lengths (one
+    token, runs of equal length, longer than a window) and a QKV with a wider row stride."""
+    from shmvllm.model import bert
+    from shmvllm.model.kernels import encoder_attention_kernels
+
+    if encoder_attention_kernels() is None:
+        pytest.skip("needs an x86 CPU with AVX2 + FMA and a C compiler")
+    lengths = [1, 2, 7, 7, 7, 9, 16, 33, 70]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    heads, g = 3, torch.Generator().manual_seed(7)
+    qkv = torch.randn(cu[-1], 3 * heads * head_dim + 5, generator=g)[:, : 3 * heads * head_dim]
+    plan = AttentionPlan(cu)
+    assert (bert._attention_kernels(qkv, head_dim) is not None) == (head_dim % 8 == 0)
+    got = plan.attend(qkv, heads, head_dim, window)
+    monkeypatch.setattr(bert, "_attention_kernels", lambda qkv, head_dim: None)
+    torch.testing.assert_close(got, plan.attend(qkv, heads, head_dim, window), atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_linear_epilogues(monkeypatch, fused, approximate):

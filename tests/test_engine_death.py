@@ -128,3 +128,40 @@ def test_a_dead_worker_ends_an_engine_stuck_in_a_collective(tiny_llama_dir, tmp_
     assert time.monotonic() - killed_at < 2.0
     assert not pid_alive(int(worker))
     assert _segments_of({proc.pid}) == [] and not (Path("/dev/shm") / ring.lstrip("/")).exists()
+
+
+_FAILS_AFTER_START = """
+import os, sys
+from shmvllm.engine.arg_utils import EngineArgs
+from shmvllm.engine.core import EngineCore
+from shmvllm.executor.multiproc import MultiprocExecutor
+
+class KvSizingFails(MultiprocExecutor):
+    def determine_num_kv_blocks(self):
+        print(" ".join(str(p.pid) for p in self.procs), self.ring.name, flush=True)
+        raise RuntimeError("KV sizing failed")
+
+config = EngineArgs(model=sys.argv[1], tensor_parallel_size=2, max_model_len=256).create_engine_config()
+try:
+    EngineCore(config, executor_class=KvSizingFails)
+except RuntimeError as exc:
+    print("raised", exc, flush=True)
+os._exit(0)  # as the engine's process exits: no interpreter teardown, no finalizers
+"""
+
+
+def test_an_engine_whose_set_up_fails_after_its_workers_started_stops_them(tiny_llama_dir, tmp_path):
+    """A failure between the executor's start and READY (here the KV cache sizing) stops the
+    workers and removes the rings before the engine's process exits: no process and nothing in
+    /dev/shm left."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "fails_after_start.py"
+    script.write_text(_FAILS_AFTER_START)
+    out = subprocess.run([sys.executable, str(script), str(tiny_llama_dir)], capture_output=True, text=True, timeout=120)
+    lines = out.stdout.splitlines()
+    assert lines[-1] == "raised KV sizing failed", out.stderr[-2000:]
+    *workers, ring = lines[0].split()
+    assert all(not pid_alive(int(pid)) for pid in workers)
+    assert not (Path("/dev/shm") / ring.lstrip("/")).exists()

@@ -96,3 +96,21 @@ def test_dead_participant_is_reported_within_the_poll_interval():
     assert _leftovers(arena.name) == []
     with pytest.raises(ValueError, match="slot_bytes"):
         Arena.create(2, 100)
+
+
+def test_an_unseated_creator_leaves_every_seat_to_the_processes_that_attach():
+    arena = Arena.create(2, 64, poll_interval=0.05, seated=False)
+    procs = [_participant(arena.name, i, 200) for i in (0, 1)]
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=30)
+            assert proc.returncode == 0 and out.strip() == "done", out
+        with pytest.raises(ValueError, match=r"index must be an int in \[1, 2\)"):
+            Arena.attach(arena.name, 0)  # seat 0 is taken now
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        arena.close()
+    assert _leftovers(arena.name) == []

@@ -259,6 +259,179 @@ def test_kill_9_of_the_engine_while_it_loads(tmp_path, tiny_llama_dir):
         proc.kill()
 
 
+# ---- READY from the config, before torch and the model ----------------------------------------------
+
+
+def _limits_cases(tiny_llama_dir: Path, smollm2_dir: Path) -> list[dict]:
+    return [
+        dict(model=str(smollm2_dir)),
+        dict(model=str(tiny_llama_dir), max_model_len=64, num_kv_blocks=16),
+        dict(model=str(tiny_llama_dir), max_model_len=512, kv_cache_memory=3 * 2**20),
+        dict(model=str(tiny_llama_dir), max_model_len=1024, kv_cache_memory=2**20, max_logprobs=-1),
+        dict(model=str(tiny_llama_dir), max_model_len=64, num_kv_blocks=16, dtype="bfloat16"),
+    ]
+
+
+def test_limits_before_load_are_the_built_engines(tiny_llama_dir, smollm2_dir):
+    """What an engine answers READY with before it imports torch is what it finds once built."""
+    from shmvllm import EngineArgs
+    from shmvllm.engine.core import EngineCore, limits_before_load
+
+    for kwargs in _limits_cases(tiny_llama_dir, smollm2_dir):
+        config = EngineArgs(**kwargs).create_engine_config()
+        early = limits_before_load(config)
+        core = EngineCore(config)
+        try:
+            assert early is not None and early == core.ready(), kwargs
+        finally:
+            core.shutdown()
+
+
+def test_limits_before_load_only_where_the_config_decides(tiny_llama_dir):
+    from shmvllm import EngineArgs
+    from shmvllm.engine.core import limits_before_load
+
+    base = dict(model=str(tiny_llama_dir), max_model_len=64, num_kv_blocks=16)
+    assert limits_before_load(EngineArgs(**base).create_engine_config()) is not None
+    for extra in (dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)):
+        assert limits_before_load(EngineArgs(**base, **extra).create_engine_config()) is None, extra
+    embed = EngineArgs(model="all-minilm-l6-v2").create_engine_config()
+    assert limits_before_load(embed) is None
+
+
+LOADS_AFTER_READY = """
+import os, signal, sys, time
+import shmvllm.engine.core as core
+from shmvllm import LLM, SamplingParams
+
+
+class HeldEngineCore(core.EngineCore):
+    \"\"\"Holds the engine between its READY and its model until GO_MARK exists.\"\"\"
+    def __init__(self, *args, **kwargs):
+        with open(os.environ["LOADING_MARK"], "w") as f:
+            f.write(str(os.getpid()))
+        while not os.path.exists(os.environ["GO_MARK"]):
+            time.sleep(0.02)
+        if os.environ.get("FAIL_LOAD"):
+            raise FileNotFoundError(2, "no such weights", "/nowhere/model.safetensors")
+        super().__init__(*args, **kwargs)
+
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal
+core.EngineCore = HeldEngineCore
+llm = LLM({model!r}, max_model_len=64, num_kv_blocks=16)
+print("LLM", os.path.exists(os.environ["GO_MARK"]), flush=True)
+params = SamplingParams(temperature=0.0, max_tokens=6)
+print("TOKENS", llm.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0].token_ids, flush=True)
+llm.shutdown()
+"""
+
+
+def _held_after_ready(tmp_path: Path, model_dir: Path, **env: str) -> tuple[subprocess.Popen, int]:
+    """A frontend whose LLM() returned while its engine is held before building its model; (frontend, engine pid)."""
+    proc = _launch(tmp_path, LOADS_AFTER_READY.format(model=str(model_dir)), GO_MARK=str(tmp_path / "go"), **env)
+    assert proc.stdout.readline().split() == ["LLM", "False"]  # LLM() is back, the model not built
+    return proc, int((tmp_path / "loading").read_text())
+
+
+def test_llm_returns_before_the_model_loads_and_serves_once_it_has(tmp_path, tiny_llama_dir):
+    from shmvllm import LLM, SamplingParams
+
+    proc, engine = _held_after_ready(tmp_path, tiny_llama_dir)
+    try:
+        time.sleep(0.3)  # the request waits in the ring meanwhile
+        (tmp_path / "go").touch()
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+    finally:
+        proc.kill()
+    # the engine in this process (no READY message; built before LLM() returns) agrees
+    llm = LLM(str(tiny_llama_dir), max_model_len=64, num_kv_blocks=16, multiprocess=False)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=6)
+        expected = llm.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        llm.shutdown()
+    assert out.split("TOKENS", 1)[1].strip() == str(list(expected)), out
+    _assert_nothing_left(proc.pid, engine, within=5.0)
+
+
+def test_a_load_failing_after_ready_is_the_first_calls_error(tmp_path, tiny_llama_dir):
+    """The engine's traceback reaches the caller as EngineDeadError on the call that needs it."""
+    proc, engine = _held_after_ready(tmp_path, tiny_llama_dir, FAIL_LOAD="1")
+    try:
+        (tmp_path / "go").touch()
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 1 and "EngineDeadError" in err, err
+        assert "FileNotFoundError: [Errno 2] no such weights" in err, err
+        _assert_nothing_left(proc.pid, engine, within=5.0)
+    finally:
+        proc.kill()
+
+
+DIES_AFTER_LLM = """
+import os, signal
+from shmvllm import LLM
+from shmvllm.engine.proc_manager import _children
+
+llm = LLM({model!r}, max_model_len=64, num_kv_blocks=16)
+print("PIDS", os.getpid(), *_children(os.getpid()), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_kill_9_of_the_frontend_as_llm_returns(tmp_path, smollm2_dir):
+    """The frontend dies the moment LLM() returned, its engine (READY from its config) still
+    importing torch or loading: the engine goes, and nothing is left."""
+    (tmp_path / "frontend.py").write_text(DIES_AFTER_LLM.format(model=str(smollm2_dir)))
+    done = subprocess.run([sys.executable, str(tmp_path / "frontend.py")], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    frontend, engine = (int(pid) for pid in done.stdout.split()[1:])
+    try:
+        _assert_nothing_left(frontend, engine, within=5.0)
+    finally:
+        if pid_alive(engine):
+            os.kill(engine, signal.SIGKILL)
+
+
+def test_kill_9_of_the_engine_loading_after_ready(tmp_path, tiny_llama_dir):
+    proc, engine = _held_after_ready(tmp_path, tiny_llama_dir)
+    try:
+        os.kill(engine, signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 1 and "EngineDeadError" in err, err
+        _assert_nothing_left(proc.pid, engine, within=1.0)
+    finally:
+        proc.kill()
+
+
+def test_kill_9_of_the_frontend_while_its_engine_loads_after_ready(tmp_path, tiny_llama_dir):
+    proc, engine = _held_after_ready(tmp_path, tiny_llama_dir)
+    try:
+        proc.kill()
+        proc.wait(timeout=10)
+        _assert_nothing_left(proc.pid, engine, within=3.0)
+    finally:
+        proc.kill()
+        proc.communicate()
+        if pid_alive(engine):
+            os.kill(engine, signal.SIGKILL)
+
+
+def test_ctrl_c_while_the_engine_loads_after_ready(tmp_path, tiny_llama_dir):
+    proc, engine = _held_after_ready(tmp_path, tiny_llama_dir)
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        assert "KeyboardInterrupt" in err, err
+        _assert_nothing_left(proc.pid, engine, within=10.0)
+    finally:
+        proc.kill()
+        if pid_alive(engine):
+            os.kill(engine, signal.SIGKILL)
+
+
 # ---- the engine forked before the config (PrestartedEngine) -------------------------------------
 
 SLOW_CONFIG_FRONTEND = """

@@ -268,8 +268,8 @@ class EngineCoreOutputs(msgspec.Struct, tag=0, **_STRUCT):  # type: ignore[call-
 
 
 class EngineReady(msgspec.Struct, tag=1, **_STRUCT):  # type: ignore[call-arg]
-    """The engine's first message: it is loaded and serving, with these limits (the frontend
-    validates every request against them).
+    """The engine's first message: it serves with these limits (the frontend validates every
+    request against them), now or once its model is loaded (requests wait in its ring meanwhile).
 
     max_model_len: the configured one, clamped to what the KV cache holds.
     max_concurrency: how many requests of max_model_len tokens the KV cache holds at once.

@@ -257,11 +257,9 @@ class EngineArgs(VllmArgs):
             raise ValueError(f"pipeline_parallel_size={pp} runs on the CPU only; device={device!r} is not supported.")
         if task != "generate":
             raise ValueError(f"pipeline_parallel_size={pp} is not supported for task {task!r}: only decoders are split.")
-        for name, value in (("tensor_parallel_size", self.tensor_parallel_size),
-                            ("data_parallel_size", self.data_parallel_size)):
-            if value != 1:
-                raise ValueError(f"pipeline_parallel_size={pp} with {name}={value} is not supported: "
-                                 "each stage is one process.")
+        if self.data_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size={pp} with data_parallel_size={self.data_parallel_size} is not "
+                             "supported: one engine holds the pipeline.")
         if speculative is not None:
             raise ValueError(f"pipeline_parallel_size={pp} is not supported with speculative_config={self.speculative_config!r}.")
         if self.async_scheduling:

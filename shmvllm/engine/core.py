@@ -29,6 +29,7 @@ from shmvllm.core.request import Request, RequestStatus
 from shmvllm.core.sched.output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
 from shmvllm.core.sched.scheduler import Scheduler
 from shmvllm.engine.exceptions import WorkerDeadError
+from shmvllm.engine.validation import DTYPE_BYTES, kv_cache_bytes_per_block
 from shmvllm.model.parallel.split import split_sizes
 from shmvllm.boundary.messages import (
     EngineCoreOutput,
@@ -40,6 +41,7 @@ from shmvllm.boundary.messages import (
     now,
 )
 from shmvllm.structured_output.manager import StructuredOutputManager
+from shmvllm.worker.kv_budget import blocks_in_budget, cpu_kv_budget
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,37 @@ def _default_executor_class(config: EngineConfig) -> type:
     return UniProcExecutor
 
 
+def _max_logprobs(config: EngineConfig) -> int:
+    vocab, limit = config.model_config.vocab_size, config.model_config.max_logprobs
+    return vocab if limit < 0 else min(limit, vocab)
+
+
+def engine_limits(config: EngineConfig, num_kv_blocks: int) -> EngineReady:
+    """The READY of an engine of `config` with `num_kv_blocks` blocks: max_model_len clamped to
+    what the cache holds (as the Scheduler clamps it), max_logprobs resolved."""
+    block_size = config.cache_config.block_size
+    max_model_len = min(config.scheduler_config.max_model_len, num_kv_blocks * block_size)
+    return EngineReady(num_kv_blocks, block_size, num_kv_blocks * block_size / max_model_len, max_model_len,
+                       config.model_config.vocab_size, _max_logprobs(config))
+
+
+def limits_before_load(config: EngineConfig) -> Optional[EngineReady]:
+    """The READY that an engine of `config` will send once built, where the config alone
+    decides it (no torch, no model): a decoder on the CPU with the built-in single-process
+    executor and no draft model, whose KV block size follows from its config
+    (`validation.kv_cache_bytes_per_block`, the model's uniform layers). None elsewhere."""
+    model, parallel = config.model_config, config.parallel_config
+    if (model.is_embedding or model.device != "cpu" or config.draft_model_config is not None
+            or parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1
+            or model.dtype not in DTYPE_BYTES):
+        return None
+    num_blocks = config.cache_config.num_kv_blocks
+    if num_blocks is None:
+        per_block = kv_cache_bytes_per_block(model.hf_config, model.dtype, config.cache_config.block_size)
+        num_blocks = blocks_in_budget(config, cpu_kv_budget(config), per_block)
+    return engine_limits(config, num_blocks)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor_class: Optional[type] = None) -> None:
         started = time.perf_counter()
@@ -65,8 +98,12 @@ class EngineCore:
         self.model_config = config.model_config
         self.executor = (executor_class or _default_executor_class(config))(config)
         loaded = time.perf_counter()
-        self.num_kv_blocks = int(self.executor.determine_num_kv_blocks())
-        self.executor.initialize_kv_cache(self.num_kv_blocks)
+        try:
+            self.num_kv_blocks = int(self.executor.determine_num_kv_blocks())
+            self.executor.initialize_kv_cache(self.num_kv_blocks)
+        except BaseException:
+            self.executor.shutdown()  # its workers and rings would outlive a half-built engine
+            raise
         self.block_size = config.cache_config.block_size
         self.structured_output_manager = None if self.model_config.is_embedding else StructuredOutputManager(
             self.model_config.tokenizer_dir or self.model_config.model_dir,
@@ -99,16 +136,11 @@ class EngineCore:
     def max_logprobs(self) -> int:
         """The most logprobs a request may ask for: max_logprobs (-1: the vocabulary size),
         never more than the vocabulary holds."""
-        vocab = self.model_config.vocab_size
-        limit = self.model_config.max_logprobs
-        return vocab if limit < 0 else min(limit, vocab)
+        return _max_logprobs(self.config)
 
     def ready(self) -> EngineReady:
         """The limits this engine serves under (its READY message): the frontend validates with them."""
-        return EngineReady(
-            self.num_kv_blocks, self.block_size, self.max_concurrency, self.scheduler.max_model_len,
-            self.model_config.vocab_size, self.max_logprobs,
-        )
+        return engine_limits(self.config, self.num_kv_blocks)
 
     @property
     def max_concurrency(self) -> float:
@@ -285,6 +317,7 @@ class EngineCore:
             **self._totals,
             **({"spec_decode": self.scheduler.spec_stats.as_dict()} if self.scheduler.spec_stats else {}),
             **({"structured_output": self.structured_output_manager.stats()} if self.structured_output_manager else {}),
+            **({"pipeline_handoff": self.executor.handoff_stats()} if hasattr(self.executor, "handoff_stats") else {}),
         }
 
     def shutdown(self) -> None:

@@ -5,7 +5,9 @@ The process is a program of its own, `python -m shmvllm.engine.core_proc`, start
 main module runs in it, so scripts without a main guard, `python -c` and notebooks work; or,
 with SHMVLLM_ENGINE_START=fork, a fork of the frontend (`serve_forked`, vLLM's way). It
 opens its side of the channel (`Addresses.opener`), builds the EngineCore, and answers READY
-(`EngineReady`, the engine's limits), or `EngineFailed` with the traceback if building failed.
+(`EngineReady`, the engine's limits), or `EngineFailed` with the traceback if building failed;
+where its config alone decides the limits (`core.limits_before_load`) it answers READY first and
+builds after (a failure then is an `EngineFailed` after READY).
 Then the busy loop, which follows the channel's flow-control rule (shmvllm.boundary.channel):
 flush the outbox, take everything the frontend sent (ADD / ABORT / UTILITY / SHUTDOWN), step
 unless the outbox is backlogged, queue the step's outputs; wait on the input ring when there is
@@ -180,20 +182,13 @@ def serve_forked(args: EngineProcArgs, num_threads: Optional[int]) -> None:
 
 def serve_prestarted(read_fd: int) -> None:
     """A fork of the frontend made before its config existed (`PrestartedEngine`): imports torch
-    and the engine code while the frontend builds the config and the channel, then reads its
-    EngineProcArgs from `read_fd` until EOF and serves. Nothing to read (the frontend gave up,
-    or died): exits. Never returns."""
-    global _prestart_imports_s
+    on a thread while the main thread reads its EngineProcArgs from `read_fd`
+    until EOF and serves (it answers READY before torch where it can; its own `import torch` then
+    waits for the thread's). Nothing to read (the frontend gave up, or died): exits. Never returns."""
+    global _torch_import
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # as the engine's: the frontend decides on Ctrl-C
-    started = time.monotonic()
-    try:
-        import torch  # noqa: F401  (every built-in executor needs it)
-
-        import shmvllm.engine.core  # noqa: F401
-        import shmvllm.executor.uniproc  # noqa: F401
-    except Exception:  # the same imports fail again in `serve`, which reports why
-        pass
-    _prestart_imports_s = time.monotonic() - started
+    _torch_import = threading.Thread(target=_import_torch, name="shmvllm-torch-import", daemon=True)
+    _torch_import.start()
     with os.fdopen(read_fd, "rb") as pipe:
         payload = pipe.read()
     if not payload:
@@ -201,7 +196,18 @@ def serve_prestarted(read_fd: int) -> None:
     serve_forked(decode_proc_args(payload), None)
 
 
-_prestart_imports_s: Optional[float] = None  # a prestarted engine's imports before its config came
+def _import_torch() -> None:
+    global _prestart_imports_s
+    started = time.monotonic()
+    try:  # torch only: shmvllm's own modules import on the main thread (no two threads in one import cycle)
+        import torch  # noqa: F401  (every built-in executor needs it)
+    except Exception:  # the same import fails again in `serve`, which reports why
+        pass
+    _prestart_imports_s = time.monotonic() - started
+
+
+_prestart_imports_s: Optional[float] = None  # a prestarted engine's torch import (its thread)
+_torch_import: Optional[threading.Thread] = None  # that thread
 
 
 def serve(args: EngineProcArgs) -> None:
@@ -285,33 +291,53 @@ class EngineCoreProc:
         engine_index: int = 0,
     ) -> None:
         at_init = time.monotonic()
-        if executor_class is None and "torch" not in sys.modules:
-            import torch  # noqa: F401  (every built-in executor needs it: timed as a phase of its own)
-        torch_imported = time.monotonic()
-        from shmvllm.engine.core import EngineCore
+        from shmvllm.engine.core import EngineCore, limits_before_load
 
-        imported = time.monotonic()
         self.parent_pid = parent_pid
         self.engine_index = engine_index
         self.endpoint = import_qualified(addresses.opener)(addresses)
         self.outbox = EngineOutbox(self.endpoint, OUTBOX_RING_MULTIPLE * 4 * self.endpoint.max_message)
+        opened = time.monotonic()
         try:
-            built = time.monotonic()
+            # READY before torch where the config alone decides the limits: the frontend goes on
+            # (LLM() returns) while torch imports and the model loads; requests wait in the ring
+            early = limits_before_load(config) if executor_class is None else None
+            if early is not None:
+                self.outbox.send(early)
+                # the model gets the blocks announced, whatever the RAM available reads once it is loaded
+                config = dataclasses.replace(
+                    config, cache_config=dataclasses.replace(config.cache_config, num_kv_blocks=early.num_kv_blocks))
+            early_at = time.monotonic()
+            if _torch_import is not None:  # nothing builds (or forks) while that import is half done
+                _torch_import.join()
+            if executor_class is None:
+                import torch  # noqa: F401  (every built-in executor needs it: timed as a phase of its own)
+            torch_imported = time.monotonic()
             self.engine_core = EngineCore(config, executor_class)
+            built = self.engine_core.ready()
+            if early is not None and built != early:
+                raise RuntimeError(f"the engine built has the limits {built}, not those of its READY {early}")
         except BaseException as exc:
             self._last_words(EngineFailed("startup", traceback.format_exc(), _error_line(exc)))
             self.endpoint.close()
             raise
-        self.outbox.send(self.engine_core.ready())
-        ready = time.monotonic()
+        if early is None:
+            self.outbox.send(built)
+        serving = time.monotonic()
         age = process_age()
+        born = None if age is None else time.monotonic() - age  # the process's start, on this clock
+
+        def since_start(t: float) -> str:
+            return "?" if born is None else f"{t - born:.2f} s"
+
         logger.info(
-            "Start-up of the engine process: READY %s after it started: interpreter and first imports %s%s, "
-            "torch %.2f s, engine code %.2f s, channel %.3f s, EngineCore %.2f s (its lines above)",
-            "?" if age is None else f"{age:.2f} s", "?" if age is None else f"{age - (ready - at_init):.2f} s",
-            "" if _prestart_imports_s is None else
-            f" (of which torch and the engine code {_prestart_imports_s:.2f} s, while the frontend built the config)",
-            torch_imported - at_init, imported - torch_imported, built - imported, ready - built,
+            "Start-up of the engine process: READY %s after it started (%s), serving %s after: interpreter and "
+            "first imports %s%s, engine code and channel %.3f s, torch %.2f s, EngineCore %.2f s (its lines above)",
+            since_start(serving if early is None else early_at),
+            "once built" if early is None else "from its config, before torch", since_start(serving),
+            since_start(at_init),
+            "" if _prestart_imports_s is None else f" (torch {_prestart_imports_s:.2f} s on a thread from the fork on)",
+            opened - at_init, torch_imported - early_at, serving - torch_imported,
         )
 
     # ---- the process ---------------------------------------------------------------------

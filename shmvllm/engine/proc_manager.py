@@ -350,8 +350,8 @@ class ForkedProcess:
 
 class PrestartedEngine:
     """The engine forked first thing (SHMVLLM_ENGINE_START=fork, one engine), before its config
-    exists: it imports torch and the engine code (most of its start-up) while this process
-    builds the config and the channel, then `start` hands it its EngineProcArgs over a pipe.
+    exists: it imports torch (most of its start-up, on a thread) while this process builds the
+    config and the channel, then `start` hands it its EngineProcArgs over a pipe.
     `discard` (the config failed, or another start was chosen) closes the pipe and reaps it; a
     frontend that dies closes the pipe too, and the fork exits on the empty read."""
 

@@ -99,7 +99,7 @@ def _check_device(device: str) -> None:
         raise ValueError(f"device={device!r}, but there are {torch.cuda.device_count()} CUDA devices.")
 
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def kv_cache_bytes_per_block(hf_config: Any, dtype: str, block_size: int, tensor_parallel_size: int = 1) -> int:
@@ -109,7 +109,7 @@ def kv_cache_bytes_per_block(hf_config: Any, dtype: str, block_size: int, tensor
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     rank_kv_heads = -(-kv_heads // tensor_parallel_size)  # the first ranks take the remainder
-    return 2 * block_size * rank_kv_heads * head_dim * hf_config.num_hidden_layers * _DTYPE_BYTES[dtype]
+    return 2 * block_size * rank_kv_heads * head_dim * hf_config.num_hidden_layers * DTYPE_BYTES[dtype]
 
 
 def check_against_model(config: Any, source: Any) -> None:

@@ -27,8 +27,12 @@ class WorkerProcs:
 
     def _dead(self) -> list[str]:
         """'rank r (pid p) exited with c' for each worker that is gone."""
-        return [f"{self.MEMBER} {index} (pid {proc.pid}) exited with {proc.returncode}"
+        return [f"{self._member(index)} (pid {proc.pid}) exited with {proc.returncode}"
                 for index, proc in enumerate(self.procs, start=self.FIRST_INDEX) if proc.poll() is not None]
+
+    def _member(self, index: int) -> str:
+        """How a log line names worker `index`."""
+        return f"{self.MEMBER} {index}"
 
     def _command(self, *command: Any) -> None:
         """One command to every worker; WorkerDeadError where one is gone."""

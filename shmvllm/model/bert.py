@@ -139,14 +139,16 @@ _ONEDNN_FUSION = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkld
 
 
 class AttentionPlan:
-    """How one packed batch is attended: each run of consecutive sequences of equal length is
-    a zero-copy [count, length, 3, heads, head_dim] view of the packed QKV, attended by one
-    SDPA call without a mask; everything else in the model stays packed. Built once per
-    forward, used by every layer. Callers get the fewest runs by packing sequences sorted by
-    length. The fastest of the layouts measured (padded buckets, per-sequence loops, one masked
-    SDPA, nested tensors: benchmarks/results/embed.md, "Encoder choices")."""
+    """How one packed batch is attended. On an x86 CPU in fp32 (head_dim a multiple of 8):
+    kernels/encoder_attention.c, one task per (sequence, head) over each sequence's own tokens,
+    reading the packed QKV in place. Elsewhere: each run of consecutive sequences of equal length
+    is a zero-copy [count, length, 3, heads, head_dim] view of the packed QKV, attended by one
+    SDPA call without a mask (callers get the fewest runs by packing sequences sorted by
+    length), the fastest torch layout measured (benchmarks/results/embed.md, "Encoder choices").
+    Built once per forward, used by every layer."""
 
     def __init__(self, cu_seqlens: list[int]) -> None:
+        self.cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int64)
         self.runs: list[tuple[int, int, int]] = []  # (first token, number of sequences, length)
         for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
             length = end - start
@@ -160,9 +162,17 @@ class AttentionPlan:
         """qkv: [num_tokens, 3 * hidden] (Q pre-scaled) -> [num_tokens, hidden].
         window: each token attends only to those at most this many positions away (ModernBERT's
         local layers); a run no longer than window + 1 needs no mask."""
+        out = qkv.new_empty(qkv.shape[0], num_heads * head_dim)
+        lib = _attention_kernels(qkv, head_dim)
+        if lib is not None:
+            if lib.shm_encoder_attention(
+                qkv.data_ptr(), qkv.stride(0), self.cu_seqlens.data_ptr(), len(self.cu_seqlens) - 1,
+                num_heads, head_dim, -1 if window is None else window, out.data_ptr(), out.stride(0),
+            ):
+                raise MemoryError("encoder attention: out of memory for its per-thread buffers.")
+            return out
         # Each run's [count, heads, length, head_dim] result is copied once, straight into its
         # rows of the packed output (a reshape then a cat would copy it twice).
-        out = qkv.new_empty(qkv.shape[0], num_heads * head_dim)
         for first, count, length in self.runs:
             run = qkv[first : first + count * length].view(count, length, 3, num_heads, head_dim)
             q, k, v = run.permute(2, 0, 3, 1, 4)
@@ -173,6 +183,15 @@ class AttentionPlan:
             result = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
             out[first : first + count * length].view(count, length, num_heads, head_dim).copy_(result.transpose(1, 2))
         return out
+
+
+def _attention_kernels(qkv: torch.Tensor, head_dim: int) -> Optional[Any]:
+    """encoder_attention.c's library where it applies to this QKV, else None (SDPA)."""
+    if qkv.device.type != "cpu" or qkv.dtype != torch.float32 or head_dim % 8 or qkv.stride(1) != 1:
+        return None
+    from shmvllm.model.kernels import encoder_attention_kernels
+
+    return encoder_attention_kernels()
 
 
 class BertModel(nn.Module):

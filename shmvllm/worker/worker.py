@@ -10,15 +10,13 @@ import torch
 
 from shmvllm.config import EngineConfig
 from shmvllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from shmvllm.worker.kv_budget import blocks_in_budget, cpu_kv_budget
 from shmvllm.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
     from shmvllm.worker.pooling_runner import PoolingModelRunner
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CPU_KV_CACHE_SHARE = 0.25  # of the available RAM, when kv_cache_memory is not given
-DEFAULT_CPU_KV_CACHE_CAP = 4 * 2**30
 
 
 class Worker:
@@ -56,33 +54,11 @@ class Worker:
         cache = self.config.cache_config
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        sched = self.config.scheduler_config
-        blocks_per_seq = -(-sched.max_model_len // cache.block_size)
         if self.is_pooling:
-            return sched.max_num_seqs * blocks_per_seq
-        per_block = self.model_runner.kv_cache_bytes_per_block()
-        budget = self._cuda_kv_budget() if self.device.type == "cuda" else self._cpu_kv_budget()
-        num_blocks = min(budget // per_block, sched.max_num_seqs * blocks_per_seq)
-        if num_blocks < 1:
-            raise ValueError(
-                f"the KV cache budget ({budget} bytes) holds no block of {per_block} bytes; "
-                "raise kv_cache_memory or gpu_memory_utilization."
-            )
-        if num_blocks < blocks_per_seq:
-            logger.warning(
-                "KV cache of %d blocks cannot hold one request of max_model_len=%d tokens",
-                num_blocks, sched.max_model_len,
-            )
-        return int(num_blocks)
-
-    def _cpu_kv_budget(self) -> int:
-        # pipeline stages split the engine's budget: together they hold what one process would
-        stages = self.config.parallel_config.pipeline_parallel_size
-        if self.config.cache_config.kv_cache_memory is not None:
-            return self.config.cache_config.kv_cache_memory // stages
-        # data-parallel engines share the default: together they take what one engine would
-        engines = self.config.parallel_config.data_parallel_size
-        return int(min(DEFAULT_CPU_KV_CACHE_CAP, DEFAULT_CPU_KV_CACHE_SHARE * _available_ram()) / engines / stages)
+            sched = self.config.scheduler_config
+            return sched.max_num_seqs * -(-sched.max_model_len // cache.block_size)
+        budget = self._cuda_kv_budget() if self.device.type == "cuda" else cpu_kv_budget(self.config)
+        return blocks_in_budget(self.config, budget, self.model_runner.kv_cache_bytes_per_block())
 
     def _cuda_kv_budget(self) -> int:
         started = time.perf_counter()
@@ -113,17 +89,3 @@ class Worker:
             self.model_runner.drafter = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def _available_ram() -> int:
-    """MemAvailable from /proc/meminfo, else free physical pages."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -1,6 +1,6 @@
 """CPU kernels in C (cpu_kernels.c, for fp32 and for bf16 activations; logprobs.c, the prompt
-logprobs' reductions; encoder_gemm.c, the encoders' AVX2 GEMM), compiled with the system C
-compiler on first use.
+logprobs' reductions; encoder_gemm.c and encoder_attention.c, the encoders' AVX2 GEMM and
+attention), compiled with the system C compiler on first use.
 
 The library is built for this machine (-march=native) and cached under
 ``~/.cache/shmvllm/kernels`` (or ``$TMPDIR/shmvllm-kernels-<uid>`` when the home directory
@@ -53,7 +53,7 @@ _SIGNATURES = {
     ),
     "shm_paged_decode_attention_ex": (
         ctypes.c_int,
-        [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _f32, _i64, _f32],
+        [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _f32, _i64, _f32, _ptr],
     ),
     "shm_rms_norm": (None, [_ptr, _ptr, _ptr, _i64, _i64, _f32]),
     "shm_silu_and_mul": (None, [_ptr, _ptr, _i64, _i64]),
@@ -193,6 +193,21 @@ def encoder_gemm_kernels() -> Optional[ctypes.CDLL]:
     if platform.machine() != "x86_64":
         return None
     return _build("encoder_gemm", ENCODER_GEMM_SOURCE, _ENCODER_GEMM_FLAGS, _ENCODER_GEMM_SIGNATURES)
+
+
+ENCODER_ATTENTION_SOURCE = Path(__file__).with_name("encoder_attention.c")
+_ENCODER_ATTENTION_SIGNATURES = {
+    "shm_encoder_attention": (ctypes.c_int, [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64]),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def encoder_attention_kernels() -> Optional[ctypes.CDLL]:
+    """The encoders' fp32 attention over packed sequences (encoder_attention.c, AVX2 + FMA code
+    like encoder_gemm.c), built on first use; None when disabled, not on x86, or when building fails."""
+    if platform.machine() != "x86_64":
+        return None
+    return _build("encoder_attention", ENCODER_ATTENTION_SOURCE, _ENCODER_GEMM_FLAGS, _ENCODER_ATTENTION_SIGNATURES)
 
 
 BF16_ENV = "SHMVLLM_CPU_BF16"

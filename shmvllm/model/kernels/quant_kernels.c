@@ -13,8 +13,8 @@
  *
  * Built four times from this one file (kernels/__init__.py): with AVX-512 (VW = 16; with and
  * without VNNI), with AVX2 + FMA (VW = 8) and for the baseline ISA (portable), through GCC's vector
- * extensions (the VNNI and AVX2 builds run Q2_K / Q3_K's GEMV on integer dot products, AVX2 Q5_0 / Q5_1's
- * too: quant_int8.h), and picked at run time by what the CPU reports (shm_quant_cpu_supports). Compiled without
+ * extensions (the VNNI and AVX2 builds run Q2_K / Q3_K / Q4_1's GEMV on integer dot products, AVX2 Q5_0 /
+ * Q5_1's too: quant_int8.h), and picked at run time by what the CPU reports (shm_quant_cpu_supports). Compiled without
  * -ffast-math: no reassociation may touch the dequantization arithmetic.
  *
  * The GEMV takes up to FEW_ROWS activation rows (decoding), where the kernel should be bound by
@@ -461,7 +461,8 @@ static inline void store_tile(vf acc[NR][MV], const int mv, float *out, int64_t 
  * costs one widen, one convert and one FMA, and the block constants one FMA per block: about half
  * the vector work of dequantizing first (d * q + m, then * x). The sums are the dequantized
  * weights' dot product reassociated (fp32 rounding differs at the last bits, as any change of
- * summation order does). AVX-512 runs Q4_0 / Q4_1 on the nibble rows below instead. */
+ * summation order does). AVX-512 runs Q4_0 on the nibble rows below instead (and Q4_1 where it has
+ * no VNNI); the VNNI and AVX2 builds run Q4_1 on quant_int8.h's integer rows. */
 #if VW == 16 && defined(__AVX512F__)
 /* the 16 bytes widened to 32-bit lanes once: & 15 gives the low nibbles, >> 4 the high ones */
 static inline void nibbles_to_float(const uint8_t *qs, vf q[32 / VW]) {
@@ -602,7 +603,7 @@ static inline float mxfp4_m(const uint8_t *blk) { (void)blk; return 0.0f; }
     }
 
 #if VW == 16 && defined(__AVX512F__)
-/* Q4_0 / Q4_1 rows on AVX-512, the rows sharing each block's dequantization (the folded rows repeat
+/* Q4_0 / Q4_1 rows on AVX-512 (Q4_1 without VNNI), the rows sharing each block's dequantization (the folded rows repeat
  * d * s and m * sum(x) per row): the block's 16 possible weights d * i + m (i = 0..15; Q4_0's m is
  * -8 d) made by one FMA, exactly the reference's values (d * i is exact, the sum rounded once), each
  * weight looked up by its nibble (vpermps reads the low 4 bits of each index), then one FMA per row
@@ -951,11 +952,15 @@ static inline __attribute__((always_inline)) void q6_k_row(const int M, float *o
 
 #ifdef NIBBLE_ROWS
 DEFINE_NIBBLE_ROW(q4_0, 18, 2)
+#ifndef INT8_ROWS
 DEFINE_NIBBLE_ROW(q4_1, 20, 4)
+#endif
 #define Q4_XSUM 0
 #else
 DEFINE_FOLDED_ROW(q4_0, 18, 1)
+#ifndef INT8_ROWS
 DEFINE_FOLDED_ROW(q4_1, 20, 1)
+#endif
 #define Q4_XSUM 32 /* the folded rows' m * sum(x) */
 #endif
 DEFINE_FOLDED_ROW(q8_0, 34, 0)
@@ -980,7 +985,11 @@ DEFINE_ROW(mxfp4, deq_mxfp4, 32, 17)
 #endif
 
 DEFINE_FORMAT(q4_0, deq_q4_0, 32, 18, Q4_XSUM)
+#ifdef INT8_ROWS
+DEFINE_FEW_DEQ(q4_1, deq_q4_1, 32, 20)
+#else
 DEFINE_FORMAT(q4_1, deq_q4_1, 32, 20, Q4_XSUM)
+#endif
 DEFINE_FORMAT(q8_0, deq_q8_0, 32, 34, 0)
 DEFINE_FORMAT(q4_k, deq_q4_k, 256, 144, 32)
 DEFINE_FORMAT(q5_k, deq_q5_k, 256, 176, 0)

@@ -1,0 +1,167 @@
+/* The encoders' bidirectional attention over packed sequences, fp32, AVX2 + FMA
+ * (model/bert.py's AttentionPlan calls it): softmax(q k^T) v per (sequence, head), with Q
+ * pre-scaled, over each sequence's real tokens only (no padding, no mask), optionally within a
+ * window of +-w positions (ModernBERT's local layers).
+ *
+ * qkv rows are [Q | K | V], each heads x head_dim, as the fused QKV projection writes them. A
+ * task is one (sequence, head): its K is transposed into a [head_dim][length] buffer, so that a
+ * query's scores come 8 keys per vector with one broadcast of q[d] per FMA, 4 queries sharing
+ * each K load; the softmax runs on glibc's vector expf; P.V accumulates head_dim / 8 vectors
+ * per query. Tasks are handed out dynamically (lengths differ). Built with -mavx2 -mfma only. */
+
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define QR 4 /* queries per pass over K^T */
+
+__m256 _ZGVdN8v_expf(__m256);
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* Scores of QR queries (q[r]: head_dim floats each) against keys [j0, j1) (j0 a multiple of 8,
+ * j1 rounded up to 8 inside kt's zero padding) into s[r * lds + j]; 16 keys a pass where there
+ * are, so that 8 independent FMA chains hide the FMA latency. */
+static void scores(const float *const q[QR], const float *kt, int64_t ldk, int64_t head_dim, int64_t j0, int64_t j1,
+                   float *s, int64_t lds) {
+    int64_t j = j0;
+    for (; j + 16 <= j1; j += 16) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        for (int64_t d = 0; d < head_dim; d++) {
+            const __m256 k = _mm256_loadu_ps(kt + d * ldk + j), l = _mm256_loadu_ps(kt + d * ldk + j + 8);
+            __m256 x = _mm256_broadcast_ss(q[0] + d);
+            a0 = _mm256_fmadd_ps(x, k, a0), b0 = _mm256_fmadd_ps(x, l, b0);
+            x = _mm256_broadcast_ss(q[1] + d);
+            a1 = _mm256_fmadd_ps(x, k, a1), b1 = _mm256_fmadd_ps(x, l, b1);
+            x = _mm256_broadcast_ss(q[2] + d);
+            a2 = _mm256_fmadd_ps(x, k, a2), b2 = _mm256_fmadd_ps(x, l, b2);
+            x = _mm256_broadcast_ss(q[3] + d);
+            a3 = _mm256_fmadd_ps(x, k, a3), b3 = _mm256_fmadd_ps(x, l, b3);
+        }
+        _mm256_storeu_ps(s + j, a0), _mm256_storeu_ps(s + j + 8, b0);
+        _mm256_storeu_ps(s + lds + j, a1), _mm256_storeu_ps(s + lds + j + 8, b1);
+        _mm256_storeu_ps(s + 2 * lds + j, a2), _mm256_storeu_ps(s + 2 * lds + j + 8, b2);
+        _mm256_storeu_ps(s + 3 * lds + j, a3), _mm256_storeu_ps(s + 3 * lds + j + 8, b3);
+    }
+    for (; j < j1; j += 8) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t d = 0; d < head_dim; d++) {
+            const __m256 k = _mm256_loadu_ps(kt + d * ldk + j);
+            a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(q[0] + d), k, a0);
+            a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(q[1] + d), k, a1);
+            a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(q[2] + d), k, a2);
+            a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(q[3] + d), k, a3);
+        }
+        _mm256_storeu_ps(s + j, a0);
+        _mm256_storeu_ps(s + lds + j, a1);
+        _mm256_storeu_ps(s + 2 * lds + j, a2);
+        _mm256_storeu_ps(s + 3 * lds + j, a3);
+    }
+}
+
+/* One query: softmax over s[lo, hi) (s is 8-aligned from j0 = lo & ~7 up to hi rounded up; the
+ * entries outside [lo, hi) are masked here), then out[0, head_dim) = P . V / sum. */
+static void softmax_pv(float *s, int64_t lo, int64_t hi, const float *v, int64_t ldv, int64_t head_dim, float *out) {
+    const int64_t j0 = lo & ~(int64_t)7, j1 = (hi + 7) & ~(int64_t)7;
+    for (int64_t j = j0; j < lo; j++) s[j] = -1e30f;
+    for (int64_t j = hi; j < j1; j++) s[j] = -1e30f;
+    __m256 m = _mm256_set1_ps(-1e30f);
+    for (int64_t j = j0; j < j1; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
+    const __m256 mx = _mm256_set1_ps(hmax8(m)), floor = _mm256_set1_ps(-87.0f);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t j = j0; j < j1; j += 8) {
+        /* held above expf's underflow, whose scalar fallback is slow: a masked key's ~1e-38 is
+         * lost in the sum (>= 1) and never weighs a V row (the P.V loop skips it) */
+        const __m256 p = _ZGVdN8v_expf(_mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), mx), floor));
+        _mm256_storeu_ps(s + j, p);
+        sum = _mm256_add_ps(sum, p);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / hsum8(sum));
+    /* 32 columns of V at a time in two sets of accumulators (even and odd keys): 8 FMA chains;
+     * a head_dim not a multiple of 32 ends with 8 columns at a time */
+    int64_t d0 = 0;
+    for (; d0 + 32 <= head_dim; d0 += 32) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+            const __m256 p = _mm256_broadcast_ss(s + j), r = _mm256_broadcast_ss(s + j + 1);
+            const float *vj = v + j * ldv + d0, *vk = vj + ldv;
+            a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj), a0), b0 = _mm256_fmadd_ps(r, _mm256_loadu_ps(vk), b0);
+            a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8), a1), b1 = _mm256_fmadd_ps(r, _mm256_loadu_ps(vk + 8), b1);
+            a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 16), a2), b2 = _mm256_fmadd_ps(r, _mm256_loadu_ps(vk + 16), b2);
+            a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 24), a3), b3 = _mm256_fmadd_ps(r, _mm256_loadu_ps(vk + 24), b3);
+        }
+        if (j < hi) {
+            const __m256 p = _mm256_broadcast_ss(s + j);
+            const float *vj = v + j * ldv + d0;
+            a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj), a0), a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8), a1);
+            a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 16), a2), a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 24), a3);
+        }
+        _mm256_storeu_ps(out + d0, _mm256_mul_ps(_mm256_add_ps(a0, b0), inv));
+        _mm256_storeu_ps(out + d0 + 8, _mm256_mul_ps(_mm256_add_ps(a1, b1), inv));
+        _mm256_storeu_ps(out + d0 + 16, _mm256_mul_ps(_mm256_add_ps(a2, b2), inv));
+        _mm256_storeu_ps(out + d0 + 24, _mm256_mul_ps(_mm256_add_ps(a3, b3), inv));
+    }
+    for (; d0 < head_dim; d0 += 8) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t j = lo; j < hi; j++) a = _mm256_fmadd_ps(_mm256_broadcast_ss(s + j), _mm256_loadu_ps(v + j * ldv + d0), a);
+        _mm256_storeu_ps(out + d0, _mm256_mul_ps(a, inv));
+    }
+}
+
+/* qkv: [tokens, 3 * heads * head_dim] at row stride ldqkv; cu: num_seqs + 1 cumulative lengths;
+ * window: -1 for none, else each query attends to keys at most `window` positions away;
+ * out: [tokens, heads * head_dim] at row stride ldo. head_dim must be a multiple of 8.
+ * Returns 0, or -1 when the per-thread buffers cannot be allocated. */
+int shm_encoder_attention(const float *qkv, int64_t ldqkv, const int64_t *cu, int64_t num_seqs, int64_t heads,
+                          int64_t head_dim, int64_t window, float *out, int64_t ldo) {
+    int64_t longest = 0;
+    for (int64_t i = 0; i < num_seqs; i++) longest = cu[i + 1] - cu[i] > longest ? cu[i + 1] - cu[i] : longest;
+    const int64_t ldk = (longest + 7) & ~(int64_t)7, hidden = heads * head_dim;
+    /* per thread: K^T (padded with zeros to whole vectors), then QR rows of scores */
+    const int64_t per_thread = (head_dim + QR) * ldk;
+    float *buffers = aligned_alloc(32, (size_t)omp_get_max_threads() * per_thread * sizeof(float));
+    if (buffers == NULL) return -1;
+#pragma omp parallel
+    {
+        float *kt = buffers + omp_get_thread_num() * per_thread, *s = kt + head_dim * ldk;
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t task = 0; task < num_seqs * heads; task++) {
+            const int64_t seq = task / heads, h = task % heads, start = cu[seq], len = cu[seq + 1] - start;
+            const float *q = qkv + start * ldqkv + h * head_dim, *k = q + hidden, *v = q + 2 * hidden;
+            const int64_t lp = (len + 7) & ~(int64_t)7;
+            for (int64_t d = 0; d < head_dim; d++) {
+                for (int64_t j = 0; j < len; j++) kt[d * ldk + j] = k[j * ldqkv + d];
+                for (int64_t j = len; j < lp; j++) kt[d * ldk + j] = 0.0f;
+            }
+            for (int64_t i = 0; i < len; i += QR) {
+                /* the last pass repeats the last query where fewer than QR are left */
+                const float *rows[QR];
+                for (int r = 0; r < QR; r++) rows[r] = q + (i + r < len ? i + r : len - 1) * ldqkv;
+                const int64_t lo = window < 0 || i <= window ? 0 : i - window;
+                const int64_t last = i + QR - 1 < len ? i + QR - 1 : len - 1;
+                const int64_t hi = window < 0 || last + window + 1 >= len ? len : last + window + 1;
+                scores(rows, kt, ldk, head_dim, lo & ~(int64_t)7, (hi + 7) & ~(int64_t)7, s, ldk);
+                for (int r = 0; r < QR && i + r < len; r++) {
+                    const int64_t qi = i + r;
+                    const int64_t qlo = window < 0 || qi <= window ? 0 : qi - window;
+                    const int64_t qhi = window < 0 || qi + window + 1 >= len ? len : qi + window + 1;
+                    softmax_pv(s + r * ldk, qlo, qhi, v, ldqkv, head_dim, out + (start + qi) * ldo + h * head_dim);
+                }
+            }
+        }
+    }
+    free(buffers);
+    return 0;
+}

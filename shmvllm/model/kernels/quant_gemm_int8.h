@@ -1,8 +1,8 @@
-/* The blocked GEMM, on int8 dot products, of the formats whose blocks are 32 values w = s q + m with
- * q a signed byte (Q4_0 q - 8, Q5_0 q - 16, Q8_0 q, m = 0; Q4_1, Q5_1 q, m; Q4_K per sub-block of
- * 32, s = d sc, m = -dmin min): the AVX-512 VNNI build, vpdpbusd (64 byte products an instruction,
- * on Zen 4 about 2.4 times the products a second of fp32 FMAs). Included by quant_kernels.c in that
- * build; shm_qgemm runs it for more than FEW_ROWS rows, the prefill's GEMMs.
+/* The blocked GEMM, on int8 dot products, of the formats of llama.cpp's K-quant recipes whose
+ * blocks are 32 values w = s q + m with q a signed byte (Q5_0 q - 16, m = 0; Q5_1 q, m; Q4_K per
+ * sub-block of 32, s = d sc, m = -dmin min): the AVX-512 VNNI build, vpdpbusd (64 byte products
+ * an instruction, on Zen 4 about 2.4 times the products a second of fp32 FMAs). Included by
+ * quant_kernels.c in that build; shm_qgemm runs it for more than FEW_ROWS rows, the prefill's GEMMs.
  *
  * x is split once per call, per block of 32 values, into two int8 pieces, x = d (a0 + a1 / 128)
  * with d = max |x| / 127 (split_x's first two pieces): they hold x to within d / 256, 2^-15 of the
@@ -10,7 +10,9 @@
  * fp32 GEMM's speed against 1.2x, but moves the logits of the tiny test models by more than their
  * top-two margins.) Per block and output the integer sum of q (128 a0 + a1) is exact (below),
  * then scaled by s d / 128 in fp32, and m times the block's sum of x as the pieces hold it: every
- * weight sees the same x, so the result's error is sum |w| |x - pieces'| at most.
+ * weight sees the same x, so the result's error is sum |w| |x - pieces'| at most. Q4_0, Q4_1 and
+ * Q8_0 keep the fp32 GEMM: on them SmolLM2-135M's 128 greedy tokens of benchmarks/latency.py left
+ * transformers' at token 29 (all 128 equal with the fp32 GEMM).
  *
  * vpdpbusd multiplies unsigned bytes by signed ones, and broadcasts only its signed operand from
  * memory: the weights' q are that operand, 4 bytes broadcast in the instruction, and x's pieces
@@ -39,18 +41,6 @@ static inline __m256i i8_q5(const uint8_t *qs, uint32_t qh) {
     const __m256i low = i8_nibbles(qs);
     return _mm256_mask_add_epi8(low, (__mmask32)qh, low, _mm256_set1_epi8(16));
 }
-static inline __attribute__((always_inline)) void i8_q4_0(const uint8_t *row, int64_t b, __m256i *q, float *s, float *m) {
-    const uint8_t *blk = row + 18 * b;
-    *q = _mm256_sub_epi8(i8_nibbles(blk + 2), _mm256_set1_epi8(8));
-    *s = fp16_to_fp32(load_u16(blk));
-    *m = 0.0f;
-}
-static inline __attribute__((always_inline)) void i8_q4_1(const uint8_t *row, int64_t b, __m256i *q, float *s, float *m) {
-    const uint8_t *blk = row + 20 * b;
-    *q = i8_nibbles(blk + 4);
-    *s = fp16_to_fp32(load_u16(blk));
-    *m = fp16_to_fp32(load_u16(blk + 2));
-}
 static inline __attribute__((always_inline)) void i8_q5_0(const uint8_t *row, int64_t b, __m256i *q, float *s, float *m) {
     const uint8_t *blk = row + 22 * b;
     *q = _mm256_sub_epi8(i8_q5(blk + 6, load_u32(blk + 2)), _mm256_set1_epi8(16));
@@ -62,12 +52,6 @@ static inline __attribute__((always_inline)) void i8_q5_1(const uint8_t *row, in
     *q = i8_q5(blk + 8, load_u32(blk + 4));
     *s = fp16_to_fp32(load_u16(blk));
     *m = fp16_to_fp32(load_u16(blk + 2));
-}
-static inline __attribute__((always_inline)) void i8_q8_0(const uint8_t *row, int64_t b, __m256i *q, float *s, float *m) {
-    const uint8_t *blk = row + 34 * b;
-    *q = _mm256_loadu_si256((const __m256i *)(blk + 2));
-    *s = fp16_to_fp32(load_u16(blk));
-    *m = 0.0f;
 }
 /* Q4_K's sub-block b % 8 of super-block b / 8 */
 static inline __attribute__((always_inline)) void i8_q4_k(const uint8_t *row, int64_t b, __m256i *q, float *s, float *m) {
@@ -181,22 +165,16 @@ typedef void (*i8_panel_fn)(const uint8_t *w, int64_t row_bytes, int64_t j0, int
                 pc[c] = I8_BIAS * (_mm_cvtsi128_si32(_mm_add_epi64(s2, _mm_unpackhi_epi64(s2, s2))) - 32 * 128);  \
             }                                                                                                    \
     }
-DEFINE_I8_PANEL(q4_0)
-DEFINE_I8_PANEL(q4_1)
 DEFINE_I8_PANEL(q5_0)
 DEFINE_I8_PANEL(q5_1)
-DEFINE_I8_PANEL(q8_0)
 DEFINE_I8_PANEL(q4_k)
 
 /* The format's panel function (NULL: it runs the fp32 GEMM); *has_m: whether its m can be nonzero. */
 static i8_panel_fn i8_panel_of(int type, int *has_m) {
-    *has_m = type == T_Q4_1 || type == T_Q5_1 || type == T_Q4_K;
+    *has_m = type == T_Q5_1 || type == T_Q4_K;
     switch (type) {
-    case T_Q4_0: return q4_0_i8_panel;
-    case T_Q4_1: return q4_1_i8_panel;
     case T_Q5_0: return q5_0_i8_panel;
     case T_Q5_1: return q5_1_i8_panel;
-    case T_Q8_0: return q8_0_i8_panel;
     case T_Q4_K: return q4_k_i8_panel;
     default: return NULL;
     }

@@ -24,8 +24,8 @@
  * single-threaded on Zen 4 (benchmarks/qgemm.py --threads 1 --cpu-time), the GEMMs of a
  * SmolLM2-135M step on its Q4_1 / Q8_0 blocks run at 1.02x the speed of oneDNN's packed fp32
  * GEMM at 64 rows (~90 GFLOP/s) and 0.93x at 512 rows. The AVX-512 VNNI build runs the blocked GEMM of
- * the 32-value linear formats and Q4_K on int8 dot products instead (quant_gemm_int8.h: x in two
- * int8 pieces per block of 32, to 2^-15 of its largest value).
+ * Q5_0 / Q5_1 / Q4_K on int8 dot products instead (quant_gemm_int8.h: x in two int8 pieces per
+ * block of 32, to 2^-15 of its largest value).
  */
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>

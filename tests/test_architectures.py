@@ -49,7 +49,7 @@ def assert_engine_matches(model_dir: Path, engine, prompts: list[list[int]], ref
 
 
 # the tiny families that decode layer by layer, and the reason the native step gives
-LAYER_BY_LAYER = {"phi3": "partial rotary"}  # test_architectures_more's Phi-4-mini options
+LAYER_BY_LAYER = {"phi3": "partial rotary", "gpt_oss": "attention sinks"}  # test_architectures_more's Phi-4-mini options
 
 
 def assert_native_step_ran(engine, family: str) -> None:

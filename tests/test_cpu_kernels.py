@@ -78,14 +78,25 @@ def test_kernel_equals_torch(kernels, monkeypatch, heads, kv_heads, head_dim, bl
     torch.testing.assert_close(native[0], reference[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("window, softcap", [(5, None), (None, 2.0), (9, 1.5), (1, None)])
-def test_sliding_window_and_softcap_against_a_naive_reference(kernels, monkeypatch, window, softcap) -> None:
+def _with_sinks(layer: PagedAttention, seed: int) -> PagedAttention:
+    """The layer with gpt-oss's sink logits: one per query head, some above every score."""
+    layer.sinks = torch.nn.Parameter(torch.randn(layer.num_heads, generator=torch.Generator().manual_seed(seed)) * 3,
+                                     requires_grad=False)
+    return layer
+
+
+@pytest.mark.parametrize("window, softcap, sinks", [(5, None, False), (None, 2.0, False), (9, 1.5, False), (1, None, False),
+                                                    (None, None, True), (5, None, True)])
+def test_sliding_window_and_softcap_against_a_naive_reference(kernels, monkeypatch, window, softcap, sinks) -> None:
     """Decode rows (the C kernel and the torch path) and prefill rows (fresh and after a cached
-    prefix) of a sliding-window / soft-capped layer against attention written out per query:
-    keys at positions (p - window, p], scores cap * tanh(score * scale / cap)."""
+    prefix) of a sliding-window / soft-capped / sink layer against attention written out per
+    query: keys at positions (p - window, p], scores cap * tanh(score * scale / cap), the head's
+    sink logit joining the softmax and dropped after it."""
     block_size, num_blocks, heads, kv_heads, head_dim = 4, 96, 6, 2, 16
     layer = _layer(heads, kv_heads, head_dim, num_blocks, block_size)
     layer.sliding_window, layer.softcap = window, softcap
+    if sinks:
+        _with_sinks(layer, seed=9)
     query_lens, num_computed = [1, 11, 1, 6, 1], [0, 0, 13, 9, 3]
     rng = np.random.default_rng(7)
     width = 8
@@ -114,10 +125,25 @@ def test_sliding_window_and_softcap_against_a_naive_reference(kernels, monkeypat
                 scores = (k @ q[row, h]) * head_dim**-0.5
                 if softcap is not None:
                     scores = torch.tanh(scores / softcap) * softcap
-                out[h] = torch.softmax(scores, dim=0) @ v
+                if sinks:
+                    out[h] = torch.softmax(torch.cat([scores, layer.sinks[h : h + 1]]), dim=0)[:-1] @ v
+                else:
+                    out[h] = torch.softmax(scores, dim=0) @ v
             expected.append(out.reshape(-1))
             row += 1
     torch.testing.assert_close(reference[0], torch.stack(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_sinks_over_contexts_of_many_runs(kernels, monkeypatch) -> None:
+    """Contexts of 1-3 runs of the kernel's task length (the runs joined by its combine step,
+    the sink in the joined denominator): the C kernel equals the torch path."""
+    block_size, num_blocks = 16, 256
+    layer = _with_sinks(_layer(8, 2, 64, num_blocks, block_size), seed=3)
+    meta = _step([1, 1, 1], [1300, 700, 40], block_size, num_blocks, seed=6)
+    qkv = torch.randn(3, 12, 64, generator=torch.Generator().manual_seed(5))
+    native = _run(layer, meta, qkv, True, monkeypatch)
+    reference = _run(layer, meta, qkv, False, monkeypatch)
+    torch.testing.assert_close(native[0], reference[0], rtol=1e-5, atol=1e-5)
 
 
 def test_kernel_on_a_large_decode_batch(kernels, monkeypatch) -> None:

@@ -74,6 +74,30 @@ def check_close(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, w: torch
     assert float(err.max()) < 1e-5, float(err.max())
 
 
+# The formats whose blocked GEMM (more than 4 rows) the VNNI build runs with x in two int8 pieces per block of 32
+INT8_GEMM_FORMATS = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K"}
+
+
+def int8_gemm_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What x in two int8 pieces per block of 32 (within max |x| / 127 / 256 of x) may cost each
+    output: sum |w| times that, plus fp32 rounding."""
+    rows, k = x.shape
+    step = x.double().abs().view(rows, k // 32, 32).amax(-1) / 127 / 256
+    return 1.01 * step.repeat_interleave(32, -1) @ w.double().abs().T + 2e-6 * (x.double().abs() @ w.double().abs().T + 1.0)
+
+
+def check_gemm(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, w: torch.Tensor, isa: str, names: set[str]) -> None:
+    """check_close, or the int8 bound where the VNNI build's int8 GEMM runs one of `names`."""
+    rows = x.numel() // x.shape[-1]
+    if isa == "avx512vnni" and rows > 4 and names & INT8_GEMM_FORMATS:
+        x2 = x.reshape(rows, -1)
+        err = (got.double().reshape(rows, -1) - want.reshape(rows, -1)).abs()
+        bound = int8_gemm_bound(x2, w)
+        assert bool((err <= bound).all()), float((err / bound).max())
+    else:
+        check_close(got, want, x, w)
+
+
 @pytest.fixture(params=ISAS)
 def isa(request, monkeypatch):
     monkeypatch.setenv("SHMVLLM_QUANT_ISA", request.param)
@@ -122,7 +146,7 @@ def test_gemm_matches_dequantize_then_matmul(isa, name, rows):
     residual = torch.from_numpy(rng.standard_normal((rows, n)).astype(np.float32))
     for b, r in [(None, None), (bias, None), (None, residual), (bias, residual)]:
         got = block_linear(x, [(0, weight)], n, b, r)
-        check_close(got, reference(x, w, b, r), x, w)
+        check_gemm(got, reference(x, w, b, r), x, w, isa, {name})
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
@@ -142,10 +166,10 @@ def test_gemv_row_is_the_same_alone_or_among_rows(isa, name):
 
 @pytest.mark.parametrize("int8_isa", [pytest.param(isa, marks=pytest.mark.skipif(isa not in ISAS, reason=f"the CPU lacks {isa}"))
                                       for isa in ("avx512vnni", "avx2")])
-@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_1", "Q5_0", "Q5_1"])
 @pytest.mark.parametrize("rows", [1, 4])
 def test_int8_rows_error_is_the_split_of_x(int8_isa, name, rows):
-    """The VNNI and AVX2 builds' Q2_K / Q3_K GEMV (and AVX2's Q5_0 / Q5_1) holds x per block (256 / 32
+    """The VNNI and AVX2 builds' Q2_K / Q3_K / Q4_1 GEMV (and AVX2's Q5_0 / Q5_1) holds x per block (256 / 32
     values) in three int8 pieces, to within max |x| / 127 / 32768: with outliers 1000x the rest, the
     error stays within sum |w| times that (plus fp32 rounding)."""
     rng = np.random.default_rng(11)
@@ -178,7 +202,32 @@ def test_mixed_format_parts_fill_their_columns(isa, rows):
     bias = torch.from_numpy(rng.standard_normal(40).astype(np.float32))
     residual = torch.from_numpy(rng.standard_normal((rows, 40)).astype(np.float32))
     got = block_linear(x, parts, 40, bias, residual)
-    check_close(got, reference(x, w, bias, residual), x, w)
+    check_gemm(got, reference(x, w, bias, residual), x, w, isa, {"Q4_K"})
+
+
+@pytest.mark.skipif("avx512vnni" not in ISAS, reason="the CPU lacks avx512vnni")
+@pytest.mark.parametrize("name", sorted(INT8_GEMM_FORMATS))
+@pytest.mark.parametrize("rows", [5, 85])
+def test_int8_gemm_error_is_the_split_of_x(name, rows):
+    """The VNNI build's blocked GEMM holds x per block of 32 in two int8 pieces, to within max |x| / 127 / 256:
+    with outliers 1000x the rest, the error stays within sum |w| times that; x that is not finite
+    gives NaN in its row's outputs, zeros give zeros."""
+    rng = np.random.default_rng(13)
+    n, k = 37, 1024
+    weight = random_weight(name, n, k, rng)
+    w = weight.dequantize().double()
+    x = rng.standard_normal((rows, k)) * np.where(rng.random((rows, k)) < 0.01, 1000.0, 1.0)
+    x[1] = 0.0
+    x[2, 7] = np.inf
+    x = torch.from_numpy(x.astype(np.float32))
+    got = torch.empty(rows, n)
+    assert quant_kernels("avx512vnni").shm_qgemm(got.data_ptr(), n, x.data_ptr(), k, weight.data.data_ptr(),
+                                                 weight.data.shape[1], weight.qtype, None, None, 0, rows, n, k) == 0
+    assert bool(got[2].isnan().all()) and bool((got[1] == 0).all())
+    keep = [r for r in range(rows) if r != 2]
+    err = (got[keep].double() - x[keep].double() @ w.T).abs()
+    bound = int8_gemm_bound(x[keep], w)
+    assert bool((err <= bound).all()), float((err / bound).max())
 
 
 @pytest.mark.parametrize("rows", [5, 64, 131])
@@ -194,7 +243,7 @@ def test_blocked_gemm_odd_shapes(isa, rows, n):
     residual = torch.from_numpy(rng.standard_normal((1, rows, n)).astype(np.float32))
     got = block_linear(x, [(0, weight)], n, None, residual)
     assert got.shape == (1, rows, n)
-    check_close(got.view(rows, n), reference(x.view(rows, k), w, None, residual.view(rows, n)), x.view(rows, k), w)
+    check_gemm(got.view(rows, n), reference(x.view(rows, k), w, None, residual.view(rows, n)), x.view(rows, k), w, isa, {"Q4_1"})
 
 
 def test_parts_must_tile_the_weight():

@@ -369,6 +369,32 @@ def test_a_load_failing_after_ready_is_the_first_calls_error(tmp_path, tiny_llam
         proc.kill()
 
 
+DIES_AFTER_LLM = """
+import os, signal
+from shmvllm import LLM
+from shmvllm.engine.proc_manager import _children
+
+llm = LLM({model!r}, max_model_len=64, num_kv_blocks=16)
+print("PIDS", os.getpid(), *_children(os.getpid()), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_kill_9_of_the_frontend_as_llm_returns(tmp_path, smollm2_dir):
+    """The frontend dies the moment LLM() returned, its engine (READY from its config) still
+    importing torch or loading: the engine goes, and nothing is left."""
+    (tmp_path / "frontend.py").write_text(DIES_AFTER_LLM.format(model=str(smollm2_dir)))
+    done = subprocess.run([sys.executable, str(tmp_path / "frontend.py")], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    frontend, engine = (int(pid) for pid in done.stdout.split()[1:])
+    try:
+        _assert_nothing_left(frontend, engine, within=5.0)
+    finally:
+        if pid_alive(engine):
+            os.kill(engine, signal.SIGKILL)
+
+
 def test_kill_9_of_the_engine_loading_after_ready(tmp_path, tiny_llama_dir):
     proc, engine = _held_after_ready(tmp_path, tiny_llama_dir)
     try:

@@ -19,6 +19,7 @@ makes from that file, so that both load the same way.
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +52,16 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
                                         moe_intermediate_size=32, mlp_only_layers=[1])),
     "mixtral": ("MixtralConfig", dict(tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2)),
+    # gpt-oss: sliding and full layers, YaRN stretching 32 positions by 32 (truncate False, as gpt-oss ships)
+    "gpt_oss": ("GptOssConfig", dict(tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2,
+                                     intermediate_size=64, sliding_window=8, rope_parameters=dict(
+                                         rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                         original_max_position_embeddings=32, truncate=False))),
 }
 
 # GGUF architecture of each family and its layer tensor names (llama.cpp's), as the converter writes them
 GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe",
-             "mixtral": "llama"}  # llama.cpp writes Mixtral as a llama with experts
+             "mixtral": "llama", "gpt_oss": "gpt-oss"}  # llama.cpp writes Mixtral as a llama with experts
 _LLAMA_NAMES = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
@@ -73,9 +79,10 @@ _PHI3_NAMES = {
     "input_layernorm": "attn_norm", "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
     "post_attention_layernorm": "ffn_norm", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }
+_GPT_OSS_NAMES = {**_LLAMA_NAMES, "post_attention_layernorm": "post_attention_norm", "self_attn.sinks": "attn_sinks"}
 GGUF_NAMES = {
     "llama": _LLAMA_NAMES, "qwen3": _LLAMA_NAMES, "gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES, "phi3": _PHI3_NAMES,
-    "qwen3_moe": _LLAMA_NAMES, "mixtral": _LLAMA_NAMES,
+    "qwen3_moe": _LLAMA_NAMES, "mixtral": _LLAMA_NAMES, "gpt_oss": _GPT_OSS_NAMES,
 }
 # Mixtral's checkpoint names in llama.cpp's converter's terms (it stacks the experts as Qwen3-MoE's)
 _MIXTRAL_RENAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
@@ -99,6 +106,8 @@ def build_tiny(family: str, target: Path, seed: int = 0, **overrides: Any) -> Pa
         for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.08)
+            elif name.endswith(("bias", "sinks")):  # biases and gpt-oss's sink logits around 0
+                p.normal_(0.0, 0.1)
             else:  # norms: Gemma's (1 + w) weights around 0, the others around 1
                 p.normal_(0.0 if family.startswith("gemma") else 1.0, 0.1)
     model.eval()
@@ -199,6 +208,13 @@ def write_gguf(model_dir: Path, path: Path, qtype: str = "F32") -> Path:
             state = {name.replace(old, new): tensor for name, tensor in state.items()}
         state = _stack_experts(state, config.num_local_experts)
 
+    if family == "gpt_oss":
+        metadata.update(add_expert_count=config.num_local_experts, add_expert_used_count=config.num_experts_per_tok,
+                        add_expert_feed_forward_length=config.intermediate_size, add_sliding_window=config.sliding_window,
+                        add_rope_scaling_type=gguf.RopeScalingType.YARN, add_rope_scaling_factor=float(rope["factor"]),
+                        add_rope_scaling_orig_ctx_len=int(rope["original_max_position_embeddings"]))
+        state = _gpt_oss_as_llama_cpp(state)
+
     def add_tensors(writer: Any) -> None:
         for name, tensor in state.items():
             values = tensor.float().numpy()
@@ -219,7 +235,9 @@ def write_gguf(model_dir: Path, path: Path, qtype: str = "F32") -> Path:
             if family.startswith("gemma") and gguf_name.endswith("norm.weight"):
                 values = values + np.float32(1.0)
             values = np.ascontiguousarray(values, dtype=np.float32)
-            if values.ndim >= 2 and qtype != "F32" and "ffn_gate_inp" not in gguf_name:  # llama.cpp keeps the router F32
+            # llama.cpp keeps the router F32; gpt-oss's files hold the experts' weights alone in MXFP4
+            if (values.ndim >= 2 and qtype != "F32" and "ffn_gate_inp" not in gguf_name
+                    and (family != "gpt_oss" or "_exps.weight" in gguf_name)):
                 kind = gguf.GGMLQuantizationType[qtype]
                 writer.add_tensor(gguf_name, gguf.quants.quantize(values, kind), raw_dtype=kind)
             else:
@@ -229,10 +247,34 @@ def write_gguf(model_dir: Path, path: Path, qtype: str = "F32") -> Path:
     return path
 
 
+def _gpt_oss_as_llama_cpp(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """gpt-oss's stacked experts as llama.cpp's converter writes them: gate_up_proj [E, hidden,
+    2I] (gate and up interleaved) -> gate_proj / up_proj [E, I, hidden], down_proj [E, I, hidden]
+    -> [E, hidden, I], biases split the same way; the router as mlp.gate, the sinks as a weight."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        stem, _, leaf = name.rpartition(".mlp.experts.")
+        if leaf == "gate_up_proj":
+            out[f"{stem}.mlp.experts.gate_proj.weight"] = tensor.transpose(1, 2)[:, ::2]
+            out[f"{stem}.mlp.experts.up_proj.weight"] = tensor.transpose(1, 2)[:, 1::2]
+        elif leaf == "gate_up_proj_bias":
+            out[f"{stem}.mlp.experts.gate_proj.bias"] = tensor[:, ::2]
+            out[f"{stem}.mlp.experts.up_proj.bias"] = tensor[:, 1::2]
+        elif leaf == "down_proj":
+            out[f"{stem}.mlp.experts.down_proj.weight"] = tensor.transpose(1, 2)
+        elif leaf == "down_proj_bias":
+            out[f"{stem}.mlp.experts.down_proj.bias"] = tensor
+        elif name.endswith(".self_attn.sinks"):
+            out[name + ".weight"] = tensor
+        else:
+            out[name.replace(".mlp.router.", ".mlp.gate.")] = tensor
+    return out
+
+
 def quantized_copy(model_dir: Path, target: Path, qtype: str) -> Path:
     """The HF directory with every matrix that write_gguf quantizes (all but the router) replaced by
     its `qtype` blocks' dequantized values: the weights a GGUF file of that qtype holds, for
-    transformers to run where its GGUF loader cannot read the file (Mixtral's)."""
+    transformers to run where its GGUF loader cannot read the file (Mixtral's, gpt-oss's MXFP4)."""
     import shutil
 
     import gguf
@@ -240,8 +282,14 @@ def quantized_copy(model_dir: Path, target: Path, qtype: str) -> Path:
 
     kind = gguf.GGMLQuantizationType[qtype]
     state = load_file(str(model_dir / "model.safetensors"))
+    experts_only = json.loads((model_dir / "config.json").read_text())["model_type"] == "gpt_oss"  # as write_gguf
     for name, tensor in state.items():
-        if tensor.dim() >= 2 and not name.endswith(".gate.weight"):  # the router stays F32
+        if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):  # gpt-oss: x @ W, blocks along W^T's rows
+            values = gguf.quants.dequantize(gguf.quants.quantize(tensor.transpose(1, 2).float().contiguous().numpy(), kind), kind)
+            state[name] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).transpose(1, 2).contiguous()
+        elif experts_only:
+            continue
+        elif tensor.dim() >= 2 and not name.endswith(".gate.weight"):  # the router stays F32
             values = gguf.quants.dequantize(gguf.quants.quantize(tensor.float().numpy(), kind), kind)
             state[name] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(tensor.shape)
     shutil.copytree(model_dir, target, ignore=shutil.ignore_patterns("model.safetensors"))

@@ -185,8 +185,10 @@ def serve_prestarted(read_fd: int) -> None:
     on a thread while the main thread reads its EngineProcArgs from `read_fd`
     until EOF and serves (it answers READY before torch where it can; its own `import torch` then
     waits for the thread's). Nothing to read (the frontend gave up, or died): exits. Never returns."""
+    global _torch_import
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # as the engine's: the frontend decides on Ctrl-C
-    threading.Thread(target=_import_engine_code, name="shmvllm-engine-imports", daemon=True).start()
+    _torch_import = threading.Thread(target=_import_torch, name="shmvllm-torch-import", daemon=True)
+    _torch_import.start()
     with os.fdopen(read_fd, "rb") as pipe:
         payload = pipe.read()
     if not payload:
@@ -194,7 +196,7 @@ def serve_prestarted(read_fd: int) -> None:
     serve_forked(decode_proc_args(payload), None)
 
 
-def _import_engine_code() -> None:
+def _import_torch() -> None:
     global _prestart_imports_s
     started = time.monotonic()
     try:  # torch only: shmvllm's own modules import on the main thread (no two threads in one import cycle)
@@ -205,6 +207,7 @@ def _import_engine_code() -> None:
 
 
 _prestart_imports_s: Optional[float] = None  # a prestarted engine's torch import (its thread)
+_torch_import: Optional[threading.Thread] = None  # that thread
 
 
 def serve(args: EngineProcArgs) -> None:
@@ -305,7 +308,9 @@ class EngineCoreProc:
                 config = dataclasses.replace(
                     config, cache_config=dataclasses.replace(config.cache_config, num_kv_blocks=early.num_kv_blocks))
             early_at = time.monotonic()
-            if executor_class is None:  # waits for a prestarted engine's import in progress
+            if _torch_import is not None:  # nothing builds (or forks) while that import is half done
+                _torch_import.join()
+            if executor_class is None:
                 import torch  # noqa: F401  (every built-in executor needs it: timed as a phase of its own)
             torch_imported = time.monotonic()
             self.engine_core = EngineCore(config, executor_class)

@@ -18,9 +18,11 @@ to its slot (slot_mapping), then
   their fresh K/V when nothing precedes the chunk, else over the context gathered from the
   cache with a causal mask shifted by the prefix length.
 
-Per layer, two options of the decoder families: a sliding window (the query at position p sees
-the keys at positions > p - window, as transformers' sliding-window mask) and Gemma 2's
-soft-capping of the scores (cap * tanh(score / cap), before the mask). A bidirectional layer
+Per layer, three options of the decoder families: a sliding window (the query at position p sees
+the keys at positions > p - window, as transformers' sliding-window mask), Gemma 2's
+soft-capping of the scores (cap * tanh(score / cap), before the mask), and gpt-oss's sinks (a
+learned logit per query head that joins the softmax's denominator and weighs no value; the C
+decode kernel takes them, prefills run eagerly, SDPA having no place for them). A bidirectional layer
 (EmbeddingGemma's, pooling only) attends a whole fresh sequence both ways, its window the keys
 closer than `window` either side. The cache keeps every
 block of a request for every layer (a block that only sliding layers could drop is kept for the
@@ -183,7 +185,7 @@ class PagedAttention(torch.nn.Module):
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-        sliding_window: Optional[int] = None, softcap: Optional[float] = None, causal: bool = True,
+        sliding_window: Optional[int] = None, softcap: Optional[float] = None, causal: bool = True, sinks: bool = False,
     ) -> None:
         super().__init__()
         if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
@@ -197,6 +199,8 @@ class PagedAttention(torch.nn.Module):
         self.sliding_window = sliding_window
         self.softcap = softcap
         self.causal = causal
+        # sinks: a learned logit per query head that joins each softmax's denominator and weighs no value (gpt-oss)
+        self.sinks = torch.nn.Parameter(torch.empty(num_heads), requires_grad=False) if sinks else None
         self.k_cache: Optional[torch.Tensor] = None  # bound by the model runner
         self.v_cache: Optional[torch.Tensor] = None
 
@@ -241,11 +245,13 @@ class PagedAttention(torch.nn.Module):
         k_cache, v_cache = self.k_cache, self.v_cache
         assert k_cache is not None and v_cache is not None and v_cache.is_contiguous()
         rows, table, seq_lens = batch.pointers
+        sinks = None if self.sinks is None else self.sinks.float().contiguous()  # the kernel reads fp32 sinks
         status = kernels.shm_paged_decode_attention_ex(
             out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0), rows, len(batch.rows),
             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1] * k_cache.shape[2], table,
             batch.block_table.shape[1], seq_lens, k_cache.shape[2], self.num_heads, self.num_kv_heads,
             self.head_dim, self.scale, self.sliding_window or 0, self.softcap or 0.0,
+            None if sinks is None else sinks.data_ptr(),
         )
         if status != 0:
             raise MemoryError("the decode attention kernel could not allocate its scratch memory")
@@ -265,7 +271,12 @@ class PagedAttention(torch.nn.Module):
         else:
             scores = torch.bmm(queries, keys.transpose(1, 2)).mul_(self.scale).div_(self.softcap).tanh_().mul_(self.softcap)
             scores.add_(bias)
-        attn = torch.bmm(torch.softmax(scores, dim=-1), values)
+        if self.sinks is not None:  # head kv * group + g of query row (kv, n, g)
+            sinks = self.sinks.to(scores.dtype).view(kv_heads, 1, group, 1).expand(kv_heads, n, group, 1)
+            probs = torch.softmax(torch.cat([scores, sinks.reshape(kv_heads * n, group, 1)], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        attn = torch.bmm(probs, values)
         attn = attn.view(kv_heads, n, group, d).transpose(0, 1).reshape(n, self.num_heads, d)
         if batch.are_prefix:
             out[:n] = attn
@@ -308,21 +319,28 @@ class PagedAttention(torch.nn.Module):
         mask = seq.mask
         if self.sliding_window is not None and seq.num_computed + seq.end - seq.start > self.sliding_window:
             mask = seq.window_mask(self.sliding_window, q.device, self.causal)
-        if self.softcap is not None:
+        if self.softcap is not None or self.sinks is not None:
             if mask is None:  # a window as long as the sequence: plain causal, or everything
                 mask = seq.window_mask(keys.shape[2], q.device, self.causal)
-            attn = self._softcapped(queries, keys, values, mask)
+            attn = self._eager(queries, keys, values, mask)
         elif mask is None:
             attn = F.scaled_dot_product_attention(queries, keys, values, is_causal=self.causal, scale=self.scale, enable_gqa=True)
         else:
             attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
         return attn.squeeze(0).transpose(0, 1)
 
-    def _softcapped(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Eager attention with scores capped before the mask (SDPA has no soft-capping)."""
+    def _eager(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Eager attention (SDPA has neither): scores capped before the mask, sink logits joining the softmax."""
         group = self.num_heads // self.num_kv_heads
         keys = keys.repeat_interleave(group, dim=1)
         values = values.repeat_interleave(group, dim=1)
-        scores = torch.matmul(queries, keys.transpose(2, 3)).mul_(self.scale).div_(self.softcap).tanh_().mul_(self.softcap)
+        scores = torch.matmul(queries, keys.transpose(2, 3)).mul_(self.scale)
+        if self.softcap is not None:
+            scores.div_(self.softcap).tanh_().mul_(self.softcap)
         scores.masked_fill_(~mask, float("-inf"))
-        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(queries.dtype), values)
+        if self.sinks is None:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        else:
+            sinks = self.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+            probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+        return torch.matmul(probs.to(queries.dtype), values)

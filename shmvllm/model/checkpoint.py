@@ -136,3 +136,36 @@ def safetensors_tensors(paths: list[Path]) -> Iterator[tuple[str, CheckpointTens
                                               8 + length + info["data_offsets"][0])
         finally:
             os.close(fd)
+
+
+class DerivedTensor(CheckpointTensor):
+    """Entry `index` of a stacked tensor (a [n, a, b] weight or [n, b] bias), some of its last
+    dimension's `columns`, the weight transposed to [columns, a]: one expert's projection of a
+    checkpoint that stacks its experts (gpt-oss). The entry is read (once) when first asked for."""
+
+    def __init__(self, name: str, source: CheckpointTensor, index: int, columns: slice, transpose: bool) -> None:
+        self.name, self.source, self.index, self.take, self.transpose = name, source, index, columns, transpose
+        width = len(range(source.shape[-1])[columns])
+        self.shape = (width, source.shape[1]) if transpose else (width, *source.shape[1:-1])
+        self._values: Optional[torch.Tensor] = None
+
+    def _all(self) -> torch.Tensor:
+        if self._values is None:
+            entry = self.source.rows(self.index, self.index + 1)[0]
+            if not isinstance(entry, torch.Tensor):
+                raise ValueError(f"checkpoint tensor {self.source.name!r}: stacked blocks cannot be re-laid out.")
+            entry = entry[..., self.take]
+            self._values = (entry.transpose(0, 1) if self.transpose else entry).contiguous()
+        return self._values
+
+    def rows(self, start: int, stop: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        self._check_rows(start, stop)
+        values = self._all()[start:stop]
+        if out is not None:
+            out.copy_(values.view(out.shape))
+            return out
+        return values
+
+    def columns(self, start: int, stop: int) -> torch.Tensor:
+        self._check_columns(start, stop)
+        return self._all()[:, start:stop]

@@ -26,7 +26,7 @@ from shmvllm import envs
 from shmvllm.model.attention import AttentionMetadata
 from shmvllm.model.kernels import cpu_kernels, quant_kernels
 from shmvllm.model.linear import FEW_ROWS, Linear
-from shmvllm.model.moe import GLU_KERNELS, MoEMLP
+from shmvllm.model.moe import GLU_KERNELS, MoEMLP, native_options
 from shmvllm.model.native_linear import NativeLinear, linear_table, linear_tables
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -76,7 +76,7 @@ def fallback_reasons(model: Any) -> list[str]:
     """Why the native step cannot run `model` (a DecoderModel); empty: it can (on a CPU with the
     kernels). What the step leaves to the layer-by-layer path: rotary tables that depend on the
     sequence's length (dynamic NTK, LongRoPE past its threshold) or rotate part of each head
-    (partial rotary), and non-fp32 weights or norms."""
+    (partial rotary), non-fp32 weights or norms, and gpt-oss's attention sinks and experts."""
     reasons = []
     for key, table in model.rotary.items():
         if table.length_dependent:
@@ -89,6 +89,10 @@ def fallback_reasons(model: Any) -> list[str]:
             if linear.blocks is None and (linear.weight.dtype != torch.float32 or linear.weight.device.type != "cpu"):
                 reasons.append(f"weights of dtype {linear.weight.dtype} on {linear.weight.device.type}")
                 break
+        if attn.attn.sinks is not None:
+            reasons.append("attention sinks")
+        if isinstance(layer.mlp, MoEMLP) and not native_options(layer.mlp.options):
+            reasons.append("experts with biases, clamped SwiGLU or a router bias (gpt-oss)")
         norms = [getattr(layer, name) for name in layer.norm_names if name is not None]
         if attn.qk_norm is not None:
             norms += [attn.q_norm, attn.k_norm]

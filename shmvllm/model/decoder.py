@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +93,7 @@ class DecoderOptions:
     attn_scale: Optional[float] = None  # score scale; None: head_dim ** -0.5
     attn_softcap: Optional[float] = None  # scores -> cap * tanh(score / cap) (Gemma 2)
     causal: bool = True  # False: bidirectional attention within each sequence (EmbeddingGemma; pooling only)
+    attn_sinks: bool = False  # a learned logit per query head in each softmax's denominator (gpt-oss; PagedAttention.sinks)
     final_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     logits_scale: float = 1.0  # logits times this (Granite: 1 / logits_scaling)
     qkv_bias: bool = False
@@ -244,8 +245,11 @@ class Attention(nn.Module):
         scale = options.attn_scale if options.attn_scale is not None else self.head_dim**-0.5
         self.attn = PagedAttention(
             self.num_heads, self.num_kv_heads, self.head_dim, scale, layer.sliding_window, options.attn_softcap,
-            options.causal,
+            options.causal, options.attn_sinks,
         )
+        if self.attn.sinks is not None:  # this rank's query heads' sink logits
+            first = kv0 * per_kv
+            self.attn.sinks.weight_loader = lambda param, tensor, part=None: _read_sinks(param, tensor, first, heads)
 
     def forward(
         self, ropes: dict[str, RotaryStep], x: torch.Tensor, residual: Optional[torch.Tensor], meta: AttentionMetadata
@@ -273,6 +277,12 @@ class Attention(nn.Module):
                 rope.apply_(q)
                 rope.apply_(k)
         return self.o_proj(self.attn(q, k, v, meta), residual)
+
+
+def _read_sinks(param: nn.Parameter, tensor: CheckpointTensor, first: int, heads: int) -> None:
+    if tuple(tensor.shape) != (heads,):
+        raise ValueError(f"checkpoint tensor {tensor.name!r} has shape {tuple(tensor.shape)}, expected ({heads},).")
+    read_rows(param, tensor, first, first + param.shape[0], 0, [])
 
 
 class MLP(nn.Module):
@@ -501,6 +511,8 @@ class Family:
     gguf_names: dict[str, str]  # GGUF tensor name after "blk.N." -> checkpoint name after "model.layers.N."
     gguf_norms_minus_one: bool = False  # GGUF stores (1 + w) norms: transformers subtracts 1 on load (Gemma)
     gguf_permute_qk: tuple[str, ...] = ()  # file architectures whose q/k rows llama.cpp interleaved ("llama")
+    # an HF checkpoint's tensors as the model's parameters take them (gpt-oss: its stacked experts one by one)
+    split_checkpoint: Optional[Callable[[Iterable[tuple[str, Any]]], Iterable[tuple[str, Any]]]] = None
 
     def build(self, config: Any, max_position: int, placement: Optional[Placement] = None) -> DecoderForCausalLM:
         options = self.options(config)

@@ -92,6 +92,8 @@ def get_model(
         tensors, placement = safetensors_tensors(weight_files(model_dir)), Placement(group, _q8_0_linear_weight, stage)
     else:
         tensors, placement = safetensors_tensors(weight_files(model_dir)), Placement(group, stage=stage)
+    if source is None and builder.split_checkpoint is not None:
+        tensors = builder.split_checkpoint(tensors)
     with one_torch_thread():
         with built_on_meta():
             model = builder.build(hf_config, max_position, placement)

@@ -1,6 +1,8 @@
-"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral): an fp32 router picks each token's top-k
-experts, and a step's tokens are grouped by expert so that each chosen expert's weights are read
-once and multiplied with all of its tokens; an expert no token chose is not touched.
+"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral, gpt-oss): an fp32 router picks each token's
+top-k experts, and a step's tokens are grouped by expert so that each chosen expert's weights are
+read once and multiplied with all of its tokens; an expert no token chose is not touched.
+gpt-oss's variant (router bias, softmax over the top-k logits, expert biases, the clamped SwiGLU)
+runs the experts one by one from Python (`native_options`): the C kernels have none of it.
 
 The router follows transformers' arithmetic in fp32: logits = x @ W_gate^T, softmax over all
 experts, top-k, then (Mixtral always; Qwen3-MoE where `norm_topk_prob`) the chosen weights
@@ -66,26 +68,46 @@ class MoEOptions:
     top_k: int
     intermediate_size: int  # each expert's
     norm_topk_prob: bool  # the chosen weights divided by their sum
+    router_bias: bool = False
+    softmax_topk: bool = False  # the softmax over the top-k logits only (gpt-oss), not over all experts before the top-k
+    expert_bias: bool = False  # biases on each expert's gate / up / down (gpt-oss)
+    # gpt-oss's clamped SwiGLU: gate <= limit, |up| <= limit, (up + 1) * gate * sigmoid(alpha * gate); None: the plain GLU
+    swiglu_limit: Optional[float] = None
+    swiglu_alpha: float = 1.702
+
+
+def native_options(options: MoEOptions) -> bool:
+    """Whether the C kernels (kernels/moe.c, the native decode step's router) run these experts:
+    not gpt-oss's clamped SwiGLU, expert biases, router bias or softmax over the top-k, which run
+    op by op in torch."""
+    return options.swiglu_limit is None and not (options.expert_bias or options.router_bias or options.softmax_topk)
 
 
 class Expert(nn.Module):
     """One expert: down(act(gate(x)) * up(x)), gate and up fused into one projection."""
 
-    def __init__(self, hidden: int, intermediate: int, activation: str, placement: Placement, prefix: str) -> None:
+    def __init__(self, hidden: int, options: MoEOptions, activation: str, placement: Placement, prefix: str) -> None:
         super().__init__()
         group = placement.group
+        intermediate = options.intermediate_size
         unit = placement.unit(f"{prefix}.down_proj.weight")
         u0, u1 = split_range(-(-intermediate // unit), group.world_size, group.rank)  # whole blocks; a rank may get none
         i0, i1 = min(u0 * unit, intermediate), min(u1 * unit, intermediate)
         self.intermediate_size = i1 - i0
         self.activation = activation
-        self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate], [(i0, i1), (i0, i1)], False, group)
-        # the partial sums are all-reduced once per layer, by MoEMLP
-        self.down_proj = RowParallelLinear(intermediate, hidden, i0, i1, unit, False, group, reduce=False)
+        self.limit, self.alpha = options.swiglu_limit, options.swiglu_alpha
+        bias = options.expert_bias
+        self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate], [(i0, i1), (i0, i1)], bias, group)
+        # the partial sums are all-reduced once per layer, by MoEMLP (the bias added by rank 0)
+        self.down_proj = RowParallelLinear(intermediate, hidden, i0, i1, unit, bias, group, reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         size = gate_up.shape[-1] // 2  # a tensor-parallel rank holds a share of the rows
+        if self.limit is not None:  # transformers' arithmetic, op by op
+            gate = gate_up[:, :size].clamp(max=self.limit)
+            up = gate_up[:, size:].clamp(min=-self.limit, max=self.limit)
+            return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
         kernels = kernels_for(gate_up)
         if kernels is not None:  # the dense MLP's GLU kernel
             act = gate_up.new_empty(gate_up.shape[0], size)
@@ -106,11 +128,12 @@ class MoEMLP(nn.Module):
             raise ValueError(f"num_experts_per_tok must lie in [1, {options.num_experts}], got {options.top_k}.")
         self.num_experts, self.top_k, self.norm_topk_prob = options.num_experts, options.top_k, options.norm_topk_prob
         self.intermediate_size, self.activation = options.intermediate_size, activation
+        self.options = options
         group = placement.group
         # the router: all its rows on every rank
-        self.gate = ColumnParallelLinear(hidden, [options.num_experts], [(0, options.num_experts)], False, group)
+        self.gate = ColumnParallelLinear(hidden, [options.num_experts], [(0, options.num_experts)], options.router_bias, group)
         self.experts = nn.ModuleList(
-            Expert(hidden, options.intermediate_size, activation, placement, f"{prefix}.experts.{index}")
+            Expert(hidden, options, activation, placement, f"{prefix}.experts.{index}")
             for index in range(options.num_experts)
         )
         self.group: Any = group if group.world_size > 1 else None  # the ranks' partial sums are all-reduced
@@ -122,6 +145,9 @@ class MoEMLP(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [rows, top_k] fp32, expert ids [rows, top_k]) of each token."""
         logits = self.gate(x).float()
+        if self.options.softmax_topk:
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1), ids
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -141,7 +167,7 @@ class MoEMLP(nn.Module):
                 residual: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Every expert in one C call (kernels/moe.c), on the CPU with fp32 activations and weights
         the kernels run (GGML blocks or fp32); None where that does not apply."""
-        if x.dtype != torch.float32 or x.device.type != "cpu" or not self.intermediate_share:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or not self.intermediate_share or not native_options(self.options):
             return None
         table = self._table()
         if table is None:

@@ -368,7 +368,7 @@ def read_gguf(path: Path, hf_config: Any, family: Any, dequantize: bool = False)
     permute = reader.architecture in family.gguf_permute_qk
     for tensor in reader.tensors:
         name = checkpoint_name(tensor.name, family.gguf_names)
-        if len(tensor.shape) == 3:  # stacked experts [n_expert, rows, k]
+        if len(tensor.shape) == 3 or "*" in name:  # stacked experts: weights [n_expert, rows, k], biases [n_expert, rows]
             yield from _experts(Path(path), mapped, tensor, name, dequantize)
             continue
         permuted = heads if permute and ".attn_q." in tensor.name else kv_heads if permute and ".attn_k." in tensor.name else 0
@@ -381,9 +381,9 @@ def read_gguf(path: Path, hf_config: Any, family: Any, dequantize: bool = False)
 def _experts(path: Path, mapped: torch.Tensor, tensor: Any, name: str, dequantize: bool) -> Iterator[tuple[str, GGUFTensorRef]]:
     """One (checkpoint name, handle) per expert of a stacked expert tensor: `name` holds "*" where
     the expert's index goes; each expert's rows a view of the mapped file."""
-    if "*" not in name:
-        raise ValueError(f"GGUF tensor {tensor.name!r} is 3-D, but {name!r} is not an expert tensor of this family.")
-    shape = (int(tensor.shape[1]), int(tensor.shape[0]))
+    if "*" not in name or len(tensor.shape) not in (2, 3):
+        raise ValueError(f"GGUF tensor {tensor.name!r} of shape {tensor.shape} is not a stacked expert tensor of this family ({name!r}).")
+    shape = tuple(int(d) for d in reversed(tensor.shape[:-1]))  # one expert's
     for expert in range(tensor.data.shape[0]):
         rows = tensor.data[expert]
         yield name.replace("*", str(expert)), GGUFTensorRef(path, mapped, name.replace("*", str(expert)), tensor.tensor_type,

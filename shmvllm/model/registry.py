@@ -192,9 +192,11 @@ def _write_gguf_dir(gguf_path: Path, target: Path, values: dict[str, Any]) -> No
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
         (staging / "config.json").write_text(json.dumps(values, indent=2))
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-        AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(staging)
+        # AutoTokenizer reads the config too, which transformers' gpt-oss GGUF reader cannot
+        tokenizer = PreTrainedTokenizerFast if values.get("model_type") == "gpt_oss" else AutoTokenizer
+        tokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(staging)
         _write_gguf_source(staging, gguf_path)
         try:
             staging.rename(target)
@@ -212,11 +214,13 @@ def _gguf_config_values(gguf_path: Path) -> dict[str, Any]:
         raise ValueError(f"reading the GGUF file {str(gguf_path)!r} the first time needs the package 'gguf': pip install gguf")
     from transformers import AutoConfig
 
+    header = gguf_header_values(gguf_path)
+    arch = header.get("general.architecture")
+    if arch == "gpt-oss":
+        return config_values(_gpt_oss_config(gguf_path, header))
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     if not getattr(config, "architectures", None):
         config.architectures = [check_gguf_file(gguf_path)]  # the HF architecture the file loads as
-    header = gguf_header_values(gguf_path)
-    arch = header.get("general.architecture")
     if arch == "llama" and int(header.get("llama.expert_count", 0) or 0) > 0:
         config = _mixtral_config(config, header)
     config.dtype = "float32"  # what transformers dequantizes a GGUF file to
@@ -226,6 +230,39 @@ def _gguf_config_values(gguf_path: Path) -> dict[str, Any]:
     values = config_values(config)
     values.pop("quantization_config", None)
     return values
+
+
+def _gpt_oss_config(gguf_path: Path, header: dict[str, Any]) -> Any:
+    """A gpt-oss GGUF file's config, read from its header here: transformers' gpt-oss GGUF
+    reader fails on the rope.scaling keys llama.cpp writes. YaRN's parameters are gpt-oss's (not
+    truncated, betas 32 / 1; the file holds only type, factor and original length); the swiglu
+    alpha / limit are the config's defaults, as llama.cpp's graph fixes them."""
+    from transformers import GptOssConfig
+
+    from shmvllm.model.gguf_file import GGUFFile
+
+    def key(name: str, default: Any = None) -> Any:
+        value = header.get(f"gpt-oss.{name}", default)
+        if value is None:
+            raise ValueError(f"GGUF file {str(gguf_path)!r} has no gpt-oss.{name}.")
+        return value
+
+    tensors = {tensor.name: tensor for tensor in GGUFFile(gguf_path).tensors}
+    rope = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 150000.0))}
+    if header.get("gpt-oss.rope.scaling.type") == "yarn":
+        rope.update(rope_type="yarn", factor=float(key("rope.scaling.factor")), beta_fast=32.0, beta_slow=1.0,
+                    original_max_position_embeddings=int(key("rope.scaling.original_context_length")), truncate=False)
+    return GptOssConfig(
+        vocab_size=int(tensors["token_embd.weight"].shape[1]), hidden_size=int(key("embedding_length")),
+        num_hidden_layers=int(key("block_count")), num_attention_heads=int(key("attention.head_count")),
+        num_key_value_heads=int(key("attention.head_count_kv")), head_dim=int(key("attention.key_length")),
+        intermediate_size=int(key("expert_feed_forward_length")), num_local_experts=int(key("expert_count")),
+        num_experts_per_tok=int(key("expert_used_count")), rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        sliding_window=int(key("attention.sliding_window")), max_position_embeddings=int(key("context_length")),
+        rope_parameters=rope, tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=header.get("tokenizer.ggml.bos_token_id"), eos_token_id=header.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=header.get("tokenizer.ggml.padding_token_id"), architectures=["GptOssForCausalLM"], dtype="float32",
+    )
 
 
 def _mixtral_config(llama: Any, header: dict[str, Any]) -> Any:

@@ -53,7 +53,7 @@ _SIGNATURES = {
     ),
     "shm_paged_decode_attention_ex": (
         ctypes.c_int,
-        [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _f32, _i64, _f32],
+        [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _f32, _i64, _f32, _ptr],
     ),
     "shm_rms_norm": (None, [_ptr, _ptr, _ptr, _i64, _i64, _f32]),
     "shm_silu_and_mul": (None, [_ptr, _ptr, _i64, _i64]),
@@ -238,6 +238,7 @@ def native_bf16() -> tuple[bool, str]:
 QUANT_SOURCE = Path(__file__).with_name("quant_kernels.c")
 QUANT_FORMATS_SOURCE = Path(__file__).with_name("quant_formats.h")
 QUANT_INT8_SOURCE = Path(__file__).with_name("quant_int8.h")
+QUANT_GEMM_INT8_SOURCE = Path(__file__).with_name("quant_gemm_int8.h")
 # decode_step.c includes quant_kernels.c: one library per ISA holds both.
 STEP_SOURCE = Path(__file__).with_name("decode_step.c")
 MOE_SOURCE = Path(__file__).with_name("moe.c")  # included by decode_step.c
@@ -271,7 +272,8 @@ _QUANT_BASE_FLAGS = ["-O3", "-mtune=native", "-fopenmp", "-fPIC", "-std=gnu11", 
 def _quant_build(isa: str) -> Optional[ctypes.CDLL]:
     flags = next(f for name, _, f in QUANT_ISAS if name == isa)
     return _build(f"quant_kernels-{isa}", STEP_SOURCE, _QUANT_BASE_FLAGS + flags, _QUANT_SIGNATURES,
-                  (QUANT_SOURCE, QUANT_FORMATS_SOURCE, QUANT_INT8_SOURCE, ATTENTION_HEADER, MOE_SOURCE))
+                  (QUANT_SOURCE, QUANT_FORMATS_SOURCE, QUANT_INT8_SOURCE, QUANT_GEMM_INT8_SOURCE, ATTENTION_HEADER,
+                   MOE_SOURCE))
 
 
 def quant_isas_supported() -> list[str]:

@@ -23,6 +23,7 @@ typedef struct {
     int64_t max_chunks; /* runs of the longest context: tasks = num_decodes * kv_heads * max_chunks */
     int64_t window;     /* > 0: a sliding-window layer attends to the last `window` positions only */
     float softcap;      /* > 0: scores become softcap * tanh(score / softcap) (Gemma 2) */
+    const float *sinks; /* non-NULL: each query head's sink logit joins its softmax's denominator (gpt-oss) */
 } shm_attention_args;
 
 static inline int64_t attention_chunks(int64_t seq_len) { return (seq_len + ATTN_CHUNK - 1) / ATTN_CHUNK; }

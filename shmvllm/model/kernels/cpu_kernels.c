@@ -274,7 +274,17 @@ void shm_attention_task(const shm_attention_args *a, int64_t task, float *work, 
     if (chunks == 1) {
         /* the whole context: normalize the probabilities, then weigh the values with them */
         for (int64_t g = 0; g < group; g++) {
-            const float inv = 1.0f / sums[g];
+            float total = sums[g], scale = 1.0f;
+            if (a->sinks != NULL) { /* exp(sink - max), the max taken over the sink too */
+                const float sink = a->sinks[h * group + g];
+                if (sink > maxes[g]) {
+                    scale = expf(maxes[g] - sink);
+                    total = total * scale + 1.0f;
+                } else {
+                    total += expf(sink - maxes[g]);
+                }
+            }
+            const float inv = scale / total;
 #pragma omp simd
             for (int64_t pos = 0; pos < len; pos++) s[g * len + pos] *= inv;
         }
@@ -306,7 +316,9 @@ void shm_attention_combine(const shm_attention_args *a, int64_t pair, const floa
             const float m = first[c * group * (D + 2) + g];
             max = m > max ? m : max;
         }
-        float total = 0.0f, acc[D];
+        const float sink = a->sinks != NULL ? a->sinks[h * group + g] : 0.0f;
+        if (a->sinks != NULL && sink > max) max = sink;
+        float total = a->sinks != NULL ? expf(sink - max) : 0.0f, acc[D];
         memset(acc, 0, sizeof acc);
         for (int64_t c = 0; c < chunks; c++) {
             const float *part = first + c * group * (D + 2);
@@ -324,14 +336,15 @@ void shm_attention_combine(const shm_attention_args *a, int64_t pair, const floa
 /* Decode attention for `num_decodes` requests, each one query token at row decode_rows[i] of
  * q (in) and out (out, rows of [num_heads * head_dim], `out_row_stride` apart), over its first
  * seq_lens[i] cache positions (the last `window` of them when window > 0), found through
- * block_table row i; scores soft-capped at `softcap` when it is > 0. Returns 0, or -1 when the
+ * block_table row i; scores soft-capped at `softcap` when it is > 0; `sinks` (num_heads fp32 or
+ * NULL): each head's sink logit in its softmax's denominator. Returns 0, or -1 when the
  * scratch memory could not be allocated (nothing is written then). */
 int shm_paged_decode_attention_ex(act_t *out, int64_t out_row_stride, const act_t *q, int64_t q_row_stride,
                                   const int64_t *decode_rows, int64_t num_decodes, const act_t *k_cache,
                                   const act_t *v_cache, int64_t num_slots, const int32_t *block_table,
                                   int64_t block_table_stride, const int32_t *seq_lens, int64_t block_size,
                                   int64_t num_heads, int64_t kv_heads, int64_t head_dim, float scale, int64_t window,
-                                  float softcap) {
+                                  float softcap, const float *sinks) {
     const int64_t group = num_heads / kv_heads;
     int64_t max_len = 1, total_len = 0;
     for (int64_t i = 0; i < num_decodes; i++) {
@@ -341,7 +354,7 @@ int shm_paged_decode_attention_ex(act_t *out, int64_t out_row_stride, const act_
     }
     const shm_attention_args a = {out, out_row_stride, q, q_row_stride, decode_rows, num_decodes, k_cache, v_cache,
                                   num_slots, block_table, block_table_stride, seq_lens, block_size, num_heads,
-                                  kv_heads, head_dim, scale, attention_chunks(max_len), window, softcap};
+                                  kv_heads, head_dim, scale, attention_chunks(max_len), window, softcap, sinks};
     const int64_t work_floats = attention_work_floats(group, head_dim);
     const int64_t partial_floats =
         a.max_chunks > 1 ? attention_partial_floats(num_decodes, kv_heads, a.max_chunks, group, head_dim) : 0;
@@ -371,7 +384,7 @@ int shm_paged_decode_attention(act_t *out, int64_t out_row_stride, const act_t *
                                int64_t num_heads, int64_t kv_heads, int64_t head_dim, float scale) {
     return shm_paged_decode_attention_ex(out, out_row_stride, q, q_row_stride, decode_rows, num_decodes, k_cache,
                                          v_cache, num_slots, block_table, block_table_stride, seq_lens, block_size,
-                                         num_heads, kv_heads, head_dim, scale, 0, 0.0f);
+                                         num_heads, kv_heads, head_dim, scale, 0, 0.0f, NULL);
 }
 
 

@@ -91,9 +91,10 @@ typedef struct {
  * counter; a MoE layer's experts take synchronisation words of their own (moe.c's moe_team). */
 #define PHASES_PER_LAYER 7
 
-/* Output rows per chunk handed out: about four chunks per thread, whole cache lines of output. */
+/* Output rows per chunk handed out: one chunk per thread (each streams one contiguous run of weight
+ * rows, the hardware prefetcher's best case; smaller chunks measured slower, decode_profile.md). */
 static inline int64_t chunk_rows(int64_t n, int threads) {
-    const int64_t rows = (n + 4 * threads - 1) / (4 * threads);
+    const int64_t rows = (n + threads - 1) / threads;
     return rows < 16 ? 16 : (rows + 15) & ~(int64_t)15;
 }
 
@@ -310,7 +311,7 @@ int shm_decode_step(const shm_model *m, float *hidden, float *out, int64_t rows,
     const int64_t own = own_floats(m, rows);
     const shm_attention_args args = {attn, q_size, qkv, qkv_width, decode_rows, rows, NULL, NULL, m->num_slots,
                                      block_table, block_table_stride, seq_lens, m->block_size, m->num_heads,
-                                     m->kv_heads, D, 0.0f, 1, 0, 0.0f};
+                                     m->kv_heads, D, 0.0f, 1, 0, 0.0f, NULL};
     int threads = omp_get_max_threads();
     threads = threads < m->threads ? threads : (int)m->threads;
 #pragma omp parallel num_threads(threads)

@@ -1,6 +1,6 @@
-/* The GEMV rows of the 2- and 3-bit K formats (Q2_K, Q3_K; and Q5_0 / Q5_1 on AVX2) on integer dot products of unsigned by
- * signed bytes, in two widths from one source: the AVX-512 VNNI build (512-bit vectors, vpdpbusd:
- * 64 products an instruction) and the AVX2 build (256-bit, vpmaddubsw + vpmaddwd: 32 products in
+/* The GEMV rows of the 2- and 3-bit K formats (Q2_K, Q3_K), of Q4_1 (and Q5_0 / Q5_1 on AVX2) on
+ * integer dot products of unsigned by signed bytes, in two widths from one source: the AVX-512
+ * VNNI build (512-bit vectors, vpdpbusd: 64 products an instruction) and the AVX2 build (256-bit, vpmaddubsw + vpmaddwd: 32 products in
  * two instructions). Included by quant_kernels.c in those builds; plain AVX-512 keeps fp32 rows.
  *
  * With fp32 x and one FMA per weight these formats cannot be read as fast as Q4_1 (the work per
@@ -382,6 +382,92 @@ static inline __attribute__((always_inline)) void q5_row_int8(const int M, float
 #define q5_0_row_int8(M, ...) q5_row_int8(M, __VA_ARGS__, 0)
 #define q5_1_row_int8(M, ...) q5_row_int8(M, __VA_ARGS__, 1)
 #endif
+
+/* Q4_1 (both builds; the default model's layers): w = d q + m per block of 32 (q 4 bits), x split
+ * per 32 values. Each block's 16 bytes go to both 128-bit halves and the upper half's 32-bit lanes
+ * shift right by 4 (srlv: no shuffle), so after & 15 the 32 bytes are values 0..31 in order, the
+ * pieces' order; the three sums combine at once (per lane 4 products of 15 * 127: < 1.3e8), one
+ * 256-bit vector a block (VNNI: vpdpbusd; AVX2: vpmaddubsw + vpmaddwd). A row's block scales go
+ * through a scalar pass per 8 blocks (d d_x stored for the vector loop's broadcast loads, m times
+ * the block's sum of x summed there): a gather measured slower, and the fp32 rows this replaces
+ * were bound by their shuffles (vpmovzxbd, vpermps). */
+#if IW == 64
+static inline __m256i q4_dot3(__m256i w, const int8_t *q) {
+    __m256i t = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, _mm256_loadu_si256((const __m256i *)q));
+    t = _mm256_dpbusd_epi32(_mm256_slli_epi32(t, 7), w, _mm256_loadu_si256((const __m256i *)(q + 32)));
+    return _mm256_dpbusd_epi32(_mm256_slli_epi32(t, 7), w, _mm256_loadu_si256((const __m256i *)(q + 64)));
+}
+#else
+#define q4_dot3(w, q) pieces_dot(w, q, 32)
+#endif
+static inline float q4_hsum(__m256 v) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    return (h[0] + h[2]) + (h[1] + h[3]);
+}
+static inline __m256i q4_bytes(const uint8_t *qs) {
+    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    return _mm256_and_si256(_mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0f));
+}
+static inline __attribute__((always_inline)) void q4_1_row_int8(const int M, float *out, int64_t ldo, const int8_t *xq,
+                                                                const float *xd, const float *xs, int64_t blocks,
+                                                                const uint8_t *row, const float *bias,
+                                                                const float *residual, int64_t ldr, int64_t j) {
+    __m256 acc0[FEW_ROWS], acc1[FEW_ROWS];
+    float scale[FEW_ROWS][8], macc[FEW_ROWS];
+    for (int m = 0; m < M; m++) acc0[m] = acc1[m] = _mm256_setzero_ps(), macc[m] = 0.0f;
+    for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
+        const int n = blocks - b0 < 8 ? (int)(blocks - b0) : 8;
+        const uint8_t *base = row + b0 * 20;
+        for (int i = 0; i < n; i++) {
+            const float d = fp16_to_fp32(load_u16(base + 20 * i));
+            const float mb = fp16_to_fp32(load_u16(base + 20 * i + 2));
+            for (int m = 0; m < M; m++) {
+                const int64_t b = m * blocks + b0 + i;
+                scale[m][i] = d * xd[b];
+                macc[m] += mb * xs[b];
+            }
+        }
+        int i = 0;
+        for (; i + 2 <= n; i += 2) {
+            const __m256i w0 = q4_bytes(base + 20 * i + 4), w1 = q4_bytes(base + 20 * i + 24);
+            for (int m = 0; m < M; m++) {
+                const int8_t *q = xq + (m * blocks + b0 + i) * 96;
+                acc0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot3(w0, q)), _mm256_broadcast_ss(&scale[m][i]), acc0[m]);
+                acc1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot3(w1, q + 96)), _mm256_broadcast_ss(&scale[m][i + 1]),
+                                          acc1[m]);
+            }
+        }
+        if (i < n) {
+            const __m256i w0 = q4_bytes(base + 20 * i + 4);
+            for (int m = 0; m < M; m++)
+                acc0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot3(w0, xq + (m * blocks + b0 + i) * 96)),
+                                          _mm256_broadcast_ss(&scale[m][i]), acc0[m]);
+        }
+    }
+    const float add = bias != NULL ? bias[j] : 0.0f;
+    for (int m = 0; m < M; m++)
+        out[m * ldo + j] = (q4_hsum(_mm256_add_ps(acc0[m], acc1[m])) * (1.0f / 16384.0f) + macc[m]) + add +
+                           (residual != NULL ? residual[m * ldr + j] : 0.0f);
+}
+
+/* Q4_1's range: as DEFINE_INT8_RANGE's, with the sums of x per block (not per 16) */
+static void q4_1_range(int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
+                       const float *bias, const float *residual, int64_t ldr, int64_t j0, int64_t j1, int64_t k) {
+    const int64_t blocks = k / 32;
+    int8_t xq[M * blocks * 96];
+    float xd[M * blocks], xs[M * (k / 16)];
+    split_x(M, x, ldx, k, 32, xq, xd, xs);
+    for (int64_t b = 0; b < M * blocks; b++) xs[b] = xs[2 * b] + xs[2 * b + 1];
+    for (int64_t j = j0; j < j1; j++) {
+        const uint8_t *row = w + j * row_bytes;
+        switch (M) {
+        case 1: q4_1_row_int8(1, out, ldo, xq, xd, xs, blocks, row, bias, residual, ldr, j); break;
+        case 2: q4_1_row_int8(2, out, ldo, xq, xd, xs, blocks, row, bias, residual, ldr, j); break;
+        case 3: q4_1_row_int8(3, out, ldo, xq, xd, xs, blocks, row, bias, residual, ldr, j); break;
+        default: q4_1_row_int8(4, out, ldo, xq, xd, xs, blocks, row, bias, residual, ldr, j); break;
+        }
+    }
+}
 
 /* NAME##_range for these rows: x split per QK values and its sums per 16 once per call, then row by row. */
 #define DEFINE_INT8_RANGE(NAME, QK)                                                                             \

@@ -13,8 +13,8 @@
  *
  * Built four times from this one file (kernels/__init__.py): with AVX-512 (VW = 16; with and
  * without VNNI), with AVX2 + FMA (VW = 8) and for the baseline ISA (portable), through GCC's vector
- * extensions (the VNNI and AVX2 builds run Q2_K / Q3_K's GEMV on integer dot products, AVX2 Q5_0 / Q5_1's
- * too: quant_int8.h), and picked at run time by what the CPU reports (shm_quant_cpu_supports). Compiled without
+ * extensions (the VNNI and AVX2 builds run Q2_K / Q3_K / Q4_1's GEMV on integer dot products, AVX2 Q5_0 /
+ * Q5_1's too: quant_int8.h), and picked at run time by what the CPU reports (shm_quant_cpu_supports). Compiled without
  * -ffast-math: no reassociation may touch the dequantization arithmetic.
  *
  * The GEMV takes up to FEW_ROWS activation rows (decoding), where the kernel should be bound by
@@ -23,7 +23,9 @@
  * the FMAs, and dequantizes each weight once per call into a cache-resident panel. Measured
  * single-threaded on Zen 4 (benchmarks/qgemm.py --threads 1 --cpu-time), the GEMMs of a
  * SmolLM2-135M step on its Q4_1 / Q8_0 blocks run at 1.02x the speed of oneDNN's packed fp32
- * GEMM at 64 rows (~90 GFLOP/s) and 0.93x at 512 rows.
+ * GEMM at 64 rows (~90 GFLOP/s) and 0.93x at 512 rows. The AVX-512 VNNI build runs the blocked GEMM of
+ * the 32-value linear formats and Q4_K on int8 dot products instead (quant_gemm_int8.h: x in two
+ * int8 pieces per block of 32, to 2^-15 of its largest value).
  */
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -459,7 +461,8 @@ static inline void store_tile(vf acc[NR][MV], const int mv, float *out, int64_t 
  * costs one widen, one convert and one FMA, and the block constants one FMA per block: about half
  * the vector work of dequantizing first (d * q + m, then * x). The sums are the dequantized
  * weights' dot product reassociated (fp32 rounding differs at the last bits, as any change of
- * summation order does). AVX-512 runs Q4_0 / Q4_1 on the nibble rows below instead. */
+ * summation order does). AVX-512 runs Q4_0 on the nibble rows below instead (and Q4_1 where it has
+ * no VNNI); the VNNI and AVX2 builds run Q4_1 on quant_int8.h's integer rows. */
 #if VW == 16 && defined(__AVX512F__)
 /* the 16 bytes widened to 32-bit lanes once: & 15 gives the low nibbles, >> 4 the high ones */
 static inline void nibbles_to_float(const uint8_t *qs, vf q[32 / VW]) {
@@ -600,7 +603,7 @@ static inline float mxfp4_m(const uint8_t *blk) { (void)blk; return 0.0f; }
     }
 
 #if VW == 16 && defined(__AVX512F__)
-/* Q4_0 / Q4_1 rows on AVX-512, the rows sharing each block's dequantization (the folded rows repeat
+/* Q4_0 / Q4_1 rows on AVX-512 (Q4_1 without VNNI), the rows sharing each block's dequantization (the folded rows repeat
  * d * s and m * sum(x) per row): the block's 16 possible weights d * i + m (i = 0..15; Q4_0's m is
  * -8 d) made by one FMA, exactly the reference's values (d * i is exact, the sum rounded once), each
  * weight looked up by its nibble (vpermps reads the low 4 bits of each index), then one FMA per row
@@ -949,11 +952,15 @@ static inline __attribute__((always_inline)) void q6_k_row(const int M, float *o
 
 #ifdef NIBBLE_ROWS
 DEFINE_NIBBLE_ROW(q4_0, 18, 2)
+#ifndef INT8_ROWS
 DEFINE_NIBBLE_ROW(q4_1, 20, 4)
+#endif
 #define Q4_XSUM 0
 #else
 DEFINE_FOLDED_ROW(q4_0, 18, 1)
+#ifndef INT8_ROWS
 DEFINE_FOLDED_ROW(q4_1, 20, 1)
+#endif
 #define Q4_XSUM 32 /* the folded rows' m * sum(x) */
 #endif
 DEFINE_FOLDED_ROW(q8_0, 34, 0)
@@ -978,7 +985,11 @@ DEFINE_ROW(mxfp4, deq_mxfp4, 32, 17)
 #endif
 
 DEFINE_FORMAT(q4_0, deq_q4_0, 32, 18, Q4_XSUM)
+#ifdef INT8_ROWS
+DEFINE_FEW_DEQ(q4_1, deq_q4_1, 32, 20)
+#else
 DEFINE_FORMAT(q4_1, deq_q4_1, 32, 20, Q4_XSUM)
+#endif
 DEFINE_FORMAT(q8_0, deq_q8_0, 32, 34, 0)
 DEFINE_FORMAT(q4_k, deq_q4_k, 256, 144, 32)
 DEFINE_FORMAT(q5_k, deq_q5_k, 256, 176, 0)
@@ -1114,6 +1125,10 @@ static int gemm_blocked(panel_fn panel_of, float *out, int64_t ldo, const float 
     return failed ? -3 : 0;
 }
 
+#ifdef __AVX512VNNI__
+#include "quant_gemm_int8.h"
+#endif
+
 /* out[m, :n] = x[m, :k] @ W^T (+ bias) (+ residual[m]) for m < m_rows, W [n, k] in GGML `type`
  * blocks, rows `row_bytes` apart; out / x / residual rows `ldo` / `ldx` / `ldr` floats apart (out
  * may be residual). Up to FEW_ROWS rows the GEMV, more the blocked GEMM. Returns 0; -1 for an
@@ -1127,6 +1142,11 @@ int shm_qgemm(float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_
         fns.few((int)m_rows, out, ldo, x, ldx, w, row_bytes, bias, residual, ldr, n, k);
         return 0;
     }
+#ifdef __AVX512VNNI__
+    int has_m;
+    if (i8_panel_of(type, &has_m) != NULL)
+        return gemm_int8(type, out, ldo, x, ldx, w, row_bytes, bias, residual, ldr, m_rows, n, k);
+#endif
     return gemm_blocked(fns.panel, out, ldo, x, ldx, w, row_bytes, bias, residual, ldr, m_rows, n, k);
 }
 

@@ -3,9 +3,9 @@
 Pre-LayerNorm blocks (the first without its attention norm), bias-free LayerNorms and linears
 where the config says so, rotary position embeddings with one base per layer type (global and
 local layers), local layers attending within `sliding_window` positions either side, and a
-GeGLU MLP (`Wi` makes input and gate, act(input) * gate, then `Wo`). Attention runs per run of
-equal-length sequences as in model/bert.py's AttentionPlan; a local layer adds a band mask only
-to runs longer than its window.
+GeGLU MLP (`Wi` makes input and gate, act(input) * gate, then `Wo`). Attention is model/bert.py's
+AttentionPlan (per sequence in C on the CPU, else per run of equal-length sequences); a local
+layer limits each query to its window (the SDPA runs add a band mask to runs longer than it).
 
 Weights: a Hugging Face `ModernBertModel` directory, with or without the `model.` prefix of
 `ModernBertFor*` checkpoints; a classification head is taken out before (model/classifier.py),

@@ -65,37 +65,25 @@ static inline __attribute__((always_inline)) void i8_q4_k(const uint8_t *row, in
     *m = -fp16_to_fp32(load_u16(blk + 2)) * (float)mn;
 }
 
-/* x's two pieces + 128 packed (see above) for rows [0, rows) of `vecs` 16-row vectors (rows past
- * `rows` are never stored). Per block and row: dx = d / 128, xs = the pieces' sum of x. */
-static void i8_pack_x(const float *x, int64_t ldx, int64_t rows, int64_t k, int64_t vecs, uint8_t *xp, float *dx,
-                      float *xs) {
-    const int64_t blocks = k / 32;
-    int8_t *pieces = malloc((size_t)blocks * 96);
-    float *d = malloc((size_t)blocks * sizeof(float)), *sums = malloc((size_t)(k / 16) * sizeof(float));
-    memset(xp, 0, (size_t)blocks * 8 * vecs * 128);
-    memset(dx, 0, (size_t)blocks * vecs * 16 * sizeof(float));
-    memset(xs, 0, (size_t)blocks * vecs * 16 * sizeof(float));
-    for (int64_t r = 0; r < rows; r++) {
-        split_x(1, x + r * ldx, ldx, k, 32, pieces, d, sums);
-        const int64_t v = r / 16, lane = r % 16;
-        for (int64_t b = 0; b < blocks; b++) {
-            const int8_t *a0 = pieces + 96 * b, *a1 = a0 + 32;
-            int32_t held = 0;
-            for (int t = 0; t < 8; t++) {
-                uint8_t *dst = xp + ((b * 8 + t) * vecs + v) * 128 + 4 * lane;
-                for (int i = 0; i < 4; i++) {
-                    dst[i] = (uint8_t)(a0[4 * t + i] + 128);
-                    dst[64 + i] = (uint8_t)(a1[4 * t + i] + 128);
-                    held += 128 * a0[4 * t + i] + a1[4 * t + i];
-                }
-            }
-            dx[b * vecs * 16 + r] = d[b] * (1.0f / 128.0f);
-            xs[b * vecs * 16 + r] = d[b] * (1.0f / 128.0f) * (float)held; /* NaN d (x not finite): NaN */
+/* Row r of x: its two pieces + 128 packed (see above) into `vecs` 16-row vectors; per block, dx =
+ * d / 128 and xs = the pieces' sum of x. `pieces`, `d`, `sums`: scratch of split_x for one row. */
+static void i8_pack_row(const float *x, int64_t r, int64_t k, int64_t vecs, uint8_t *xp, float *dx, float *xs,
+                        int8_t *pieces, float *d, float *sums) {
+    const int64_t blocks = k / 32, v = r / 16, lane = r % 16;
+    split_x(1, x, 0, k, 32, pieces, d, sums);
+    for (int64_t b = 0; b < blocks; b++) {
+        int8_t *a0 = pieces + 96 * b, *a1 = a0 + 32;
+        int32_t held = 0;
+        for (int i = 0; i < 32; i++) held += 128 * a0[i] + a1[i];
+        for (int i = 0; i < 64; i++) a0[i] ^= (int8_t)0x80; /* + 128 as unsigned bytes */
+        for (int t = 0; t < 8; t++) {
+            uint8_t *dst = xp + ((b * 8 + t) * vecs + v) * 128 + 4 * lane;
+            memcpy(dst, a0 + 4 * t, 4);
+            memcpy(dst + 64, a1 + 4 * t, 4);
         }
+        dx[b * vecs * 16 + r] = d[b] * (1.0f / 128.0f);
+        xs[b * vecs * 16 + r] = d[b] * (1.0f / 128.0f) * (float)held; /* NaN d (x not finite): NaN */
     }
-    free(pieces);
-    free(d);
-    free(sums);
 }
 
 /* acc += the 4 signed bytes at base + off (broadcast) times the unsigned bytes of x, per 32-bit
@@ -190,18 +178,29 @@ static int gemm_int8(int type, float *out, int64_t ldo, const float *x, int64_t 
     uint8_t *xp = aligned_alloc(64, (size_t)blocks * 8 * vecs * 128);
     float *dx = alloc_floats(blocks * vecs * 16), *xs = alloc_floats(blocks * vecs * 16);
     int failed = xp == NULL || dx == NULL || xs == NULL;
-    if (!failed) i8_pack_x(x, ldx, m_rows, k, vecs, xp, dx, xs);
+    if (!failed) {
+        /* rows past m_rows: zeros, never stored */
+        memset(xp, 0, (size_t)blocks * 8 * vecs * 128);
+        memset(dx, 0, (size_t)blocks * vecs * 16 * sizeof(float));
+        memset(xs, 0, (size_t)blocks * vecs * 16 * sizeof(float));
+    }
     const int64_t panels = (n + I8_PANEL - 1) / I8_PANEL;
 #pragma omp parallel if (!failed && m_rows * n * k >= PARALLEL_MIN_WORK)
     {
         int8_t *pq = failed ? NULL : aligned_alloc(64, (size_t)blocks * I8_PANEL * 32);
         float *ps = failed ? NULL : alloc_floats(blocks * I8_PANEL), *pm = failed ? NULL : alloc_floats(blocks * I8_PANEL);
         int32_t *pc = failed ? NULL : (int32_t *)alloc_floats(blocks * I8_PANEL);
-        const int ready = pq != NULL && ps != NULL && pm != NULL && pc != NULL;
+        int8_t *pieces = failed ? NULL : malloc((size_t)blocks * 96);
+        float *d = failed ? NULL : alloc_floats(blocks), *sums = failed ? NULL : alloc_floats(k / 16);
+        const int ready = pq != NULL && ps != NULL && pm != NULL && pc != NULL && pieces != NULL && d != NULL && sums != NULL;
         if (!failed && !ready) {
 #pragma omp atomic write
             failed = 1;
         }
+        /* x packed by all threads, a row each (every thread writes its rows' own bytes) */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m_rows; r++)
+            if (ready) i8_pack_row(x + r * ldx, r, k, vecs, xp, dx, xs, pieces, d, sums);
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) {
             if (!ready) continue;
@@ -241,6 +240,9 @@ static int gemm_int8(int type, float *out, int64_t ldo, const float *x, int64_t 
         free(ps);
         free(pm);
         free(pc);
+        free(pieces);
+        free(d);
+        free(sums);
     }
     free(xp);
     free(dx);

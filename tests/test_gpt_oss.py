@@ -22,7 +22,7 @@ from test_architectures import (  # noqa: F401
     test_under_preemption,
 )
 from test_engine_core import make_engine
-from test_moe import _assert_tp2_preempted_gives
+from test_moe import GGUF_CASES, _assert_tp2_preempted_gives, assert_gguf_case
 from tiny_models import build_tiny, hf_model, quantized_copy, write_gguf
 
 
@@ -103,36 +103,15 @@ def test_gguf_config_and_f32_weights_give_the_hf_directory_tokens(family_dir, tm
         engine.shutdown()
 
 
-@pytest.mark.parametrize("case", ["alone_and_batched", "preemption", "prefix_hits"])
+@pytest.mark.parametrize("case", GGUF_CASES)
 def test_mxfp4_experts_against_transformers_on_the_dequantized_weights(mxfp4, case):
     path, reference = mxfp4
-    if case == "alone_and_batched":
-        engine = make_engine(path, num_kv_blocks=64)
-        try:
-            expert = _layer(engine, 1).mlp.experts[5]
-            assert expert.gate_up_proj.blocks is not None and expert.down_proj.blocks is not None
-            prompts = prompts_of([1, 5, 17, 33, 8, 40, 3, 24], seed=10)
-            assert_engine_matches(reference, engine, prompts[:1])
-            assert_engine_matches(reference, engine, prompts)
-        finally:
-            engine.shutdown()
-    elif case == "preemption":
-        engine = make_engine(path, num_kv_blocks=24, block_size=4)
-        try:
-            assert_engine_matches(reference, engine, prompts_of([1, 5, 17, 33, 8, 40, 3, 24], seed=11))
-            assert engine.get_stats()["num_preemptions"] > 0
-        finally:
-            engine.shutdown()
-    else:
-        engine = make_engine(path, num_kv_blocks=128, max_num_batched_tokens=16)
-        try:
-            system = prompts_of([40], seed=12)[0]
-            prompts = [system + suffix for suffix in prompts_of([3, 9, 1, 20], seed=13)]
-            assert_engine_matches(reference, engine, prompts[:1])
-            outputs = assert_engine_matches(reference, engine, prompts[1:])
-            assert all(outs[-1].num_cached_tokens == 32 for outs in outputs.values())
-        finally:
-            engine.shutdown()
+
+    def check_alone(engine) -> None:
+        expert = _layer(engine, 1).mlp.experts[5]
+        assert expert.gate_up_proj.blocks is not None and expert.down_proj.blocks is not None
+
+    assert_gguf_case(path, reference, case, check_alone)
 
 
 def test_mxfp4_experts_tensor_parallel_2_against_transformers(mxfp4):

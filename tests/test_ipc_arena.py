@@ -51,6 +51,20 @@ def _leftovers(name: str) -> list[str]:
     return [p.name for p in Path("/dev/shm").iterdir() if name.lstrip("/") in p.name]
 
 
+def _assert_done(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0 and out.strip() == "done", out
+
+
+def _stop(procs: list[subprocess.Popen], arena: Arena) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    arena.close()
+
+
 def test_rounds_between_three_processes():
     rounds = 3000
     arena = Arena.create(3, 64, poll_interval=0.05)
@@ -62,15 +76,9 @@ def test_rounds_between_three_processes():
             arena.wait_all(k, timeout=30)
             for i in range(3):
                 assert struct.unpack_from("=QQ", arena.slot(k & 1, i)) == (k, i)
-        for proc in procs:
-            out, _ = proc.communicate(timeout=30)
-            assert proc.returncode == 0 and out.strip() == "done", out
+        _assert_done(procs)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        arena.close()
+        _stop(procs, arena)
     assert _leftovers(arena.name) == []
 
 
@@ -102,15 +110,9 @@ def test_an_unseated_creator_leaves_every_seat_to_the_processes_that_attach():
     arena = Arena.create(2, 64, poll_interval=0.05, seated=False)
     procs = [_participant(arena.name, i, 200) for i in (0, 1)]
     try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=30)
-            assert proc.returncode == 0 and out.strip() == "done", out
+        _assert_done(procs)
         with pytest.raises(ValueError, match=r"index must be an int in \[1, 2\)"):
             Arena.attach(arena.name, 0)  # seat 0 is taken now
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        arena.close()
+        _stop(procs, arena)
     assert _leftovers(arena.name) == []

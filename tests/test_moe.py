@@ -255,19 +255,16 @@ def test_mixtral_gguf_f32_gives_the_hf_directory_tokens(mixtral_gguf, tmp_path):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("case", ["alone_and_batched", "preemption", "prefix_hits"])
-def test_mixtral_q8_0_gguf_against_transformers(mixtral_gguf, case):
-    """Q8_0 experts as GGML blocks: alone (the native decode step), in a mixed batch (the C kernel
-    of all the experts), under preemption, and with chunked prefill and prefix-cache hits."""
-    _, path, reference = mixtral_gguf
+def assert_gguf_case(path, reference, case: str, check_alone) -> None:
+    """One of GGUF_CASES on the file `path`, against transformers' greedy tokens of `reference`:
+    alone then in a mixed batch (`check_alone(engine)` after the lone request), under preemption,
+    or with chunked prefill and prefix-cache hits."""
     if case == "alone_and_batched":
         engine = make_engine(path, num_kv_blocks=64)
         try:
-            moe = engine.executor.worker.model_runner.model.model.layers[0].mlp
-            assert moe.experts[5].gate_up_proj.blocks is not None
             prompts = prompts_of([1, 5, 17, 33, 8, 40, 3, 24], seed=10)
             assert_engine_matches(reference, engine, prompts[:1])
-            assert_native_step_ran(engine, "mixtral")
+            check_alone(engine)
             assert_engine_matches(reference, engine, prompts)
         finally:
             engine.shutdown()
@@ -288,6 +285,23 @@ def test_mixtral_q8_0_gguf_against_transformers(mixtral_gguf, case):
             assert all(outs[-1].num_cached_tokens == 32 for outs in outputs.values())
         finally:
             engine.shutdown()
+
+
+GGUF_CASES = ["alone_and_batched", "preemption", "prefix_hits"]
+
+
+@pytest.mark.parametrize("case", GGUF_CASES)
+def test_mixtral_q8_0_gguf_against_transformers(mixtral_gguf, case):
+    """Q8_0 experts as GGML blocks: alone (the native decode step), in a mixed batch (the C kernel
+    of all the experts), under preemption, and with chunked prefill and prefix-cache hits."""
+    _, path, reference = mixtral_gguf
+
+    def check_alone(engine) -> None:
+        moe = engine.executor.worker.model_runner.model.model.layers[0].mlp
+        assert moe.experts[5].gate_up_proj.blocks is not None
+        assert_native_step_ran(engine, "mixtral")
+
+    assert_gguf_case(path, reference, case, check_alone)
 
 
 def test_mixtral_q8_0_gguf_tensor_parallel_2_against_transformers(mixtral_gguf):

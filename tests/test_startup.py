@@ -406,32 +406,6 @@ def test_kill_9_of_the_engine_loading_after_ready(tmp_path, tiny_llama_dir):
         proc.kill()
 
 
-def test_kill_9_of_the_frontend_while_its_engine_loads_after_ready(tmp_path, tiny_llama_dir):
-    proc, engine = _held_after_ready(tmp_path, tiny_llama_dir)
-    try:
-        proc.kill()
-        proc.wait(timeout=10)
-        _assert_nothing_left(proc.pid, engine, within=3.0)
-    finally:
-        proc.kill()
-        proc.communicate()
-        if pid_alive(engine):
-            os.kill(engine, signal.SIGKILL)
-
-
-def test_ctrl_c_while_the_engine_loads_after_ready(tmp_path, tiny_llama_dir):
-    proc, engine = _held_after_ready(tmp_path, tiny_llama_dir)
-    try:
-        os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
-        assert "KeyboardInterrupt" in err, err
-        _assert_nothing_left(proc.pid, engine, within=10.0)
-    finally:
-        proc.kill()
-        if pid_alive(engine):
-            os.kill(engine, signal.SIGKILL)
-
-
 # ---- the engine forked before the config (PrestartedEngine) -------------------------------------
 
 SLOW_CONFIG_FRONTEND = """
@@ -461,9 +435,11 @@ def _making_config(tmp_path: Path, model_dir: Path) -> tuple[subprocess.Popen, i
 
 
 # (how the frontend is caught mid-start, how long its engine may take to go once the frontend is killed):
-# a loading engine notices within a poll; the fork made before the config only once its imports are done.
+# a loading engine (before or after its READY) notices within a poll; the fork made before the config only once its imports are done.
 PHASES = pytest.mark.parametrize("start, kill_within", [
-    pytest.param(_start_loading, 3.0, id="engine-loads"), pytest.param(_making_config, 60.0, id="config"),
+    pytest.param(_start_loading, 3.0, id="engine-loads"),
+    pytest.param(_held_after_ready, 3.0, id="engine-loads-after-ready"),
+    pytest.param(_making_config, 60.0, id="config"),
 ])
 
 

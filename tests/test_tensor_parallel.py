@@ -38,6 +38,7 @@ from shmvllm.model.quant import FORMAT_IDS, FORMATS, QuantizedWeight
 MAX_MODEL_LEN = 256
 MARGIN = 1e-3  # a greedy divergence is forgiven only where TP=1's top-2 logits are this close
 LOGPROB_TOL = 1e-4
+STRADDLED_INT8_LOGPROB_TOL = 1e-3
 
 needs_blocks = pytest.mark.skipif(not quant_isas_supported(), reason="the quantized kernels could not be built")
 
@@ -66,8 +67,8 @@ def run(model_dir: Path, tp: int, multiprocess: bool) -> tuple[list, dict]:
     return outputs, stats
 
 
-def assert_same_greedy(reference: list, candidate: list) -> None:
-    """Same tokens up to a divergence at a top-2 margin < MARGIN, logprobs within LOGPROB_TOL."""
+def assert_same_greedy(reference: list, candidate: list, logprob_tol: float = LOGPROB_TOL) -> None:
+    """Same tokens up to a divergence at a top-2 margin < MARGIN, logprobs within logprob_tol."""
     forgiven = 0
     for ref, got in zip(reference, candidate):
         ref_c, got_c = ref.outputs[0], got.outputs[0]
@@ -79,7 +80,7 @@ def assert_same_greedy(reference: list, candidate: list) -> None:
                 forgiven += 1
                 break
             ref_lp, got_lp = ref_c.logprobs[pos][a].logprob, got_c.logprobs[pos][b].logprob
-            assert abs(ref_lp - got_lp) < LOGPROB_TOL, f"request {ref.request_id}: logprob {pos}: {ref_lp} vs {got_lp}"
+            assert abs(ref_lp - got_lp) < logprob_tol, f"request {ref.request_id}: logprob {pos}: {ref_lp} vs {got_lp}"
         else:
             assert len(ref_c.token_ids) == len(got_c.token_ids)
     assert forgiven <= 2, f"{forgiven} forgiven divergences"
@@ -293,9 +294,13 @@ def _generate(model_dir: Path, tp: int, prompts: list, params: list, **kwargs) -
 
 @needs_blocks
 def test_tp2_on_gguf_blocks_equals_tp1(tiny_gguf):
-    _, model_dir = tiny_gguf
+    kind, model_dir = tiny_gguf
     prompts, params = mixed_prompts(8), params_for(8)
-    assert_same_greedy(_generate(model_dir, 1, prompts, params), _generate(model_dir, 2, prompts, params))
+    # Q4_K's o_proj straddles a 256-value block: a rank's share is that block with the other rank's
+    # values zeroed, so the prefill GEMM's int8 activations (scaled per block by its largest value)
+    # round differently from TP=1's; tokens must still be equal
+    tol = STRADDLED_INT8_LOGPROB_TOL if kind == "q4_k" else LOGPROB_TOL
+    assert_same_greedy(_generate(model_dir, 1, prompts, params), _generate(model_dir, 2, prompts, params), tol)
 
 
 @needs_blocks

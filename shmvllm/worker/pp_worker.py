@@ -33,7 +33,6 @@ the engine's process (PR_SET_PDEATHSIG).
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import os
 import pickle
@@ -46,10 +45,9 @@ import torch
 from shmvllm.config import EngineConfig
 from shmvllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from shmvllm.model.loader import torch_dtype
-from shmvllm.model.parallel.group import DEFAULT_TIMEOUT_S, TPGroup
 from shmvllm.model.parallel.pipeline import PipelineStage
 from shmvllm.worker.program import die_with_parent, run_worker
-from shmvllm.worker.tp_worker import STORE_HOST, TPWorker
+from shmvllm.worker.tp_worker import TPWorker, join_group
 from shmvllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -200,7 +198,9 @@ def serve(
             outbound = RingBuffer.attach(edge_names[index], poll_interval=POLL_S)
         elif rank == 0:
             outbound = RingBuffer.attach(output_name, poll_interval=POLL_S)
-        group = _join_stage_group(stage_index, rank, tp, store_port, arena_name) if tp > 1 else None
+        if tp > 1 and store_port is None:
+            raise ValueError(f"{label}: tp={tp} needs --store-port")
+        group = join_group(store_port, rank, tp, arena_name, f"stage{stage_index}/") if tp > 1 else None
         worker = Worker(config, index) if group is None else TPWorker(config, rank, group)
         worker.init_device()
         worker.model_runner.load_model(group, stage)
@@ -228,22 +228,6 @@ def serve(
         for ring in (reader, inbound, outbound):
             if ring is not None:
                 ring.close()
-
-
-def _join_stage_group(stage_index: int, rank: int, tp: int, store_port: Optional[int],
-                      arena_name: Optional[str]) -> TPGroup:
-    """This process's tensor-parallel group: the ranks of its stage, rendezvoused under the
-    stage's key prefix of the engine's TCPStore."""
-    if store_port is None:
-        raise ValueError(f"pipeline stage {stage_index} rank {rank}: tp={tp} needs --store-port")
-    store = torch.distributed.TCPStore(STORE_HOST, store_port, tp, False,
-                                       timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
-    arena = None
-    if arena_name is not None:
-        from ipc.arena import Arena
-
-        arena = Arena.attach(arena_name, rank)
-    return TPGroup.join(torch.distributed.PrefixStore(f"stage{stage_index}/", store), rank, tp, arena)
 
 
 def _describe(exc: BaseException) -> str:

@@ -62,17 +62,7 @@ def serve(
     reader = BroadcastReader.attach(ring_name, rank - 1, poll_interval=POLL_S)
     try:
         config: EngineConfig = reader.consume(pickle.loads, timeout=DEFAULT_TIMEOUT_S)
-        store = torch.distributed.TCPStore(
-            STORE_HOST, store_port, world_size, False, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
-        )
-        store.set(f"joined/{rank}", "1")
-        arena = None
-        if arena_name is not None:
-            from ipc.arena import Arena
-
-            arena = Arena.attach(arena_name, rank)
-        group = TPGroup.join(store, rank, world_size, arena)
-        worker = TPWorker(config, rank, group)
+        worker = TPWorker(config, rank, join_group(store_port, rank, world_size, arena_name))
         worker.init_device()
         worker.load_model()
         rows: Optional[list[str]] = []  # the request of each batch row in the last step (None: failed)
@@ -101,6 +91,24 @@ def serve(
                 raise ValueError(f"rank {rank}: unknown command {command!r}")
     finally:
         reader.close()
+
+
+def join_group(store_port: int, rank: int, world_size: int, arena_name: Optional[str],
+               key_prefix: str = "") -> TPGroup:
+    """This process's tensor-parallel group through the engine's TCPStore (under `key_prefix`: a
+    pipeline stage's own group), its all-reduces over the arena where one is named, else gloo.
+    It says `joined/RANK` first: the engine waits for every rank's before it joins itself."""
+    store: torch.distributed.Store = torch.distributed.TCPStore(
+        STORE_HOST, store_port, world_size, False, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+    if key_prefix:
+        store = torch.distributed.PrefixStore(key_prefix, store)
+    store.set(f"joined/{rank}", "1")
+    arena = None
+    if arena_name is not None:
+        from ipc.arena import Arena
+
+        arena = Arena.attach(arena_name, rank)
+    return TPGroup.join(store, rank, world_size, arena)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -99,8 +99,11 @@ class BertLayer(nn.Module):
             return packed(x, residual, gelu)
         return _linear(x, getattr(self, name), residual, gelu)
 
-    def forward(self, x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-        attn = plan.attend(self._linear(x, "qkv"), self.num_heads, self.head_dim)
+    def forward(self, x: torch.Tensor, plan: AttentionPlan, query_at: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """query_at (see AttentionPlan.attend): the layer's output for those tokens only, one per sequence."""
+        attn = plan.attend(self._linear(x, "qkv"), self.num_heads, self.head_dim, query_at=query_at)
+        if query_at is not None:
+            x = x.index_select(0, plan.token_rows(query_at))
         if x.shape[0] <= TOKEN_CHUNK:
             return self._token_wise(attn, x)
         chunks = zip(attn.split(TOKEN_CHUNK), x.split(TOKEN_CHUNK))
@@ -149,39 +152,56 @@ class AttentionPlan:
 
     def __init__(self, cu_seqlens: list[int]) -> None:
         self.cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int64)
-        self.runs: list[tuple[int, int, int]] = []  # (first token, number of sequences, length)
-        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        self.runs: list[tuple[int, int, int, int]] = []  # (first token, first sequence, number of sequences, length)
+        for seq, (start, end) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
             length = end - start
-            if self.runs and self.runs[-1][2] == length:
-                first, count, _ = self.runs[-1]
-                self.runs[-1] = (first, count + 1, length)
+            if self.runs and self.runs[-1][3] == length:
+                first, first_seq, count, _ = self.runs[-1]
+                self.runs[-1] = (first, first_seq, count + 1, length)
             else:
-                self.runs.append((start, 1, length))
+                self.runs.append((start, seq, 1, length))
 
-    def attend(self, qkv: torch.Tensor, num_heads: int, head_dim: int, window: Optional[int] = None) -> torch.Tensor:
+    def token_rows(self, query_at: torch.Tensor) -> torch.Tensor:
+        """The packed rows of the tokens `query_at` names (one offset per sequence)."""
+        return self.cu_seqlens[:-1].to(query_at.device) + query_at
+
+    def attend(
+        self, qkv: torch.Tensor, num_heads: int, head_dim: int, window: Optional[int] = None, query_at: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """qkv: [num_tokens, 3 * hidden] (Q pre-scaled) -> [num_tokens, hidden].
         window: each token attends only to those at most this many positions away (ModernBERT's
-        local layers); a run no longer than window + 1 needs no mask."""
-        out = qkv.new_empty(qkv.shape[0], num_heads * head_dim)
+        local layers); a run no longer than window + 1 needs no mask.
+        query_at: [num_seqs] int64 offsets, one token per sequence: only that token queries (every
+        token is still a key) -> [num_seqs, hidden], what a pooler reading one token needs."""
+        out = qkv.new_empty(qkv.shape[0] if query_at is None else len(self.cu_seqlens) - 1, num_heads * head_dim)
         lib = _attention_kernels(qkv, head_dim)
         if lib is not None:
+            query_ptr = None
+            if query_at is not None:
+                query_at = query_at.to(device="cpu", dtype=torch.int64).contiguous()
+                query_ptr = query_at.data_ptr()
             if lib.shm_encoder_attention(
                 qkv.data_ptr(), qkv.stride(0), self.cu_seqlens.data_ptr(), len(self.cu_seqlens) - 1,
-                num_heads, head_dim, -1 if window is None else window, out.data_ptr(), out.stride(0),
+                num_heads, head_dim, -1 if window is None else window, out.data_ptr(), out.stride(0), query_ptr,
             ):
                 raise MemoryError("encoder attention: out of memory for its per-thread buffers.")
             return out
-        # Each run's [count, heads, length, head_dim] result is copied once, straight into its
+        # Each run's [count, heads, queries, head_dim] result is copied once, straight into its
         # rows of the packed output (a reshape then a cat would copy it twice).
-        for first, count, length in self.runs:
+        for first, first_seq, count, length in self.runs:
             run = qkv[first : first + count * length].view(count, length, 3, num_heads, head_dim)
             q, k, v = run.permute(2, 0, 3, 1, 4)
+            offsets = torch.arange(length, device=qkv.device)
+            queries = offsets[None, :]  # [count or 1, queries]: each query's position
+            if query_at is not None:
+                queries = query_at[first_seq : first_seq + count, None].to(qkv.device)
+                q = q.gather(2, queries[:, None, :, None].expand(count, num_heads, 1, head_dim))
             mask = None
             if window is not None and length > window + 1:
-                offsets = torch.arange(length, device=qkv.device)
-                mask = (offsets[:, None] - offsets[None, :]).abs() <= window
+                mask = ((queries[:, :, None] - offsets).abs() <= window)[:, None]
             result = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
-            out[first : first + count * length].view(count, length, num_heads, head_dim).copy_(result.transpose(1, 2))
+            rows = out[first : first + count * length] if query_at is None else out[first_seq : first_seq + count]
+            rows.view(count, -1, num_heads, head_dim).copy_(result.transpose(1, 2))
         return out
 
 
@@ -195,7 +215,8 @@ def _attention_kernels(qkv: torch.Tensor, head_dim: int) -> Optional[Any]:
 
 
 class BertModel(nn.Module):
-    """Returns the last hidden state of every packed token: [num_tokens, hidden_size]."""
+    """Returns the last hidden state of every packed token: [num_tokens, hidden_size], or of one
+    token per sequence (`query_at`): [num_seqs, hidden_size]."""
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -213,13 +234,16 @@ class BertModel(nn.Module):
         positions: torch.Tensor,
         cu_seqlens: list[int],
         token_type_ids: Optional[torch.Tensor] = None,
+        query_at: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """input_ids, positions (and token_type_ids): [num_tokens]; cu_seqlens: len = num_seqs + 1."""
+        """input_ids, positions (and token_type_ids): [num_tokens]; cu_seqlens: len = num_seqs + 1.
+        query_at: [num_seqs] int64, the offset of the one token each sequence's pooler reads: the
+        last layer then computes keys and values for every token, all else for those only."""
         plan = AttentionPlan(cu_seqlens)
         x = self.embeddings(input_ids, positions, token_type_ids)
-        for layer in self.layers:
+        for layer in self.layers[:-1]:
             x = layer(x, plan)
-        return x
+        return self.layers[-1](x, plan, query_at)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Loads HF BertModel / RobertaModel tensors (names with or without `bert.` / `roberta.`)

@@ -123,9 +123,11 @@ static void softmax_pv(float *s, int64_t lo, int64_t hi, const float *v, int64_t
 /* qkv: [tokens, 3 * heads * head_dim] at row stride ldqkv; cu: num_seqs + 1 cumulative lengths;
  * window: -1 for none, else each query attends to keys at most `window` positions away;
  * out: [tokens, heads * head_dim] at row stride ldo. head_dim must be a multiple of 8.
+ * query_at: NULL, or one offset per sequence: then only that token of each sequence queries
+ * (all its tokens are still keys), into out row `seq` (the poolers that read one token).
  * Returns 0, or -1 when the per-thread buffers cannot be allocated. */
 int shm_encoder_attention(const float *qkv, int64_t ldqkv, const int64_t *cu, int64_t num_seqs, int64_t heads,
-                          int64_t head_dim, int64_t window, float *out, int64_t ldo) {
+                          int64_t head_dim, int64_t window, float *out, int64_t ldo, const int64_t *query_at) {
     int64_t longest = 0;
     for (int64_t i = 0; i < num_seqs; i++) longest = cu[i + 1] - cu[i] > longest ? cu[i + 1] - cu[i] : longest;
     const int64_t ldk = (longest + 7) & ~(int64_t)7, hidden = heads * head_dim;
@@ -145,19 +147,22 @@ int shm_encoder_attention(const float *qkv, int64_t ldqkv, const int64_t *cu, in
                 for (int64_t j = 0; j < len; j++) kt[d * ldk + j] = k[j * ldqkv + d];
                 for (int64_t j = len; j < lp; j++) kt[d * ldk + j] = 0.0f;
             }
-            for (int64_t i = 0; i < len; i += QR) {
+            /* queries [q0, q1): every token, or the one query_at names */
+            const int64_t q0 = query_at == NULL ? 0 : query_at[seq], q1 = query_at == NULL ? len : q0 + 1;
+            for (int64_t i = q0; i < q1; i += QR) {
                 /* the last pass repeats the last query where fewer than QR are left */
                 const float *rows[QR];
-                for (int r = 0; r < QR; r++) rows[r] = q + (i + r < len ? i + r : len - 1) * ldqkv;
+                for (int r = 0; r < QR; r++) rows[r] = q + (i + r < q1 ? i + r : q1 - 1) * ldqkv;
                 const int64_t lo = window < 0 || i <= window ? 0 : i - window;
-                const int64_t last = i + QR - 1 < len ? i + QR - 1 : len - 1;
+                const int64_t last = i + QR - 1 < q1 ? i + QR - 1 : q1 - 1;
                 const int64_t hi = window < 0 || last + window + 1 >= len ? len : last + window + 1;
                 scores(rows, kt, ldk, head_dim, lo & ~(int64_t)7, (hi + 7) & ~(int64_t)7, s, ldk);
-                for (int r = 0; r < QR && i + r < len; r++) {
+                for (int r = 0; r < QR && i + r < q1; r++) {
                     const int64_t qi = i + r;
                     const int64_t qlo = window < 0 || qi <= window ? 0 : qi - window;
                     const int64_t qhi = window < 0 || qi + window + 1 >= len ? len : qi + window + 1;
-                    softmax_pv(s + r * ldk, qlo, qhi, v, ldqkv, head_dim, out + (start + qi) * ldo + h * head_dim);
+                    const int64_t row = query_at == NULL ? start + qi : seq;
+                    softmax_pv(s + r * ldk, qlo, qhi, v, ldqkv, head_dim, out + row * ldo + h * head_dim);
                 }
             }
         }

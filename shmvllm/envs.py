@@ -23,6 +23,11 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "SHMVLLM_NATIVE_KERNELS": ("1", "0: never build or load the C kernels (torch paths only)"),
     "SHMVLLM_QUANT_ISA": ("the CPU's best", "`avx512vnni`, `avx512`, `avx2` or `portable`: which quantized GEMM build to load (`avx2` also puts BERT encoders on the AVX2 GEMM)"),
     "SHMVLLM_FUSED_DECODE": ("1", "0: no fused C decode step for single-sequence decode"),
+    "SHMVLLM_DECODE_BURST": (
+        "8",
+        "the most tokens one engine step decodes for a lone greedy request (in-process model, no speculative "
+        "decoding, async scheduling or logprobs / penalties / logits processors / grammar); 1: one a step",
+    ),
     "SHMVLLM_HUGE_PAGES": ("1", "0: no `madvise(MADV_HUGEPAGE)` on weights and the KV cache"),
     "SHMVLLM_CPU_BF16": ("from `/proc/cpuinfo`", "1 / 0: whether the CPU has native bf16 dot products"),
     "SHMVLLM_TP_ALLREDUCE": (
@@ -94,6 +99,15 @@ def SHMVLLM_QUANT_ISA() -> Optional[str]:
 
 def SHMVLLM_FUSED_DECODE() -> bool:
     return _flag("SHMVLLM_FUSED_DECODE", True)
+
+
+def SHMVLLM_DECODE_BURST() -> int:
+    value = _int("SHMVLLM_DECODE_BURST")
+    if value is None:
+        return 8
+    if value < 1:
+        raise ValueError(f"SHMVLLM_DECODE_BURST must be a positive integer, got {value!r}.")
+    return value
 
 
 def SHMVLLM_HUGE_PAGES() -> bool:

@@ -112,7 +112,7 @@ def test_attention_runs_for_sorted_lengths(ours):
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
-    assert AttentionPlan(cu).runs == [(0, 3, 3), (9, 1, 8), (17, 1, 9), (26, 1, 10), (36, 1, 40)]
+    assert AttentionPlan(cu).runs == [(0, 0, 3, 3), (9, 3, 1, 8), (17, 4, 1, 9), (26, 5, 1, 10), (36, 6, 1, 40)]
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(1000, 30000, (n,), generator=g) for n in lengths]
     zeros = [torch.zeros(n, dtype=torch.long) for n in lengths]
@@ -139,10 +139,41 @@ def test_attention_kernel_matches_sdpa(monkeypatch, head_dim, window):
     heads, g = 3, torch.Generator().manual_seed(7)
     qkv = torch.randn(cu[-1], 3 * heads * head_dim + 5, generator=g)[:, : 3 * heads * head_dim]
     plan = AttentionPlan(cu)
-    assert (bert._attention_kernels(qkv, head_dim) is not None) == (head_dim % 8 == 0)
+    assert (bert._attention_kernels(qkv, qkv, head_dim) is not None) == (head_dim % 8 == 0)
     got = plan.attend(qkv, heads, head_dim, window)
-    monkeypatch.setattr(bert, "_attention_kernels", lambda qkv, head_dim: None)
+    monkeypatch.setattr(bert, "_attention_kernels", lambda q, kv, head_dim: None)
     torch.testing.assert_close(got, plan.attend(qkv, heads, head_dim, window), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+@pytest.mark.parametrize("window", [None, 3])
+def test_one_query_per_sequence_equals_its_rows_of_full_attention(monkeypatch, kernel, window):
+    """attend_one: the first, the last or any one token of each sequence queries all of its
+    keys, and gets its row of the full attention (the C kernel and the SDPA runs)."""
+    from shmvllm.model import bert
+    from shmvllm.model.kernels import encoder_attention_kernels
+
+    if kernel and encoder_attention_kernels() is None:
+        pytest.skip("needs an x86 CPU with AVX2 + FMA and a C compiler")
+    if not kernel:
+        monkeypatch.setattr(bert, "_attention_kernels", lambda q, kv, head_dim: None)
+    lengths = [1, 2, 7, 7, 7, 9, 16, 33, 70]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    heads, head_dim, g = 3, 32, torch.Generator().manual_seed(11)
+    qkv = torch.randn(cu[-1], 3 * heads * head_dim, generator=g)
+    plan = AttentionPlan(cu)
+    full = plan.attend(qkv, heads, head_dim, window)
+    tensor_lengths = torch.tensor(lengths)
+    for query_at in (torch.zeros(len(lengths), dtype=torch.int64), tensor_lengths - 1,
+                     (torch.rand(len(lengths), generator=g) * tensor_lengths).long()):
+        q = qkv[plan.token_rows(query_at), : heads * head_dim]
+        got = plan.attend_one(q, qkv[:, heads * head_dim :], heads, head_dim, query_at, window)
+        assert got.shape == (len(lengths), heads * head_dim)
+        # the kernel's per-query arithmetic is the same either way; SDPA picks its own kernel per shape
+        tolerance = dict(atol=0, rtol=0) if kernel else dict(atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(got, full[plan.token_rows(query_at)], **tolerance)
 
 
 @pytest.mark.parametrize("fused", [True, False])

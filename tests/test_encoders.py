@@ -401,3 +401,49 @@ def test_bidirectional_flag_of_another_family_is_refused(tmp_path):
                          device="cpu", max_model_len=128)
     with pytest.raises(ValueError, match="use_bidirectional_attention=True .* Gemma 3 only"):
         PoolingModelRunner(config)
+
+
+@pytest.mark.parametrize("model_type, head, pooling, shortcut", [
+    ("bert", "-rerank", None, True), ("xlm-roberta", "-rerank", None, True), ("modernbert", "-classify", "cls", True),
+    ("modernbert", "-classify", "mean", False), ("bert", "", "cls", True), ("xlm-roberta", "", "lasttoken", True),
+    ("modernbert", "", "cls", True), ("bert", "", "mean", False),
+])
+def test_one_token_poolers_compute_the_last_layer_for_that_token(
+    tmp_path_factory, minilm_dir, monkeypatch, model_type, head, pooling, shortcut
+):
+    """A pooler or head that reads one token per sequence (CLS, last token) makes the encoder
+    compute its last layer's queries, attention output and MLP for that token only, with the
+    outputs of the full last layer; mean pooling (and token_embed) gets every token."""
+    from transformers import AutoTokenizer
+
+    from shmvllm.engine.arg_utils import EngineArgs
+    from shmvllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from shmvllm.worker.pooling_runner import PoolingModelRunner
+
+    if head:
+        extra = {"classifier_pooling": pooling} if model_type == "modernbert" else {}
+        model_dir = _save_hf(tmp_path_factory, minilm_dir, model_type, head=head, num_labels=1 if head == "-rerank" else 3, **extra)
+    else:
+        source = _save_hf(tmp_path_factory, minilm_dir, model_type)
+        model_dir = _save_st(source, tmp_path_factory.mktemp(f"{model_type}-{pooling}"), pooling)
+    runner = PoolingModelRunner(EngineArgs(model=str(model_dir)).create_engine_config().model_config)
+    runner.load_model()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
+    reqs = [NewRequestData(f"r{i}", p, [], None, PoolingParams(), [], 0) for i, p in enumerate(prompts)]
+    step = SchedulerOutput(reqs, CachedRequestData(), {r.req_id: len(r.prompt_token_ids) for r in reqs}, sum(map(len, prompts)))
+    seen = []
+    forward = runner.model.forward
+    monkeypatch.setattr(runner.model, "forward", lambda *args: seen.append(args[-1]) or forward(*args))
+    got = runner.execute_model(step).pooler_output
+    assert (seen[-1] is not None) == shortcut
+    if shortcut:
+        lengths = sorted(map(len, prompts))  # the runner packs by length
+        expected_at = [0] * len(prompts) if pooling in (None, "cls") else [n - 1 for n in lengths]
+        assert seen[-1].tolist() == expected_at
+        assert runner._query_at(["embed", "token_embed"], np.array(lengths)) is None
+    monkeypatch.setattr(runner, "_query_at", lambda tasks, lengths: None)
+    full = runner.execute_model(step).pooler_output
+    assert seen[-1] is None
+    for req in reqs:
+        np.testing.assert_allclose(got[req.req_id], full[req.req_id], rtol=1e-5, atol=1e-6)

@@ -115,8 +115,13 @@ def ring_entries_of(pids: set[int]) -> set[str]:
 @pytest.fixture(scope="module")
 def cluster():
     import ray
+    from ray._private import auto_init_hook
     from ray.cluster_utils import Cluster
 
+    # A Ray Data thread still running after ray.shutdown() (the prefetcher's ray.wait) would
+    # otherwise reconnect this driver to the cluster, which then exits the process when the last
+    # test kills the cluster's raylets.
+    auto_init_hook.enable_auto_connect = False
     node_args = {"num_cpus": 1, "object_store_memory": OBJECT_STORE_BYTES}
     cluster = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False})
     cluster.add_node(**node_args)

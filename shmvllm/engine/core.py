@@ -12,6 +12,10 @@ native kernels and torch ops): `step()` schedules step N+1 and queues it behind 
 waits for step N's output and updates from it, so that scheduling, output processing and the
 sending of outputs overlap the model. While a request with structured outputs is unfinished it
 steps one at a time (its next bitmask needs the token sampled before it).
+
+With the model in this process (UniProcExecutor) a lone greedy decode may decode a burst of
+`SHMVLLM_DECODE_BURST` tokens a step (Scheduler, ModelRunner); `set_input_check` tells the
+runner how to see, between a burst's tokens, that input for the engine has arrived.
 """
 
 from __future__ import annotations
@@ -20,16 +24,17 @@ import collections
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
+from shmvllm import envs
 from shmvllm.config import EngineConfig
 from shmvllm.core.request import Request, RequestStatus
 from shmvllm.core.sched.output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
 from shmvllm.core.sched.scheduler import Scheduler
 from shmvllm.engine.exceptions import WorkerDeadError
-from shmvllm.engine.validation import DTYPE_BYTES, kv_cache_bytes_per_block
+from shmvllm.engine.validation import DTYPE_BYTES, kv_cache_bytes_per_block, kv_cache_shape
 from shmvllm.model.parallel.split import split_sizes
 from shmvllm.boundary.messages import (
     EngineCoreOutput,
@@ -41,6 +46,7 @@ from shmvllm.boundary.messages import (
     now,
 )
 from shmvllm.structured_output.manager import StructuredOutputManager
+from shmvllm.worker import kv_memory
 from shmvllm.worker.kv_budget import blocks_in_budget, cpu_kv_budget
 
 logger = logging.getLogger(__name__)
@@ -91,6 +97,14 @@ def limits_before_load(config: EngineConfig) -> Optional[EngineReady]:
     return engine_limits(config, num_blocks)
 
 
+def reserve_kv_cache(config: EngineConfig, num_blocks: int) -> kv_memory.Reservation:
+    """The KV cache of `num_blocks` blocks that an engine of `config` (one whose limits
+    `limits_before_load` gives) builds, mapped for its runner to take (`kv_memory`)."""
+    model = config.model_config
+    return kv_memory.reserve(kv_cache_shape(model.hf_config, num_blocks, config.cache_config.block_size),
+                             DTYPE_BYTES[model.dtype])
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor_class: Optional[type] = None) -> None:
         started = time.perf_counter()
@@ -114,7 +128,7 @@ class EngineCore:
         self._depth = getattr(self.executor, "max_concurrent_batches", 1)
         self.scheduler = Scheduler(
             config.scheduler_config, config.cache_config, self.num_kv_blocks, self.structured_output_manager,
-            config.speculative_config, micro_batches=self._depth,
+            config.speculative_config, micro_batches=self._depth, burst_tokens=self._burst_tokens(),
         )
         self._rejected: list[EngineCoreOutput] = []
         self._in_flight: collections.deque[tuple[SchedulerOutput, Future]] = collections.deque()
@@ -131,6 +145,21 @@ class EngineCore:
             self._describe_kv_cache(), self.max_concurrency, self.scheduler.max_model_len,
             time.perf_counter() - loaded,
         )
+
+    def _burst_tokens(self) -> int:
+        """SHMVLLM_DECODE_BURST where this process runs the generating model, else 1."""
+        from shmvllm.executor.uniproc import UniProcExecutor
+        from shmvllm.worker.model_runner import ModelRunner
+
+        if isinstance(self.executor, UniProcExecutor) and isinstance(self.executor.worker.model_runner, ModelRunner):
+            return envs.SHMVLLM_DECODE_BURST()
+        return 1
+
+    def set_input_check(self, input_waiting: Callable[[], bool]) -> None:
+        """Where bursts run, the runner asks `input_waiting()` between a burst's tokens and
+        returns when it is true."""
+        if self.scheduler.burst_tokens > 1:
+            self.executor.worker.model_runner.interrupt = input_waiting
 
     @property
     def max_logprobs(self) -> int:

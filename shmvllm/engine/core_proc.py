@@ -25,6 +25,7 @@ process group, and the frontend, which catches it, decides when the engine stops
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import importlib
@@ -291,7 +292,7 @@ class EngineCoreProc:
         engine_index: int = 0,
     ) -> None:
         at_init = time.monotonic()
-        from shmvllm.engine.core import EngineCore, limits_before_load
+        from shmvllm.engine.core import EngineCore, limits_before_load, reserve_kv_cache
 
         self.parent_pid = parent_pid
         self.engine_index = engine_index
@@ -307,6 +308,7 @@ class EngineCoreProc:
                 # the model gets the blocks announced, whatever the RAM available reads once it is loaded
                 config = dataclasses.replace(
                     config, cache_config=dataclasses.replace(config.cache_config, num_kv_blocks=early.num_kv_blocks))
+                reserve_kv_cache(config, early.num_kv_blocks)  # mapped and first touched beside torch's import
             early_at = time.monotonic()
             if _torch_import is not None:  # nothing builds (or forks) while that import is half done
                 _torch_import.join()
@@ -323,6 +325,8 @@ class EngineCoreProc:
             raise
         if early is None:
             self.outbox.send(built)
+        self._arrived: collections.deque[Any] = collections.deque()  # taken by _input_waiting mid-step
+        self.engine_core.set_input_check(self._input_waiting)
         serving = time.monotonic()
         age = process_age()
         born = None if age is None else time.monotonic() - age  # the process's start, on this clock
@@ -457,8 +461,10 @@ class EngineCoreProc:
             if outbox.pending:
                 outbox.flush()
             can_step = core.has_unfinished_requests() and not outbox.backlogged
-            if not can_step:
+            if not can_step and not self._arrived:
                 self._wait_for_input()
+            while self._arrived:
+                handle(self._arrived.popleft())
             while (msg := try_recv(decode_to_engine)) is not None:
                 handle(msg)
             if core.has_unfinished_requests() and not outbox.backlogged:
@@ -467,6 +473,19 @@ class EngineCoreProc:
                     outputs.engine_index = index
                     outbox.send(outputs)
             self._check_parent()
+
+    def _input_waiting(self) -> bool:
+        """Whether the frontend sent something (kept, in order, for the loop to handle after the
+        step): a burst then ends, so that a new request or an abort waits at most one token. A
+        failing channel also ends it; the loop then meets the failure itself."""
+        try:
+            msg = self.endpoint.try_recv(decode_to_engine)
+        except Exception:
+            return True
+        if msg is None:
+            return False
+        self._arrived.append(msg)
+        return True
 
     def _wait_for_input(self) -> None:
         """Blocks until the frontend sends something, or briefly (FLUSH_POLL_S) when the outbox

@@ -57,11 +57,17 @@ class ModernBertAttention(nn.Module):
         if self.Wqkv.bias is not None:
             self.Wqkv.bias[:hidden] *= self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, plan: AttentionPlan, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, plan: AttentionPlan, cos: torch.Tensor, sin: torch.Tensor, query_at: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         qkv = self.Wqkv(x)
         qk = qkv.view(x.shape[0], 3, self.num_heads, self.head_dim)[:, :2]
         qkv.view(x.shape[0], 3, self.num_heads, self.head_dim)[:, :2] = qk * cos + _rotate_half(qk) * sin
-        return self.Wo(plan.attend(qkv, self.num_heads, self.head_dim, self.window))
+        if query_at is None:
+            return self.Wo(plan.attend(qkv, self.num_heads, self.head_dim, self.window))
+        hidden = self.num_heads * self.head_dim
+        q = qkv[plan.token_rows(query_at), :hidden]
+        return self.Wo(plan.attend_one(q, qkv[:, hidden:], self.num_heads, self.head_dim, query_at, self.window))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -92,13 +98,20 @@ class ModernBertLayer(nn.Module):
         self.mlp_norm = _layer_norm(config)
         self.mlp = ModernBertMLP(config)
 
-    def forward(self, x: torch.Tensor, plan: AttentionPlan, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), plan, cos, sin)
+    def forward(
+        self, x: torch.Tensor, plan: AttentionPlan, cos: torch.Tensor, sin: torch.Tensor, query_at: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """query_at (see AttentionPlan.attend_one): the layer's output for those tokens only, one per sequence."""
+        attn = self.attn(self.attn_norm(x), plan, cos, sin, query_at)
+        if query_at is not None:
+            x = x.index_select(0, plan.token_rows(query_at))
+        x = x + attn
         return x + self.mlp(self.mlp_norm(x))
 
 
 class ModernBertModel(nn.Module):
-    """Returns the last hidden state of every packed token: [num_tokens, hidden_size]."""
+    """Returns the last hidden state of every packed token: [num_tokens, hidden_size], or of one
+    token per sequence (`query_at`, as BertModel): [num_seqs, hidden_size]."""
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -133,16 +146,19 @@ class ModernBertModel(nn.Module):
         positions: torch.Tensor,
         cu_seqlens: list[int],
         token_type_ids: Optional[torch.Tensor] = None,
+        query_at: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [num_tokens]; cu_seqlens: len = num_seqs + 1. ModernBERT has no token types."""
+        """input_ids, positions: [num_tokens]; cu_seqlens: len = num_seqs + 1. ModernBERT has no token types.
+        query_at: as BertModel's (the last layer's queries, attention output and MLP for those tokens only)."""
         if token_type_ids is not None:
             raise ValueError("ModernBERT has no token type embeddings: token_type_ids must be None.")
         plan = AttentionPlan(cu_seqlens)
         x = self.embeddings(input_ids)
         ropes = {t: self._rope(positions, t, x.dtype) for t in set(self.config.layer_types)}
-        for layer in self.layers:
+        for layer in self.layers[:-1]:
             x = layer(x, plan, *ropes[layer.layer_type])
-        return self.final_norm(x)
+        last = self.layers[-1]
+        return self.final_norm(last(x, plan, *ropes[last.layer_type], query_at))
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Loads HF ModernBertModel tensors (names with or without `model.`)."""

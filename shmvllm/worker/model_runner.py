@@ -4,14 +4,18 @@ Per step: apply the scheduler's changes to the runner's request states and persi
 flatten the scheduled tokens of all requests into one batch (numpy, vectorized), run the
 model, compute logits only on the rows that sample (the last scheduled token of a request
 whose scheduled tokens reach the end of its known tokens) and on prompt rows whose logprobs
-were asked, sample, and append each sampled token to its request's state.
+were asked, sample, and append each sampled token to its request's state. A step that gives a
+lone greedy decode a burst (SchedulerOutput.burst_tokens) then goes on decoding it here, one
+token a forward pass, until the burst's length, a stop token, or `interrupt()` (new input for
+the engine) says to return.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -32,6 +36,7 @@ from shmvllm.spec_decode.config import draft_may_propose, samples_independently
 from shmvllm.spec_decode.draft_model import DraftModelProposer, DraftRow
 from shmvllm.spec_decode.rejection_sampler import verify
 from shmvllm.structured_output.bitmask import TokenBitmaskApplier
+from shmvllm.worker import kv_memory
 from shmvllm.worker.huge_pages import advise_huge_pages
 from shmvllm.worker.input_batch import CachedRequestState, InputBatch
 
@@ -79,6 +84,8 @@ class ModelRunner:
         self._padding_zeroed = False
         self.num_blocks = 0
         self.rope_lengths_needed = False
+        # whether the engine has input waiting, asked between a burst's tokens (no caller: never)
+        self.interrupt: Callable[[], bool] = _never
         spec = config.speculative_config
         self.drafter: Optional[DraftModelProposer] = None
         if config.draft_model_config is not None and spec is not None:
@@ -117,8 +124,14 @@ class ModelRunner:
         layers = self._attention_layers()
         attn = layers[0]
         shape = (len(layers), 2, attn.num_kv_heads, num_blocks, self.block_size, attn.head_dim)
-        self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-        advise_huge_pages(self.kv_cache)  # before the first write maps any page
+        itemsize = torch.tensor([], dtype=self.dtype).element_size()
+        reserved = kv_memory.take(shape, itemsize) if self.device.type == "cpu" else None
+        if reserved is not None:  # mapped and first touched while torch imported
+            self.kv_cache = torch.frombuffer(reserved.map, dtype=self.dtype, count=math.prod(shape),
+                                             offset=reserved.offset).view(shape)
+        else:
+            self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            advise_huge_pages(self.kv_cache)  # before the first write maps any page
         self._padding_zeroed = False
         for index, layer in enumerate(layers):
             layer.k_cache = self.kv_cache[index, 0]
@@ -130,9 +143,11 @@ class ModelRunner:
         kv_heads = getattr(hf, "num_key_value_heads", None) or getattr(hf, "num_attention_heads", attn.num_kv_heads)
         share = f", this rank's {attn.num_kv_heads} of {kv_heads} KV heads" if attn.num_kv_heads != kv_heads else ""
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB%s)",
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB%s)%s",
             num_blocks, self.block_size, num_blocks * self.block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, share,
+            "" if reserved is None else
+            f", mapped before torch (its first {kv_memory.TOUCHED_BLOCKS} blocks faulted in {reserved.touch_seconds:.2f} s)",
         )
 
     def _zero_new_blocks(self, block_ids: list[int]) -> None:
@@ -154,7 +169,36 @@ class ModelRunner:
         if step is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         hidden = self.model(step.input_ids, step.positions, step.meta)
-        return self.finish_step(step, hidden, scheduler_output)
+        output = self.finish_step(step, hidden, scheduler_output)
+        if scheduler_output.burst_tokens:
+            self._burst(scheduler_output.burst_tokens, output)
+        return output
+
+    def _burst(self, bursts: dict[str, int], output: ModelRunnerOutput) -> None:
+        """Decodes the lone request's further tokens of its burst: each a forward pass of its
+        last token and the argmax of its logits (what the sampler takes for a greedy row with no
+        processors), until the burst's length, EOS (unless ignored) or a stop token id (the
+        scheduler gives a burst only past min_tokens and within max_tokens and max_model_len), or
+        new input for the engine."""
+        batch = self.input_batch
+        (req_id, burst), = bursts.items()
+        row = batch.req_id_to_index[req_id]
+        state = batch.states[row]
+        params = state.sampling_params
+        stops = set(params.stop_token_ids or ())
+        if params.eos_token_id is not None and not params.ignore_eos:
+            stops.add(params.eos_token_id)
+        tokens = output.sampled_token_ids[row]
+        one = np.ones(1, dtype=np.int32)
+        while tokens and len(tokens) < burst and tokens[-1] not in stops and not self.interrupt():
+            computed = int(batch.num_computed_tokens[row])
+            input_ids, positions, meta = self._prepare_inputs(one, np.array([computed], dtype=np.int32))
+            logits = self.model.compute_logits(self.model(input_ids, positions, meta)[-1:])
+            token = int(logits.argmax(dim=-1)[0])
+            tokens.append(token)
+            batch.append_token(row, token)
+            state.output_token_ids.append(token)
+            batch.num_computed_tokens[row] = state.num_computed_tokens = computed + 1
 
     def begin_step(self, scheduler_output: SchedulerOutput) -> Optional[StepInputs]:
         """Applies the scheduler's changes and lays out the step's inputs (None: no request runs)."""
@@ -610,6 +654,10 @@ def _add_request_processors(
         processors.bad_words[row] = (params.bad_words_token_ids, output_token_ids)
     if params.logit_bias:
         processors.logit_bias[row] = params.logit_bias
+
+
+def _never() -> bool:
+    return False
 
 
 def _describe(exc: BaseException) -> str:

@@ -151,12 +151,15 @@ class PoolingModelRunner:
         input_ids = np.fromiter((t for p in prompts for t in p), dtype=np.int64, count=num_tokens)
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu_seqlens[:-1], lengths)
         token_types = self._token_types(params, cu_seqlens, num_tokens)
+        tasks = [self._task(p) for p in params]
+        query_at = self._query_at(tasks, lengths)
         hidden = self._forward(
             torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device), cu_seqlens.tolist(),
-            None if token_types is None else torch.from_numpy(token_types).to(self.device),
+            None if token_types is None else torch.from_numpy(token_types).to(self.device), query_at,
         )
+        if query_at is not None:  # one hidden row per sequence: each its own one-token "sequence"
+            cu_seqlens = np.arange(len(prompts) + 1, dtype=np.int64)
         cu = torch.from_numpy(cu_seqlens).to(self.device)
-        tasks = [self._task(p) for p in params]
         out: list[Optional[np.ndarray]] = [None] * len(prompts)
         for task in set(tasks):
             rows = [i for i, t in enumerate(tasks) if t == task]
@@ -190,6 +193,28 @@ class PoolingModelRunner:
         activation = self.score_activation if task == "score" else self.classify_activation
         return [apply_activation(activation, row) if p.use_activation is not False else row for row, p in zip(logits.unbind(0), params)]
 
+    def _query_at(self, tasks: list[str], lengths: np.ndarray) -> Optional[torch.Tensor]:
+        """The offset of the one token each sequence's output reads, when every task of the step
+        reads one token (CLS or last-token pooling, a CLS classification head), so that the
+        encoder computes its last layer past the keys and values for those tokens only; None
+        when some task reads more (mean pooling, token_embed) or the model is a decoder."""
+        if self.is_decoder:
+            return None
+        reads = set()
+        for task in set(tasks):
+            if task == "embed":
+                reads.add({PoolingType.CLS: "first", PoolingType.LAST: "last"}.get(self.pooler_config.pooling_type))
+            elif task in ("classify", "score"):
+                assert self.head is not None
+                reads.add(None if self.head.mean_pooling else "first")
+            else:
+                reads.add(None)
+        if reads == {"first"}:
+            return torch.zeros(len(lengths), dtype=torch.int64, device=self.device)
+        if reads == {"last"}:
+            return torch.from_numpy(lengths - 1).to(self.device)
+        return None
+
     def _token_types(
         self, params: list[PoolingParams], cu_seqlens: np.ndarray, num_tokens: int
     ) -> Optional[np.ndarray]:
@@ -204,12 +229,18 @@ class PoolingModelRunner:
         return types
 
     def _forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: list[int], token_types: Optional[torch.Tensor] = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cu_seqlens: list[int],
+        token_types: Optional[torch.Tensor] = None,
+        query_at: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """Packed hidden states [num_tokens, H]; a decoder attends causally within each sequence."""
+        """Packed hidden states [num_tokens, H], or [num_seqs, H] of the tokens `query_at` names
+        (encoders only); a decoder attends causally within each sequence."""
         assert self.model is not None
         if not self.is_decoder:
-            return self.model(input_ids, positions, cu_seqlens, token_types)
+            return self.model(input_ids, positions, cu_seqlens, token_types, query_at)
         # No slot_mapping: the attention layers neither need nor touch a KV cache.
         meta = AttentionMetadata(
             slot_mapping=None, prefills=[PrefillSeq(s, e, None, None) for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])]

@@ -59,6 +59,9 @@ class SchedulerOutput:
     its known tokens, are counted in its num_scheduled_tokens, and are verified this step (empty
     unless speculative decoding is on). kept_block_ids[req_id]: how many of its blocks a request
     keeps; the ones after were freed after rejected proposals (applied before new_block_ids).
+    burst_tokens[req_id]: a lone greedy decode scheduled with one token may decode up to this
+    many in the step (its KV slots are reserved; the runner stops at a stop token or when input
+    arrives, and the scheduler frees what the burst did not use).
 
     A request's num_computed_tokens may count prefix-cache blocks that another request writes in
     this same step (both share a prompt prefix and were scheduled together): the runner must
@@ -78,6 +81,7 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     kept_block_ids: dict[str, int] = field(default_factory=dict)
     placeholder_req_ids: set[str] = field(default_factory=set)  # async scheduling: those that sample this step
+    burst_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -30,6 +30,12 @@ sampled itself), and drops the placeholder when the step's output comes. A reque
 scheduled past its max_tokens or max_model_len counting placeholders; one preempted while its
 step was in flight keeps that step's token and waits for it before it is scheduled again; the
 output of a step for a request that finished meanwhile is dropped.
+
+A lone running request (nothing waiting) that decodes greedily with nothing that reads its
+logits but the argmax may decode a burst of up to `burst_tokens` tokens in one step (vLLM's
+multi-step idea: one engine round trip for several tokens): it is scheduled with one token, its
+KV slots for the burst are reserved (as for proposals), and after the step num_computed_tokens
+drops back past what the burst did not decode and the blocks past its tokens are freed.
 """
 
 from __future__ import annotations
@@ -76,11 +82,16 @@ class Scheduler:
         structured_output_manager: Optional["StructuredOutputManager"] = None,
         speculative_config: Optional[SpeculativeConfig] = None,
         micro_batches: int = 1,
+        burst_tokens: int = 1,
     ) -> None:
         """micro_batches: how many steps the engine keeps in flight (pipeline parallel); each
-        takes at most its share of the running requests, so that the next one has some."""
+        takes at most its share of the running requests, so that the next one has some.
+        burst_tokens: the most tokens a lone greedy decode may decode in one step (1: one)."""
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches must be a positive int, got {micro_batches!r}.")
+        if not isinstance(burst_tokens, int) or burst_tokens < 1:
+            raise ValueError(f"burst_tokens must be a positive int, got {burst_tokens!r}.")
+        self.burst_tokens = burst_tokens
         self.micro_batches = micro_batches
         self.config = scheduler_config
         self.block_size = cache_config.block_size
@@ -174,6 +185,7 @@ class Scheduler:
         preempted: set[str] = set()
         proposals: dict[str, list[int]] = {}
         kept_blocks: dict[str, int] = {}
+        bursts: dict[str, int] = {}
 
         i = scheduled_running = 0
         share = -(-len(self.running) // self.micro_batches)
@@ -184,6 +196,11 @@ class Scheduler:
                 i += 1
                 continue
             new_blocks = None
+            burst = self._burst_size(request, budget)
+            if burst > 1:  # only if its blocks are free: a burst never preempts anyone
+                new_blocks = self.kv_cache_manager.allocate_slots(request, burst)
+                if new_blocks is not None:
+                    bursts[request.request_id] = burst
             if self.spec_stats is not None and request.num_tokens - request.num_computed_tokens == 1:
                 tokens = self._propose(request, budget)
                 if tokens:  # only if their blocks are free: proposals never preempt anyone
@@ -211,7 +228,7 @@ class Scheduler:
         placeholders: set[str] = set()
         for req_id, n in num_scheduled.items():
             request = self.requests[req_id]
-            request.num_computed_tokens += n
+            request.num_computed_tokens += bursts.get(req_id, n)
             if self.async_scheduling and not request.is_pooling and (
                 request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders
             ):  # it samples in this step: its token is a placeholder until the step's output comes
@@ -227,6 +244,7 @@ class Scheduler:
             scheduled_spec_decode_tokens=proposals,
             kept_block_ids=kept_blocks,
             placeholder_req_ids=placeholders,
+            burst_tokens=bursts,
         )
         if self._num_structured:
             self._add_grammar_bitmask(output)
@@ -242,6 +260,24 @@ class Scheduler:
         if request.num_tokens + pending >= self.max_model_len:
             return True
         return params is not None and params.max_tokens is not None and request.num_output_tokens + pending >= params.max_tokens
+
+    def _burst_size(self, request: Request, budget: int) -> int:
+        """How many tokens a decoding request may decode in this step: more than one only when
+        it runs alone, nothing waits, and only the argmax of its logits decides its tokens (its
+        stops past min_tokens are then EOS and stop_token_ids, which the runner checks)."""
+        if (self.burst_tokens == 1 or len(self.running) != 1 or self.waiting or self.waiting_for_grammar
+                or self.spec_stats is not None or self.async_scheduling or self.micro_batches != 1
+                or request.num_tokens - request.num_computed_tokens != 1):
+            return 1
+        params = request.sampling_params
+        if (params is None or params.temperature >= 1e-5 or params.logprobs is not None
+                or params.structured_outputs is not None or params.allowed_token_ids or params.logit_bias
+                or not samples_independently(params) or request.num_output_tokens < params.min_tokens):
+            return 1
+        burst = min(self.burst_tokens, budget, self.max_model_len - request.num_tokens)
+        if params.max_tokens is not None:
+            burst = min(burst, params.max_tokens - request.num_output_tokens)
+        return max(burst, 1)
 
     def _propose(self, request: Request, budget: int) -> Optional[list[int]]:
         """Proposals for a decoding request, or None where its sampling at a later position
@@ -405,6 +441,9 @@ class Scheduler:
                 sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
                 if proposed is not None:
                     self._roll_back(request, len(proposed), len(sampled))
+                burst = scheduler_output.burst_tokens.get(req_id)
+                if burst is not None:  # the KV of the tokens the burst did not decode
+                    request.num_computed_tokens -= burst - len(sampled)
                 try:
                     self._update_request(request, sampled, model_runner_output, outputs)
                 except Exception as exc:
@@ -418,7 +457,7 @@ class Scheduler:
                 (self.waiting if preempted else self.running).remove(request)
                 self._free_request(request)
             else:
-                if proposed is not None:
+                if proposed is not None or req_id in scheduler_output.burst_tokens:
                     kept = self.kv_cache_manager.trim(request, request.num_tokens)
                     if kept is not None:
                         self._kept_blocks[req_id] = kept

@@ -139,24 +139,24 @@ def test_attention_kernel_matches_sdpa(monkeypatch, head_dim, window):
     heads, g = 3, torch.Generator().manual_seed(7)
     qkv = torch.randn(cu[-1], 3 * heads * head_dim + 5, generator=g)[:, : 3 * heads * head_dim]
     plan = AttentionPlan(cu)
-    assert (bert._attention_kernels(qkv, head_dim) is not None) == (head_dim % 8 == 0)
+    assert (bert._attention_kernels(qkv, qkv, head_dim) is not None) == (head_dim % 8 == 0)
     got = plan.attend(qkv, heads, head_dim, window)
-    monkeypatch.setattr(bert, "_attention_kernels", lambda qkv, head_dim: None)
+    monkeypatch.setattr(bert, "_attention_kernels", lambda q, kv, head_dim: None)
     torch.testing.assert_close(got, plan.attend(qkv, heads, head_dim, window), atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("window", [None, 3])
 def test_one_query_per_sequence_equals_its_rows_of_full_attention(monkeypatch, kernel, window):
-    """attend(query_at=...): the first, the last or any one token of each sequence queries all
-    of its keys, and gets its row of the full attention (the C kernel and the SDPA runs)."""
+    """attend_one: the first, the last or any one token of each sequence queries all of its
+    keys, and gets its row of the full attention (the C kernel and the SDPA runs)."""
     from shmvllm.model import bert
     from shmvllm.model.kernels import encoder_attention_kernels
 
     if kernel and encoder_attention_kernels() is None:
         pytest.skip("needs an x86 CPU with AVX2 + FMA and a C compiler")
     if not kernel:
-        monkeypatch.setattr(bert, "_attention_kernels", lambda qkv, head_dim: None)
+        monkeypatch.setattr(bert, "_attention_kernels", lambda q, kv, head_dim: None)
     lengths = [1, 2, 7, 7, 7, 9, 16, 33, 70]
     cu = [0]
     for n in lengths:
@@ -168,7 +168,8 @@ def test_one_query_per_sequence_equals_its_rows_of_full_attention(monkeypatch, k
     tensor_lengths = torch.tensor(lengths)
     for query_at in (torch.zeros(len(lengths), dtype=torch.int64), tensor_lengths - 1,
                      (torch.rand(len(lengths), generator=g) * tensor_lengths).long()):
-        got = plan.attend(qkv, heads, head_dim, window, query_at=query_at)
+        q = qkv[plan.token_rows(query_at), : heads * head_dim]
+        got = plan.attend_one(q, qkv[:, heads * head_dim :], heads, head_dim, query_at, window)
         assert got.shape == (len(lengths), heads * head_dim)
         # the kernel's per-query arithmetic is the same either way; SDPA picks its own kernel per shape
         tolerance = dict(atol=0, rtol=0) if kernel else dict(atol=2e-6, rtol=1e-5)

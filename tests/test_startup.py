@@ -287,6 +287,39 @@ def test_limits_before_load_are_the_built_engines(tiny_llama_dir, smollm2_dir):
             core.shutdown()
 
 
+def test_kv_cache_mapped_before_torch_is_the_runners(tiny_llama_dir, smollm2_dir):
+    """The cache an engine maps from its config before torch (`core.reserve_kv_cache`) is the
+    one its runner builds (same layout, no copy): greedy tokens equal a cache of its own; a
+    reservation of another shape is unmapped and the runner allocates anew."""
+    from shmvllm import EngineArgs, SamplingParams
+    from shmvllm.engine.core import limits_before_load, reserve_kv_cache
+    from shmvllm.engine.llm_engine import LLMEngine
+    from shmvllm.worker import kv_memory
+
+    def greedy(config, reserve_blocks):
+        reservation = None if reserve_blocks is None else reserve_kv_cache(config, reserve_blocks)
+        engine = LLMEngine(config, multiprocess=False)
+        try:
+            cache = engine.engine_core.engine_core.executor.worker.model_runner.kv_cache
+            engine.add_request("r", "The capital of France is", SamplingParams(temperature=0.0, max_tokens=6))
+            tokens = []
+            while engine.has_unfinished_requests():
+                tokens += [out.outputs[0].token_ids for out in engine.step() if out.finished]
+            return reservation, cache.data_ptr(), tokens
+        finally:
+            engine.shutdown()
+
+    for kwargs in _limits_cases(tiny_llama_dir, smollm2_dir):
+        config = EngineArgs(**kwargs).create_engine_config()
+        blocks = limits_before_load(config).num_kv_blocks
+        reservation, pointer, tokens = greedy(config, blocks)
+        assert pointer == reservation.address and reservation.touch_seconds is not None, kwargs
+        assert kv_memory.take(reservation.shape, reservation.itemsize) is None  # taken once
+        assert tokens == greedy(config, None)[2], kwargs
+    reservation, pointer, _ = greedy(config, blocks + 1)
+    assert pointer != reservation.address and reservation.map.closed
+
+
 def test_limits_before_load_only_where_the_config_decides(tiny_llama_dir):
     from shmvllm import EngineArgs
     from shmvllm.engine.core import limits_before_load

@@ -34,7 +34,7 @@ from shmvllm.core.request import Request, RequestStatus
 from shmvllm.core.sched.output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
 from shmvllm.core.sched.scheduler import Scheduler
 from shmvllm.engine.exceptions import WorkerDeadError
-from shmvllm.engine.validation import DTYPE_BYTES, kv_cache_bytes_per_block
+from shmvllm.engine.validation import DTYPE_BYTES, kv_cache_bytes_per_block, kv_cache_shape
 from shmvllm.model.parallel.split import split_sizes
 from shmvllm.boundary.messages import (
     EngineCoreOutput,
@@ -46,6 +46,7 @@ from shmvllm.boundary.messages import (
     now,
 )
 from shmvllm.structured_output.manager import StructuredOutputManager
+from shmvllm.worker import kv_memory
 from shmvllm.worker.kv_budget import blocks_in_budget, cpu_kv_budget
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,14 @@ def limits_before_load(config: EngineConfig) -> Optional[EngineReady]:
         per_block = kv_cache_bytes_per_block(model.hf_config, model.dtype, config.cache_config.block_size)
         num_blocks = blocks_in_budget(config, cpu_kv_budget(config), per_block)
     return engine_limits(config, num_blocks)
+
+
+def reserve_kv_cache(config: EngineConfig, num_blocks: int) -> kv_memory.Reservation:
+    """The KV cache of `num_blocks` blocks that an engine of `config` (one whose limits
+    `limits_before_load` gives) builds, mapped for its runner to take (`kv_memory`)."""
+    model = config.model_config
+    return kv_memory.reserve(kv_cache_shape(model.hf_config, num_blocks, config.cache_config.block_size),
+                             DTYPE_BYTES[model.dtype])
 
 
 class EngineCore:

@@ -292,7 +292,7 @@ class EngineCoreProc:
         engine_index: int = 0,
     ) -> None:
         at_init = time.monotonic()
-        from shmvllm.engine.core import EngineCore, limits_before_load
+        from shmvllm.engine.core import EngineCore, limits_before_load, reserve_kv_cache
 
         self.parent_pid = parent_pid
         self.engine_index = engine_index
@@ -308,6 +308,7 @@ class EngineCoreProc:
                 # the model gets the blocks announced, whatever the RAM available reads once it is loaded
                 config = dataclasses.replace(
                     config, cache_config=dataclasses.replace(config.cache_config, num_kv_blocks=early.num_kv_blocks))
+                reserve_kv_cache(config, early.num_kv_blocks)  # mapped and first touched beside torch's import
             early_at = time.monotonic()
             if _torch_import is not None:  # nothing builds (or forks) while that import is half done
                 _torch_import.join()

@@ -102,14 +102,20 @@ def _check_device(device: str) -> None:
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-def kv_cache_bytes_per_block(hf_config: Any, dtype: str, block_size: int, tensor_parallel_size: int = 1) -> int:
-    """Bytes of one KV-cache block across all layers (keys and values) on the rank that holds
-    the most KV heads: what `ModelRunner.kv_cache_bytes_per_block` finds once the model is built."""
+def kv_cache_shape(hf_config: Any, num_blocks: int, block_size: int, tensor_parallel_size: int = 1) -> tuple[int, ...]:
+    """The KV cache's [layers, 2, kv_heads, num_blocks, block_size, head_dim] on the rank that
+    holds the most KV heads, from the config: the layout `ModelRunner.initialize_kv_cache` builds."""
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     rank_kv_heads = -(-kv_heads // tensor_parallel_size)  # the first ranks take the remainder
-    return 2 * block_size * rank_kv_heads * head_dim * hf_config.num_hidden_layers * DTYPE_BYTES[dtype]
+    return (hf_config.num_hidden_layers, 2, rank_kv_heads, num_blocks, block_size, head_dim)
+
+
+def kv_cache_bytes_per_block(hf_config: Any, dtype: str, block_size: int, tensor_parallel_size: int = 1) -> int:
+    """Bytes of one KV-cache block across all layers (keys and values) on the rank that holds
+    the most KV heads: what `ModelRunner.kv_cache_bytes_per_block` finds once the model is built."""
+    return math.prod(kv_cache_shape(hf_config, 1, block_size, tensor_parallel_size)) * DTYPE_BYTES[dtype]
 
 
 def check_against_model(config: Any, source: Any) -> None:

@@ -13,7 +13,7 @@ from padding_idx + 1 and (usually) one token type.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +77,7 @@ class BertLayer(nn.Module):
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported by the BERT encoder.")
         self.gelu_approximate = "none" if config.hidden_act == "gelu" else "tanh"
         self.packed: dict[str, PackedLinear] = {}  # linear name -> its AVX2-GEMM copy (pack_linears)
+        self.hidden = hidden
 
     @torch.no_grad()
     def fold_query_scale(self) -> None:
@@ -85,25 +86,39 @@ class BertLayer(nn.Module):
         self.qkv.weight[:hidden] *= scale
         self.qkv.bias[:hidden] *= scale
 
-    def pack_linears(self) -> None:
-        """Packs the linears for the AVX2 GEMM where it is the one to use (model/encoder_gemm.py)."""
-        for name in ("qkv", "attn_out", "intermediate", "out"):
-            linear = getattr(self, name)
+    def pack_linears(self, split_qkv: bool = False) -> None:
+        """Packs the linears for the AVX2 GEMM where it is the one to use (model/encoder_gemm.py);
+        split_qkv: Q and KV apart too, for forward's query_at (the last layer's)."""
+        names = ("qkv", "attn_out", "intermediate", "out", *(("q", "kv") if split_qkv else ()))
+        for name in names:
+            linear = self._weights(name)
             packed = pack_for_cpu(linear.weight, linear.bias)
             if packed is not None:
                 self.packed[name] = packed
+
+    def _weights(self, name: str) -> Any:
+        """The linear `name`: a layer's own, or "q" / "kv", the fused QKV's rows for Q / K and V."""
+        if name == "q":
+            return _Rows(self.qkv.weight[: self.hidden], self.qkv.bias[: self.hidden])
+        if name == "kv":
+            return _Rows(self.qkv.weight[self.hidden :], self.qkv.bias[self.hidden :])
+        return getattr(self, name)
 
     def _linear(self, x: torch.Tensor, name: str, residual: Optional[torch.Tensor] = None, gelu: Optional[str] = None) -> torch.Tensor:
         packed = self.packed.get(name)
         if packed is not None:
             return packed(x, residual, gelu)
-        return _linear(x, getattr(self, name), residual, gelu)
+        return _linear(x, self._weights(name), residual, gelu)
 
     def forward(self, x: torch.Tensor, plan: AttentionPlan, query_at: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """query_at (see AttentionPlan.attend): the layer's output for those tokens only, one per sequence."""
-        attn = plan.attend(self._linear(x, "qkv"), self.num_heads, self.head_dim, query_at=query_at)
-        if query_at is not None:
+        """query_at (see AttentionPlan.attend_one): the layer's output for those tokens only, one
+        per sequence; their queries alone are projected, every token's keys and values."""
+        if query_at is None:
+            attn = plan.attend(self._linear(x, "qkv"), self.num_heads, self.head_dim)
+        else:
+            kv = self._linear(x, "kv")
             x = x.index_select(0, plan.token_rows(query_at))
+            attn = plan.attend_one(self._linear(x, "q"), kv, self.num_heads, self.head_dim, query_at)
         if x.shape[0] <= TOKEN_CHUNK:
             return self._token_wise(attn, x)
         chunks = zip(attn.split(TOKEN_CHUNK), x.split(TOKEN_CHUNK))
@@ -116,13 +131,20 @@ class BertLayer(nn.Module):
         return self.out_norm(self._linear(h, "out", residual=x))
 
 
+class _Rows(NamedTuple):
+    """Some output rows of a linear (views of its weight and bias), used as the linear itself."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+
+
 TOKEN_CHUNK = 2048
 """The token-wise half of a layer runs on chunks of this many tokens, so that the wide MLP
 activation stays in cache (benchmarks/results/embed.md, "Encoder choices")."""
 
 
 def _linear(
-    x: torch.Tensor, layer: nn.Linear, residual: Optional[torch.Tensor] = None, gelu: Optional[str] = None
+    x: torch.Tensor, layer: nn.Linear | _Rows, residual: Optional[torch.Tensor] = None, gelu: Optional[str] = None
 ) -> torch.Tensor:
     """x @ W^T + b, then + residual, or GELU (`gelu` names its approximation: "none" is the
     exact erf form, "tanh" the tanh one; None means no GELU), fused into the GEMM by oneDNN on
@@ -165,49 +187,65 @@ class AttentionPlan:
         """The packed rows of the tokens `query_at` names (one offset per sequence)."""
         return self.cu_seqlens[:-1].to(query_at.device) + query_at
 
-    def attend(
-        self, qkv: torch.Tensor, num_heads: int, head_dim: int, window: Optional[int] = None, query_at: Optional[torch.Tensor] = None
-    ) -> torch.Tensor:
+    def attend(self, qkv: torch.Tensor, num_heads: int, head_dim: int, window: Optional[int] = None) -> torch.Tensor:
         """qkv: [num_tokens, 3 * hidden] (Q pre-scaled) -> [num_tokens, hidden].
         window: each token attends only to those at most this many positions away (ModernBERT's
-        local layers); a run no longer than window + 1 needs no mask.
-        query_at: [num_seqs] int64 offsets, one token per sequence: only that token queries (every
-        token is still a key) -> [num_seqs, hidden], what a pooler reading one token needs."""
-        out = qkv.new_empty(qkv.shape[0] if query_at is None else len(self.cu_seqlens) - 1, num_heads * head_dim)
-        lib = _attention_kernels(qkv, head_dim)
+        local layers); a run no longer than window + 1 needs no mask."""
+        hidden = num_heads * head_dim
+        return self._attend(qkv[:, :hidden], qkv[:, hidden:], num_heads, head_dim, window, None)
+
+    def attend_one(
+        self, q: torch.Tensor, kv: torch.Tensor, num_heads: int, head_dim: int, query_at: torch.Tensor, window: Optional[int] = None
+    ) -> torch.Tensor:
+        """One query per sequence, what a pooler reading one token needs: q [num_seqs, hidden]
+        (pre-scaled), the queries of the tokens at offsets query_at [num_seqs] (int64); kv:
+        [num_tokens, 2 * hidden], every token's key and value -> [num_seqs, hidden]."""
+        return self._attend(q, kv, num_heads, head_dim, window, query_at)
+
+    def _attend(
+        self, q: torch.Tensor, kv: torch.Tensor, num_heads: int, head_dim: int, window: Optional[int], query_at: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        out = q.new_empty(q.shape[0], num_heads * head_dim)
+        lib = _attention_kernels(q, kv, head_dim)
         if lib is not None:
             query_ptr = None
             if query_at is not None:
                 query_at = query_at.to(device="cpu", dtype=torch.int64).contiguous()
                 query_ptr = query_at.data_ptr()
             if lib.shm_encoder_attention(
-                qkv.data_ptr(), qkv.stride(0), self.cu_seqlens.data_ptr(), len(self.cu_seqlens) - 1,
+                q.data_ptr(), q.stride(0), kv.data_ptr(), kv.stride(0), self.cu_seqlens.data_ptr(), len(self.cu_seqlens) - 1,
                 num_heads, head_dim, -1 if window is None else window, out.data_ptr(), out.stride(0), query_ptr,
             ):
                 raise MemoryError("encoder attention: out of memory for its per-thread buffers.")
             return out
         # Each run's [count, heads, queries, head_dim] result is copied once, straight into its
-        # rows of the packed output (a reshape then a cat would copy it twice).
+        # rows of the output (a reshape then a cat would copy it twice).
         for first, first_seq, count, length in self.runs:
-            run = qkv[first : first + count * length].view(count, length, 3, num_heads, head_dim)
-            q, k, v = run.permute(2, 0, 3, 1, 4)
-            offsets = torch.arange(length, device=qkv.device)
-            queries = offsets[None, :]  # [count or 1, queries]: each query's position
-            if query_at is not None:
-                queries = query_at[first_seq : first_seq + count, None].to(qkv.device)
-                q = q.gather(2, queries[:, None, :, None].expand(count, num_heads, 1, head_dim))
+            k, v = kv[first : first + count * length].view(count, length, 2, num_heads, head_dim).permute(2, 0, 3, 1, 4)
+            offsets = torch.arange(length, device=q.device)
+            if query_at is None:
+                rows = out[first : first + count * length]
+                queries = offsets[None, :]  # [1, length]: each query's position
+                run_q = q[first : first + count * length]
+            else:
+                rows = out[first_seq : first_seq + count]
+                queries = query_at[first_seq : first_seq + count, None].to(q.device)  # [count, 1]
+                run_q = q[first_seq : first_seq + count]
             mask = None
             if window is not None and length > window + 1:
                 mask = ((queries[:, :, None] - offsets).abs() <= window)[:, None]
-            result = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
-            rows = out[first : first + count * length] if query_at is None else out[first_seq : first_seq + count]
+            run_q = run_q.view(count, -1, num_heads, head_dim).transpose(1, 2)
+            result = F.scaled_dot_product_attention(run_q, k, v, attn_mask=mask, scale=1.0)
             rows.view(count, -1, num_heads, head_dim).copy_(result.transpose(1, 2))
         return out
 
 
-def _attention_kernels(qkv: torch.Tensor, head_dim: int) -> Optional[Any]:
-    """encoder_attention.c's library where it applies to this QKV, else None (SDPA)."""
-    if qkv.device.type != "cpu" or qkv.dtype != torch.float32 or head_dim % 8 or qkv.stride(1) != 1:
+def _attention_kernels(q: torch.Tensor, kv: torch.Tensor, head_dim: int) -> Optional[Any]:
+    """encoder_attention.c's library where it applies to these Q and KV rows, else None (SDPA)."""
+    for t in (q, kv):
+        if t.device.type != "cpu" or t.dtype != torch.float32 or t.stride(1) != 1:
+            return None
+    if head_dim % 8:
         return None
     from shmvllm.model.kernels import encoder_attention_kernels
 
@@ -266,7 +304,7 @@ class BertModel(nn.Module):
     def pack_linears(self) -> None:
         """Call once the weights are loaded and on their device and dtype."""
         for layer in self.layers:
-            layer.pack_linears()
+            layer.pack_linears(split_qkv=layer is self.layers[-1])
 
 
 def _strip_hf_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -63,7 +63,11 @@ class ModernBertAttention(nn.Module):
         qkv = self.Wqkv(x)
         qk = qkv.view(x.shape[0], 3, self.num_heads, self.head_dim)[:, :2]
         qkv.view(x.shape[0], 3, self.num_heads, self.head_dim)[:, :2] = qk * cos + _rotate_half(qk) * sin
-        return self.Wo(plan.attend(qkv, self.num_heads, self.head_dim, self.window, query_at))
+        if query_at is None:
+            return self.Wo(plan.attend(qkv, self.num_heads, self.head_dim, self.window))
+        hidden = self.num_heads * self.head_dim
+        q = qkv[plan.token_rows(query_at), :hidden]
+        return self.Wo(plan.attend_one(q, qkv[:, hidden:], self.num_heads, self.head_dim, query_at, self.window))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +101,7 @@ class ModernBertLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, plan: AttentionPlan, cos: torch.Tensor, sin: torch.Tensor, query_at: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
-        """query_at (see AttentionPlan.attend): the layer's output for those tokens only, one per sequence."""
+        """query_at (see AttentionPlan.attend_one): the layer's output for those tokens only, one per sequence."""
         attn = self.attn(self.attn_norm(x), plan, cos, sin, query_at)
         if query_at is not None:
             x = x.index_select(0, plan.token_rows(query_at))

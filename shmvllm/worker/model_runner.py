@@ -13,6 +13,7 @@ the engine) says to return.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -37,6 +38,7 @@ from shmvllm.spec_decode.config import draft_may_propose, samples_independently
 from shmvllm.spec_decode.draft_model import DraftModelProposer, DraftRow
 from shmvllm.spec_decode.rejection_sampler import verify
 from shmvllm.structured_output.bitmask import TokenBitmaskApplier
+from shmvllm.worker import kv_memory
 from shmvllm.worker.huge_pages import advise_huge_pages
 from shmvllm.worker.input_batch import CachedRequestState, InputBatch
 
@@ -124,8 +126,14 @@ class ModelRunner:
         layers = self._attention_layers()
         attn = layers[0]
         shape = (len(layers), 2, attn.num_kv_heads, num_blocks, self.block_size, attn.head_dim)
-        self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-        advise_huge_pages(self.kv_cache)  # before the first write maps any page
+        itemsize = torch.tensor([], dtype=self.dtype).element_size()
+        reserved = kv_memory.take(shape, itemsize) if self.device.type == "cpu" else None
+        if reserved is not None:  # mapped and first touched while torch imported
+            self.kv_cache = torch.frombuffer(reserved.map, dtype=self.dtype, count=math.prod(shape),
+                                             offset=reserved.offset).view(shape)
+        else:
+            self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            advise_huge_pages(self.kv_cache)  # before the first write maps any page
         self._padding_zeroed = False
         for index, layer in enumerate(layers):
             layer.k_cache = self.kv_cache[index, 0]
@@ -137,9 +145,11 @@ class ModelRunner:
         kv_heads = getattr(hf, "num_key_value_heads", None) or getattr(hf, "num_attention_heads", attn.num_kv_heads)
         share = f", this rank's {attn.num_kv_heads} of {kv_heads} KV heads" if attn.num_kv_heads != kv_heads else ""
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB%s)",
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB%s)%s",
             num_blocks, self.block_size, num_blocks * self.block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, share,
+            "" if reserved is None else
+            f", mapped before torch (its first {kv_memory.TOUCHED_BLOCKS} blocks faulted in {reserved.touch_seconds:.2f} s)",
         )
 
     def _zero_new_blocks(self, block_ids: list[int]) -> None:

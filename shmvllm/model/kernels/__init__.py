@@ -197,7 +197,7 @@ def encoder_gemm_kernels() -> Optional[ctypes.CDLL]:
 
 ENCODER_ATTENTION_SOURCE = Path(__file__).with_name("encoder_attention.c")
 _ENCODER_ATTENTION_SIGNATURES = {
-    "shm_encoder_attention": (ctypes.c_int, [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr]),
+    "shm_encoder_attention": (ctypes.c_int, [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr]),
 }
 
 

@@ -3,7 +3,7 @@
  * pre-scaled, over each sequence's real tokens only (no padding, no mask), optionally within a
  * window of +-w positions (ModernBERT's local layers).
  *
- * qkv rows are [Q | K | V], each heads x head_dim, as the fused QKV projection writes them. A
+ * Rows of Q, and of K beside V, are heads x head_dim each, as the fused QKV projection writes them. A
  * task is one (sequence, head): its K is transposed into a [head_dim][length] buffer, so that a
  * query's scores come 8 keys per vector with one broadcast of q[d] per FMA, 4 queries sharing
  * each K load; the softmax runs on glibc's vector expf; P.V accumulates head_dim / 8 vectors
@@ -120,14 +120,18 @@ static void softmax_pv(float *s, int64_t lo, int64_t hi, const float *v, int64_t
     }
 }
 
-/* qkv: [tokens, 3 * heads * head_dim] at row stride ldqkv; cu: num_seqs + 1 cumulative lengths;
+/* kv: [tokens, 2 * heads * head_dim] keys then values at row stride ldkv; q: the queries,
+ * heads * head_dim per row at row stride ldq (pre-scaled); cu: num_seqs + 1 cumulative lengths;
  * window: -1 for none, else each query attends to keys at most `window` positions away;
- * out: [tokens, heads * head_dim] at row stride ldo. head_dim must be a multiple of 8.
- * query_at: NULL, or one offset per sequence: then only that token of each sequence queries
- * (all its tokens are still keys), into out row `seq` (the poolers that read one token).
+ * out: heads * head_dim per row at row stride ldo. head_dim must be a multiple of 8.
+ * query_at NULL: every token queries (q and out have a row per token: q may be the Q columns of
+ * the fused QKV rows that kv points into). Else one offset per sequence: only that token of
+ * sequence seq queries (every token is still a key), from q row seq into out row seq (the
+ * poolers that read one token).
  * Returns 0, or -1 when the per-thread buffers cannot be allocated. */
-int shm_encoder_attention(const float *qkv, int64_t ldqkv, const int64_t *cu, int64_t num_seqs, int64_t heads,
-                          int64_t head_dim, int64_t window, float *out, int64_t ldo, const int64_t *query_at) {
+int shm_encoder_attention(const float *q_all, int64_t ldq, const float *kv, int64_t ldkv, const int64_t *cu,
+                          int64_t num_seqs, int64_t heads, int64_t head_dim, int64_t window, float *out, int64_t ldo,
+                          const int64_t *query_at) {
     int64_t longest = 0;
     for (int64_t i = 0; i < num_seqs; i++) longest = cu[i + 1] - cu[i] > longest ? cu[i + 1] - cu[i] : longest;
     const int64_t ldk = (longest + 7) & ~(int64_t)7, hidden = heads * head_dim;
@@ -141,10 +145,12 @@ int shm_encoder_attention(const float *qkv, int64_t ldqkv, const int64_t *cu, in
 #pragma omp for schedule(dynamic, 4)
         for (int64_t task = 0; task < num_seqs * heads; task++) {
             const int64_t seq = task / heads, h = task % heads, start = cu[seq], len = cu[seq + 1] - start;
-            const float *q = qkv + start * ldqkv + h * head_dim, *k = q + hidden, *v = q + 2 * hidden;
+            const float *k = kv + start * ldkv + h * head_dim, *v = k + hidden;
+            /* q: the row of the sequence's first query */
+            const float *q = q_all + (query_at == NULL ? start : seq) * ldq + h * head_dim;
             const int64_t lp = (len + 7) & ~(int64_t)7;
             for (int64_t d = 0; d < head_dim; d++) {
-                for (int64_t j = 0; j < len; j++) kt[d * ldk + j] = k[j * ldqkv + d];
+                for (int64_t j = 0; j < len; j++) kt[d * ldk + j] = k[j * ldkv + d];
                 for (int64_t j = len; j < lp; j++) kt[d * ldk + j] = 0.0f;
             }
             /* queries [q0, q1): every token, or the one query_at names */
@@ -152,7 +158,7 @@ int shm_encoder_attention(const float *qkv, int64_t ldqkv, const int64_t *cu, in
             for (int64_t i = q0; i < q1; i += QR) {
                 /* the last pass repeats the last query where fewer than QR are left */
                 const float *rows[QR];
-                for (int r = 0; r < QR; r++) rows[r] = q + (i + r < q1 ? i + r : q1 - 1) * ldqkv;
+                for (int r = 0; r < QR; r++) rows[r] = q + ((i + r < q1 ? i + r : q1 - 1) - q0) * ldq;
                 const int64_t lo = window < 0 || i <= window ? 0 : i - window;
                 const int64_t last = i + QR - 1 < q1 ? i + QR - 1 : q1 - 1;
                 const int64_t hi = window < 0 || last + window + 1 >= len ? len : last + window + 1;
@@ -162,7 +168,7 @@ int shm_encoder_attention(const float *qkv, int64_t ldqkv, const int64_t *cu, in
                     const int64_t qlo = window < 0 || qi <= window ? 0 : qi - window;
                     const int64_t qhi = window < 0 || qi + window + 1 >= len ? len : qi + window + 1;
                     const int64_t row = query_at == NULL ? start + qi : seq;
-                    softmax_pv(s + r * ldk, qlo, qhi, v, ldqkv, head_dim, out + row * ldo + h * head_dim);
+                    softmax_pv(s + r * ldk, qlo, qhi, v, ldkv, head_dim, out + row * ldo + h * head_dim);
                 }
             }
         }

@@ -387,10 +387,10 @@ static inline __attribute__((always_inline)) void q5_row_int8(const int M, float
  * per 32 values. Each block's 16 bytes go to both 128-bit halves and the upper half's 32-bit lanes
  * shift right by 4 (srlv: no shuffle), so after & 15 the 32 bytes are values 0..31 in order, the
  * pieces' order; the three sums combine at once (per lane 4 products of 15 * 127: < 1.3e8), one
- * 256-bit vector a block (VNNI: vpdpbusd; AVX2: vpmaddubsw + vpmaddwd). A row's block scales go
- * through a scalar pass per 8 blocks (d d_x stored for the vector loop's broadcast loads, m times
- * the block's sum of x summed there): a gather measured slower, and the fp32 rows this replaces
- * were bound by their shuffles (vpmovzxbd, vpermps). */
+ * 256-bit vector a block (VNNI: vpdpbusd; AVX2 pairs blocks, below). VNNI's row puts its block
+ * scales through a scalar pass per 8 blocks (d d_x stored for the vector loop's broadcast loads, m
+ * times the block's sum of x summed there), AVX2's converts 8 blocks' at once: a gather measured
+ * slower on both, and the fp32 rows this replaces were bound by their shuffles (vpmovzxbd, vpermps). */
 #if IW == 64
 static inline __m256i q4_dot3(__m256i w, const int8_t *q) {
     __m256i t = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, _mm256_loadu_si256((const __m256i *)q));
@@ -408,6 +408,83 @@ static inline __m256i q4_bytes(const uint8_t *qs) {
     const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
     return _mm256_and_si256(_mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0f));
 }
+#if IW == 32
+/* AVX2 (no vpdpbusd: a piece's dot is vpmaddubsw + vpmaddwd) takes blocks in pairs, block b's 16
+ * bytes of nibbles in the low 128-bit lane and b + 1's in the high: & 15 gives values 0..15 of
+ * both, >> 4 & 15 values 16..31, and q4_pair_pieces stores the pair's pieces in that order. The
+ * two halves' vpmaddubsw sums add in int16 (|.| <= 4 * 15 * 127) before one vpmaddwd a piece:
+ * 4.5 multiplies a block instead of 6, and one convert and FMA a pair, each lane scaled by its
+ * block's d d_x. An odd last block keeps the one-block layout and dot. */
+static inline void q4_pair_pieces(int8_t *xq, int64_t blocks) {
+    for (int64_t b = 0; b + 2 <= blocks; b += 2) {
+        int8_t *q = xq + b * 96, pair[192];
+        for (int p = 0; p < 3; p++)
+            for (int h = 0; h < 2; h++)
+                for (int e = 0; e < 2; e++) memcpy(pair + 64 * p + 32 * h + 16 * e, q + 96 * e + 32 * p + 16 * h, 16);
+        memcpy(q, pair, 192);
+    }
+}
+static inline __m256i q4_pair_dot3(const uint8_t *qs0, const uint8_t *qs1, const int8_t *q) {
+    const __m256i raw = _mm256_loadu2_m128i((const __m128i *)qs1, (const __m128i *)qs0), low4 = _mm256_set1_epi8(0x0f);
+    const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+    __m256i p[3];
+    for (int i = 0; i < 3; i++)
+        p[i] = _mm256_add_epi16(_mm256_maddubs_epi16(lo, iv_load(q + 64 * i)), _mm256_maddubs_epi16(hi, iv_load(q + 64 * i + 32)));
+    return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p[0], _mm256_set1_epi16(16384)),
+                                             _mm256_madd_epi16(p[1], _mm256_set1_epi16(128))),
+                            _mm256_madd_epi16(p[2], _mm256_set1_epi16(1)));
+}
+/* the fp16 d and m of blocks 0..n-1 (n <= 8) at base as 8 floats each (0 past n): the 32-bit
+ * words (d | m << 16) put together in registers and split by one shuffle, not converted one by one */
+static inline void q4_1_scales8(const uint8_t *base, int n, __m256 *d, __m256 *mb) {
+    uint32_t w[8];
+    for (int i = 0; i < 8; i++) w[i] = i < n ? load_u32(base + 20 * i) : 0;
+    const __m128i sel = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    const __m128i a = _mm_shuffle_epi8(_mm_setr_epi32((int)w[0], (int)w[1], (int)w[2], (int)w[3]), sel);
+    const __m128i b = _mm_shuffle_epi8(_mm_setr_epi32((int)w[4], (int)w[5], (int)w[6], (int)w[7]), sel);
+    *d = _mm256_cvtph_ps(_mm_unpacklo_epi64(a, b));
+    *mb = _mm256_cvtph_ps(_mm_unpackhi_epi64(a, b));
+}
+static inline __attribute__((always_inline)) void q4_1_row_int8(const int M, float *out, int64_t ldo, const int8_t *xq,
+                                                                const float *xd, const float *xs, int64_t blocks,
+                                                                const uint8_t *row, const float *bias,
+                                                                const float *residual, int64_t ldr, int64_t j) {
+    __m256 acc0[FEW_ROWS], acc1[FEW_ROWS], macc[FEW_ROWS];
+    for (int m = 0; m < M; m++) acc0[m] = acc1[m] = macc[m] = _mm256_setzero_ps();
+    for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
+        const int n = blocks - b0 < 8 ? (int)(blocks - b0) : 8;
+        const uint8_t *base = row + b0 * 20;
+        const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256 d, mb, scale[FEW_ROWS];
+        q4_1_scales8(base, n, &d, &mb);
+        for (int m = 0; m < M; m++) {
+            scale[m] = _mm256_mul_ps(d, _mm256_maskload_ps(xd + m * blocks + b0, live));
+            macc[m] = _mm256_fmadd_ps(mb, _mm256_maskload_ps(xs + m * blocks + b0, live), macc[m]);
+        }
+        int i = 0;
+        for (; i + 2 <= n; i += 2) {
+            const __m256i pick = _mm256_setr_epi32(i, i, i, i, i + 1, i + 1, i + 1, i + 1);
+            for (int m = 0; m < M; m++) {
+                const __m256 dot = _mm256_cvtepi32_ps(q4_pair_dot3(base + 20 * i + 4, base + 20 * i + 24,
+                                                                   xq + (m * blocks + b0 + i) * 96));
+                const __m256 sv = _mm256_permutevar8x32_ps(scale[m], pick);
+                if (i % 4 == 0) acc0[m] = _mm256_fmadd_ps(dot, sv, acc0[m]);
+                else acc1[m] = _mm256_fmadd_ps(dot, sv, acc1[m]);
+            }
+        }
+        if (i < n) {
+            const __m256i w0 = q4_bytes(base + 20 * i + 4);
+            for (int m = 0; m < M; m++)
+                acc0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot3(w0, xq + (m * blocks + b0 + i) * 96)),
+                                          _mm256_permutevar8x32_ps(scale[m], _mm256_set1_epi32(i)), acc0[m]);
+        }
+    }
+    const float add = bias != NULL ? bias[j] : 0.0f;
+    for (int m = 0; m < M; m++)
+        out[m * ldo + j] = (q4_hsum(_mm256_add_ps(acc0[m], acc1[m])) * (1.0f / 16384.0f) + q4_hsum(macc[m])) + add +
+                           (residual != NULL ? residual[m * ldr + j] : 0.0f);
+}
+#else
 static inline __attribute__((always_inline)) void q4_1_row_int8(const int M, float *out, int64_t ldo, const int8_t *xq,
                                                                 const float *xd, const float *xs, int64_t blocks,
                                                                 const uint8_t *row, const float *bias,
@@ -450,6 +527,8 @@ static inline __attribute__((always_inline)) void q4_1_row_int8(const int M, flo
                            (residual != NULL ? residual[m * ldr + j] : 0.0f);
 }
 
+#endif
+
 /* Q4_1's range: as DEFINE_INT8_RANGE's, with the sums of x per block (not per 16) */
 static void q4_1_range(int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
                        const float *bias, const float *residual, int64_t ldr, int64_t j0, int64_t j1, int64_t k) {
@@ -458,6 +537,9 @@ static void q4_1_range(int M, float *out, int64_t ldo, const float *x, int64_t l
     float xd[M * blocks], xs[M * (k / 16)];
     split_x(M, x, ldx, k, 32, xq, xd, xs);
     for (int64_t b = 0; b < M * blocks; b++) xs[b] = xs[2 * b] + xs[2 * b + 1];
+#if IW == 32
+    for (int m = 0; m < M; m++) q4_pair_pieces(xq + m * blocks * 96, blocks);
+#endif
     for (int64_t j = j0; j < j1; j++) {
         const uint8_t *row = w + j * row_bytes;
         switch (M) {

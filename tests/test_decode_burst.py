@@ -2,7 +2,8 @@
 
 Real models in a real engine process: the tokens, finish reasons and stop reasons with bursts
 equal those of one token a step (the shipped SmolLM2 and a tiny random Llama); EOS,
-stop_token_ids, max_tokens, min_tokens and stop strings end the output exactly there; a request that
+stop_token_ids, max_tokens and min_tokens end the output exactly there (a request with stop
+strings decodes one token a step, so its token ids end with its text); a request that
 arrives during a burst is served at once, and both outputs equal their runs alone.
 """
 
@@ -80,6 +81,8 @@ def test_stop_token_ids_and_stop_strings_end_a_burst_exactly(smollm2_dir, monkey
     assert (by_token.finish_reason, by_token.stop_reason) == ("stop", stop_token)
     assert by_text.text == free.text[: free.text.index(stop_text)]
     assert (by_text.finish_reason, by_text.stop_reason) == ("stop", stop_text)
+    # no burst with stop strings: the output's token ids end where the stop string ends
+    assert tokens[: len(by_text.token_ids)] == list(by_text.token_ids) and len(by_text.token_ids) < 40
 
 
 def test_a_request_arriving_during_a_burst_is_served_at_once(smollm2_dir, monkeypatch, no_engine_left_behind):

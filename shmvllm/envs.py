@@ -26,7 +26,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "SHMVLLM_DECODE_BURST": (
         "8",
         "the most tokens one engine step decodes for a lone greedy request (in-process model, no speculative "
-        "decoding, async scheduling or logprobs / penalties / logits processors / grammar); 1: one a step",
+        "decoding, async scheduling, logprobs, penalties, logits processors, grammar or stop strings); 1: one a step",
     ),
     "SHMVLLM_HUGE_PAGES": ("1", "0: no `madvise(MADV_HUGEPAGE)` on weights and the KV cache"),
     "SHMVLLM_CPU_BF16": ("from `/proc/cpuinfo`", "1 / 0: whether the CPU has native bf16 dot products"),

@@ -2,7 +2,8 @@
 
 Real models in a real engine process: the tokens, finish reasons and stop reasons with bursts
 equal those of one token a step (the shipped SmolLM2 and a tiny random Llama); EOS,
-stop_token_ids, max_tokens and stop strings end the output exactly there; a request that
+stop_token_ids, max_tokens and min_tokens end the output exactly there (a request with stop
+strings decodes one token a step, so its token ids end with its text); a request that
 arrives during a burst is served at once, and both outputs equal their runs alone.
 """
 
@@ -42,6 +43,7 @@ def test_bursts_give_the_tokens_of_one_a_step(which, smollm2_dir, tiny_llama_dir
         SamplingParams(temperature=0.0, max_tokens=45, ignore_eos=True),  # 45: bursts of 8 and a short one
         SamplingParams(temperature=0.0, max_tokens=13),
         SamplingParams(temperature=0.0, max_tokens=200),  # SmolLM2 ends its chat answers with EOS
+        SamplingParams(temperature=0.0, max_tokens=60, min_tokens=30),  # EOS masked for 30 tokens
     ]
     results = {}
     for burst in (1, 8):
@@ -53,7 +55,8 @@ def test_bursts_give_the_tokens_of_one_a_step(which, smollm2_dir, tiny_llama_dir
             if burst == 8:
                 assert steps < tokens / 2, f"{steps} steps for {tokens} tokens: no bursts"
     assert results[8] == results[1]
-    long, short, natural = results[8]
+    long, short, natural, at_least = results[8]
+    assert all(len(s[0]) >= 30 for s in at_least)
     assert all(len(s[0]) == 45 and s[2] == "length" for s in long)
     assert all((len(s[0]), s[2]) == (13, "length") or (len(s[0]) < 13 and s[2] == "stop") for s in short)
     assert any(s[2] == "length" for s in short)
@@ -78,6 +81,8 @@ def test_stop_token_ids_and_stop_strings_end_a_burst_exactly(smollm2_dir, monkey
     assert (by_token.finish_reason, by_token.stop_reason) == ("stop", stop_token)
     assert by_text.text == free.text[: free.text.index(stop_text)]
     assert (by_text.finish_reason, by_text.stop_reason) == ("stop", stop_text)
+    # no burst with stop strings: the output's token ids end where the stop string ends
+    assert tokens[: len(by_text.token_ids)] == list(by_text.token_ids) and len(by_text.token_ids) < 40
 
 
 def test_a_request_arriving_during_a_burst_is_served_at_once(smollm2_dir, monkeypatch, no_engine_left_behind):

@@ -191,7 +191,7 @@ def test_delta_stream_adds_up_to_the_final_text(llm):
             ids += out.outputs[0].token_ids
             steps += 1
     assert "".join(pieces) == final.outputs[0].text and ids == final.outputs[0].token_ids
-    assert steps > 5  # it did stream
+    assert steps > 3  # it did stream (a lone greedy request, in bursts of up to SHMVLLM_DECODE_BURST=8 tokens)
 
 
 def test_chat_uses_the_template(llm, tokenizer):

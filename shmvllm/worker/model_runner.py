@@ -30,7 +30,9 @@ from shmvllm.model.parallel.group import TPGroup
 from shmvllm.model.parallel.pipeline import PipelineStage
 from shmvllm.model.prompt_logprobs import prompt_logprobs
 from shmvllm.model.rotary import RotaryEmbedding
-from shmvllm.model.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs, seeded_generator
+from shmvllm.model.sampler import (
+    Sampler, SamplerOutput, SamplingMetadata, apply_min_tokens, gather_logprobs, seeded_generator,
+)
 from shmvllm.sampling_params import SamplingParams
 from shmvllm.spec_decode.config import draft_may_propose, samples_independently
 from shmvllm.spec_decode.draft_model import DraftModelProposer, DraftRow
@@ -177,9 +179,9 @@ class ModelRunner:
     def _burst(self, bursts: dict[str, int], output: ModelRunnerOutput) -> None:
         """Decodes the lone request's further tokens of its burst: each a forward pass of its
         last token and the argmax of its logits (what the sampler takes for a greedy row with no
-        processors), until the burst's length, EOS (unless ignored) or a stop token id (the
-        scheduler gives a burst only past min_tokens and within max_tokens and max_model_len), or
-        new input for the engine."""
+        processors; before min_tokens outputs, with the stop tokens masked as the sampler masks
+        them), until the burst's length, EOS (unless ignored) or a stop token id (the scheduler
+        keeps a burst within max_tokens and max_model_len), or new input for the engine."""
         batch = self.input_batch
         (req_id, burst), = bursts.items()
         row = batch.req_id_to_index[req_id]
@@ -194,6 +196,8 @@ class ModelRunner:
             computed = int(batch.num_computed_tokens[row])
             input_ids, positions, meta = self._prepare_inputs(one, np.array([computed], dtype=np.int32))
             logits = self.model.compute_logits(self.model(input_ids, positions, meta)[-1:])
+            if state.stop_token_ids and len(state.output_token_ids) < params.min_tokens:
+                apply_min_tokens(logits, [(0, state.stop_token_ids)])
             token = int(logits.argmax(dim=-1)[0])
             tokens.append(token)
             batch.append_token(row, token)

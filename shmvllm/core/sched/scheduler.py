@@ -263,8 +263,9 @@ class Scheduler:
 
     def _burst_size(self, request: Request, budget: int) -> int:
         """How many tokens a decoding request may decode in this step: more than one only when
-        it runs alone, nothing waits, and only the argmax of its logits decides its tokens (its
-        stops past min_tokens are then EOS and stop_token_ids, which the runner checks)."""
+        it runs alone, nothing waits, and only the argmax of its logits (and min_tokens' mask of
+        its stop tokens) decides its tokens; the runner checks EOS and stop_token_ids. Not with
+        stop strings: the frontend finds them, and the output's token ids would run past them."""
         if (self.burst_tokens == 1 or len(self.running) != 1 or self.waiting or self.waiting_for_grammar
                 or self.spec_stats is not None or self.async_scheduling or self.micro_batches != 1
                 or request.num_tokens - request.num_computed_tokens != 1):
@@ -272,7 +273,7 @@ class Scheduler:
         params = request.sampling_params
         if (params is None or params.temperature >= 1e-5 or params.logprobs is not None
                 or params.structured_outputs is not None or params.allowed_token_ids or params.logit_bias
-                or not samples_independently(params) or request.num_output_tokens < params.min_tokens):
+                or not samples_independently(params) or params.stop):
             return 1
         burst = min(self.burst_tokens, budget, self.max_model_len - request.num_tokens)
         if params.max_tokens is not None:

@@ -25,8 +25,9 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "SHMVLLM_FUSED_DECODE": ("1", "0: no fused C decode step for single-sequence decode"),
     "SHMVLLM_DECODE_BURST": (
         "8",
-        "the most tokens one engine step decodes for a lone greedy request (in-process model, no speculative "
-        "decoding, async scheduling, logprobs, penalties, logits processors, grammar or stop strings); 1: one a step",
+        "the most tokens one engine step decodes for a lone greedy request (in-process model; no draft-model "
+        "speculation, async scheduling, logprobs, penalties, logits processors, grammar or stop strings; with n-gram "
+        "speculation only in steps without proposals, up to the next token that has one); 1: one a step",
     ),
     "SHMVLLM_HUGE_PAGES": ("1", "0: no `madvise(MADV_HUGEPAGE)` on weights and the KV cache"),
     "SHMVLLM_CPU_BF16": ("from `/proc/cpuinfo`", "1 / 0: whether the CPU has native bf16 dot products"),

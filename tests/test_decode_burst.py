@@ -4,7 +4,8 @@ Real models in a real engine process: the tokens, finish reasons and stop reason
 equal those of one token a step (the shipped SmolLM2 and a tiny random Llama); EOS,
 stop_token_ids, max_tokens and min_tokens end the output exactly there (a request with stop
 strings decodes one token a step, so its token ids end with its text); a request that
-arrives during a burst is served at once, and both outputs equal their runs alone.
+arrives during a burst is served at once, and both outputs equal their runs alone; with n-gram
+speculation bursts run between proposals, which are still verified.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ PROMPTS = ["Tell me about the sea.", "What is 2 + 2? Answer briefly.", "Write a 
 
 
 @contextmanager
-def engine(model_dir, burst: int, monkeypatch):
+def engine(model_dir, burst: int, monkeypatch, **engine_args):
     """A multiprocess LLM whose engine process decodes bursts of up to `burst` tokens."""
     monkeypatch.setenv("SHMVLLM_DECODE_BURST", str(burst))
-    with LLM(model=str(model_dir), max_model_len=1024) as llm:
+    with LLM(model=str(model_dir), max_model_len=1024, **engine_args) as llm:
         yield llm
 
 
@@ -107,3 +108,28 @@ def test_a_request_arriving_during_a_burst_is_served_at_once(smollm2_dir, monkey
                     finished[out.request_id] = summary(out.outputs[0])
     assert order == ["b", "a"]
     assert [finished["a"], finished["b"]] == alone
+
+
+def test_ngram_speculation_bursts_between_its_proposals(smollm2_dir, monkeypatch, no_engine_left_behind):
+    """A lone greedy request under n-gram speculation bursts in the steps that have no proposal
+    and ends a burst at the token after which the proposer has one: the tokens equal one token
+    a step's, proposals are still made and accepted, and the engine takes fewer steps."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 3}
+    prompts = [
+        "<|im_start|>user\nRepeat this sentence twice: the quick brown fox jumps over the lazy dog by the "
+        "river.<|im_end|>\n<|im_start|>assistant\n",
+        f"<|im_start|>user\n{PROMPTS[2]}<|im_end|>\n<|im_start|>assistant\n",
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    results = {}
+    for burst in (1, 8):
+        with engine(smollm2_dir, burst, monkeypatch, speculative_config=spec) as llm:
+            steps = llm.llm_engine.engine_core.get_stats()["num_steps"]
+            tokens = [list(c.token_ids) for c in outputs_alone(llm, prompts, params)]
+            steps = llm.llm_engine.engine_core.get_stats()["num_steps"] - steps
+            metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        results[burst] = tokens, steps, metrics["vllm:spec_decode_num_draft_tokens"], metrics["vllm:spec_decode_num_accepted_tokens"]
+    (one, one_steps, _, _), (burst, burst_steps, drafted, accepted) = results[1], results[8]
+    assert burst == one
+    assert drafted > 0 and accepted > 0, "no proposals verified between the bursts"
+    assert burst_steps < one_steps, (burst_steps, one_steps)

@@ -36,6 +36,7 @@ from shmvllm.model.sampler import (
 from shmvllm.sampling_params import SamplingParams
 from shmvllm.spec_decode.config import draft_may_propose, samples_independently
 from shmvllm.spec_decode.draft_model import DraftModelProposer, DraftRow
+from shmvllm.spec_decode.ngram_proposer import NgramProposer
 from shmvllm.spec_decode.rejection_sampler import verify
 from shmvllm.structured_output.bitmask import TokenBitmaskApplier
 from shmvllm.worker import kv_memory
@@ -89,6 +90,8 @@ class ModelRunner:
         # whether the engine has input waiting, asked between a burst's tokens (no caller: never)
         self.interrupt: Callable[[], bool] = _never
         spec = config.speculative_config
+        # with n-gram speculation a burst ends where this proposer finds a match (Scheduler._burst_size)
+        self.burst_lookup = NgramProposer(spec) if spec is not None and not spec.uses_draft_model else None
         self.drafter: Optional[DraftModelProposer] = None
         if config.draft_model_config is not None and spec is not None:
             self.drafter = DraftModelProposer(
@@ -181,7 +184,8 @@ class ModelRunner:
         last token and the argmax of its logits (what the sampler takes for a greedy row with no
         processors; before min_tokens outputs, with the stop tokens masked as the sampler masks
         them), until the burst's length, EOS (unless ignored) or a stop token id (the scheduler
-        keeps a burst within max_tokens and max_model_len), or new input for the engine."""
+        keeps a burst within max_tokens and max_model_len), new input for the engine, or, with
+        n-gram speculation, a token after which the proposer has a proposal to verify."""
         batch = self.input_batch
         (req_id, burst), = bursts.items()
         row = batch.req_id_to_index[req_id]
@@ -203,6 +207,8 @@ class ModelRunner:
             batch.append_token(row, token)
             state.output_token_ids.append(token)
             batch.num_computed_tokens[row] = state.num_computed_tokens = computed + 1
+            if self.burst_lookup is not None and self.burst_lookup.propose(batch.token_ids[row, : batch.num_tokens[row]], 1):
+                break
 
     def begin_step(self, scheduler_output: SchedulerOutput) -> Optional[StepInputs]:
         """Applies the scheduler's changes and lays out the step's inputs (None: no request runs)."""

@@ -35,7 +35,9 @@ A lone running request (nothing waiting) that decodes greedily with nothing that
 logits but the argmax may decode a burst of up to `burst_tokens` tokens in one step (vLLM's
 multi-step idea: one engine round trip for several tokens): it is scheduled with one token, its
 KV slots for the burst are reserved (as for proposals), and after the step num_computed_tokens
-drops back past what the burst did not decode and the blocks past its tokens are freed.
+drops back past what the burst did not decode and the blocks past its tokens are freed. With
+n-gram speculation a burst runs only in a step without proposals, and ends where the proposer
+would find one.
 """
 
 from __future__ import annotations
@@ -196,11 +198,6 @@ class Scheduler:
                 i += 1
                 continue
             new_blocks = None
-            burst = self._burst_size(request, budget)
-            if burst > 1:  # only if its blocks are free: a burst never preempts anyone
-                new_blocks = self.kv_cache_manager.allocate_slots(request, burst)
-                if new_blocks is not None:
-                    bursts[request.request_id] = burst
             if self.spec_stats is not None and request.num_tokens - request.num_computed_tokens == 1:
                 tokens = self._propose(request, budget)
                 if tokens:  # only if their blocks are free: proposals never preempt anyone
@@ -208,6 +205,12 @@ class Scheduler:
                     if new_blocks is not None:
                         proposals[request.request_id] = tokens
                         num_new = 1 + len(tokens)
+            if new_blocks is None and request.request_id not in proposals:
+                burst = self._burst_size(request, budget)
+                if burst > 1:  # only if its blocks are free: a burst never preempts anyone
+                    new_blocks = self.kv_cache_manager.allocate_slots(request, burst)
+                    if new_blocks is not None:
+                        bursts[request.request_id] = burst
             if new_blocks is None:
                 new_blocks = self._allocate_or_preempt(request, num_new, preempted)
             if new_blocks is None:
@@ -265,9 +268,13 @@ class Scheduler:
         """How many tokens a decoding request may decode in this step: more than one only when
         it runs alone, nothing waits, and only the argmax of its logits (and min_tokens' mask of
         its stop tokens) decides its tokens; the runner checks EOS and stop_token_ids. Not with
-        stop strings: the frontend finds them, and the output's token ids would run past them."""
+        stop strings: the frontend finds them, and the output's token ids would run past them.
+        With n-gram speculation, only in a step that has no proposals; the runner then ends the
+        burst at the first token after which the n-gram proposer finds a match, so that the next
+        step verifies it (a draft model's proposals come from steps: no bursts)."""
         if (self.burst_tokens == 1 or len(self.running) != 1 or self.waiting or self.waiting_for_grammar
-                or self.spec_stats is not None or self.async_scheduling or self.micro_batches != 1
+                or (self.spec_stats is not None and self.proposer is None) or self.async_scheduling
+                or self.micro_batches != 1
                 or request.num_tokens - request.num_computed_tokens != 1):
             return 1
         params = request.sampling_params

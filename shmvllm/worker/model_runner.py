@@ -110,11 +110,14 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.load_model()
 
+    def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """[layers, 2, kv_heads, num_blocks, block_size, head_dim] of the built model's attention layers."""
+        layers = self._attention_layers()
+        return (len(layers), 2, layers[0].num_kv_heads, num_blocks, self.block_size, layers[0].head_dim)
+
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes of one block across all layers (keys and values), the draft model's too."""
-        attn = self._attention_layers()[0]
-        per_layer = 2 * self.block_size * attn.num_kv_heads * attn.head_dim
-        total = per_layer * len(self._attention_layers()) * torch.tensor([], dtype=self.dtype).element_size()
+        total = math.prod(self._kv_cache_shape(1)) * self.dtype.itemsize
         return total + (self.drafter.kv_cache_bytes_per_block() if self.drafter is not None else 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -128,9 +131,8 @@ class ModelRunner:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}.")
         layers = self._attention_layers()
         attn = layers[0]
-        shape = (len(layers), 2, attn.num_kv_heads, num_blocks, self.block_size, attn.head_dim)
-        itemsize = torch.tensor([], dtype=self.dtype).element_size()
-        reserved = kv_memory.take(shape, itemsize) if self.device.type == "cpu" else None
+        shape = self._kv_cache_shape(num_blocks)
+        reserved = kv_memory.take(shape, self.dtype.itemsize) if self.device.type == "cpu" else None
         if reserved is not None:  # mapped and first touched while torch imported
             self.kv_cache = torch.frombuffer(reserved.map, dtype=self.dtype, count=math.prod(shape),
                                              offset=reserved.offset).view(shape)

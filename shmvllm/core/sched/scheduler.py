@@ -60,6 +60,7 @@ from shmvllm.core.sched.output import (
 )
 from shmvllm.core.sched.request_queue import RequestQueue
 from shmvllm.boundary.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats, now
+from shmvllm.sampling_params import SamplingType
 from shmvllm.spec_decode.config import SpeculativeConfig, draft_may_propose, samples_independently
 from shmvllm.spec_decode.metrics import SpecDecodingStats
 from shmvllm.spec_decode.ngram_proposer import NgramProposer, TokenArrays
@@ -278,7 +279,7 @@ class Scheduler:
                 or request.num_tokens - request.num_computed_tokens != 1):
             return 1
         params = request.sampling_params
-        if (params is None or params.temperature >= 1e-5 or params.logprobs is not None
+        if (params is None or params.sampling_type != SamplingType.GREEDY or params.logprobs is not None
                 or params.structured_outputs is not None or params.allowed_token_ids or params.logit_bias
                 or not samples_independently(params) or params.stop):
             return 1

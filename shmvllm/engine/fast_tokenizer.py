@@ -3,8 +3,9 @@
 transformers' tokenizer classes take 0.7-1 s to import and build; the same `tokenizers.Tokenizer`
 from tokenizer.json takes ~0.25 s. This class sets it up as transformers' TokenizersBackend does
 (the special tokens tokenizer_config.json / special_tokens_map.json name, added as special
-tokens when the file lacks them; BOS / EOS from the post-processor, or from add_bos_token /
-add_eos_token when the config sets them; truncation and padding off unless a call asks) and
+tokens when the file lacks them; BOS / EOS from the file's post-processor, as transformers
+ignores add_bos_token / add_eos_token beside a tokenizer.json; truncation and padding off unless
+a call asks) and
 offers the part of its interface the frontend uses: encoding (pairs included), decoding with
 skip_special_tokens and clean_up_tokenization_spaces, the vocabulary and special ids, and the
 chat template (`chat_template.render_chat_template`).
@@ -114,15 +115,10 @@ class FastTokenizer:
         missing = [text for text in [*self._named.values(), *self._extra] if text not in known]
         if missing:
             backend.add_tokens([AddedToken(text, special=True) for text in dict.fromkeys(missing)])
-        add_bos, add_eos = bool(config.get("add_bos_token", False)), bool(config.get("add_eos_token", False))
-        if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
-            bos, eos = self._named.get("bos_token"), self._named.get("eos_token")
-            add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
-            single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
-            pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
-            specials = [(bos, backend.token_to_id(bos))] if add_bos else []
-            specials += [(eos, backend.token_to_id(eos))] if add_eos else []
-            backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+        # with a tokenizer.json, transformers drops add_bos_token / add_eos_token: BOS and EOS are the
+        # post-processor's; a file without one gets the plain template
+        if backend.post_processor is None:
+            backend.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1", special_tokens=[])
         self.chat_template = self._read_chat_template(directory, config)
         self._added = backend.get_added_tokens_decoder()
         self._vocab: Optional[dict[str, int]] = None

@@ -18,13 +18,11 @@ against transformers' by tests); anything else is transformers' own tokenizer, l
 from __future__ import annotations
 
 import json
-import logging
+import threading
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from shmvllm.engine.chat_template import render_chat_template
-
-logger = logging.getLogger(__name__)
 
 # tokenizer_config.json's tokenizer_class values whose transformers set-up equals tokenizer.json's
 # with the steps above (tests/test_fast_tokenizer.py compares each against transformers).
@@ -67,6 +65,8 @@ def unsupported_reason(tokenizer_dir: Path, mode: str = "auto") -> Optional[str]
     for key in _UNSUPPORTED_KEYS:
         if config.get(key):
             return f"tokenizer_config.json sets {key}={config[key]!r}"
+    if (tokenizer_dir / "additional_chat_templates").is_dir():
+        return "the directory has additional_chat_templates/"
     if isinstance(config.get("extra_special_tokens"), dict):
         return "tokenizer_config.json names model-specific special tokens (extra_special_tokens is a dict)"
     model_type = str(_read_json(tokenizer_dir / "config.json").get("model_type", "")) if (tokenizer_dir / "config.json").exists() else ""
@@ -93,6 +93,8 @@ class FastTokenizer:
         backend.no_padding()
         backend.encode_special_tokens = False
         self._backend = backend
+        # a call's truncation is the backend's state: one encode at a time sees its own
+        self._encoding = threading.Lock()
         self.truncation_side = config.get("truncation_side", "right")
         self.model_max_length = config.get("model_max_length")
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
@@ -211,13 +213,14 @@ class FastTokenizer:
             inputs: list[Any] = list(zip(texts, pairs))
         else:
             inputs = texts
-        if truncation and max_length is not None:
-            self._backend.enable_truncation(max_length, strategy="longest_first", direction=self.truncation_side)
-        try:
-            encodings = self._backend.encode_batch(inputs, add_special_tokens=add_special_tokens)
-        finally:
+        with self._encoding:
             if truncation and max_length is not None:
-                self._backend.no_truncation()
+                self._backend.enable_truncation(max_length, strategy="longest_first", direction=self.truncation_side)
+            try:
+                encodings = self._backend.encode_batch(inputs, add_special_tokens=add_special_tokens)
+            finally:
+                if truncation and max_length is not None:
+                    self._backend.no_truncation()
         out: dict[str, Any] = {"input_ids": [e.ids for e in encodings]}
         if self._class_name in _TOKEN_TYPE_CLASSES:
             out["token_type_ids"] = [e.type_ids for e in encodings]

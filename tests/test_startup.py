@@ -168,9 +168,13 @@ named = types.SimpleNamespace(__module__="report_imports", __qualname__="ReportI
 MPClient.__init__.__kwdefaults__["executor_class"] = named
 engine = LLMEngine(EngineArgs(model={model!r}, max_model_len=64, num_kv_blocks=16).create_engine_config())
 engine.add_request("r", "The capital of France is", SamplingParams(temperature=0.0, max_tokens=4))
+_, chat_ids = engine.renderer.render_chat([{{"role": "user", "content": "Hi"}}])
+engine.add_request("c", {{"prompt_token_ids": chat_ids}}, SamplingParams(temperature=0.0, max_tokens=4))
 while engine.has_unfinished_requests():
     engine.step()
 print("FRONTEND", sorted(m for m in ("torch", "transformers") if m in sys.modules))
+engine.get_tokenizer()
+print("ASKED", sorted(m for m in ("torch", "transformers") if m in sys.modules))
 engine.shutdown()
 """
 
@@ -182,7 +186,8 @@ def test_frontend_imports_no_torch_and_the_engine_no_transformers(tmp_path, smol
     done = subprocess.run([sys.executable, str(tmp_path / "frontend.py")], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "IMPORTS_REPORT": str(report), "PYTHONPATH": f"{REPO}:{tmp_path}"})
     assert done.returncode == 0, done.stderr
-    assert "FRONTEND ['transformers']" in done.stdout  # the tokenizer's classes, not torch
+    assert "FRONTEND []" in done.stdout  # the tokenizer is the tokenizers library's
+    assert "ASKED ['transformers']" in done.stdout  # get_tokenizer(): transformers' tokenizer, not torch
     assert json.loads(report.read_text()) == ["torch"]
 
 

@@ -168,9 +168,13 @@ named = types.SimpleNamespace(__module__="report_imports", __qualname__="ReportI
 MPClient.__init__.__kwdefaults__["executor_class"] = named
 engine = LLMEngine(EngineArgs(model={model!r}, max_model_len=64, num_kv_blocks=16).create_engine_config())
 engine.add_request("r", "The capital of France is", SamplingParams(temperature=0.0, max_tokens=4))
+_, chat_ids = engine.renderer.render_chat([{{"role": "user", "content": "Hi"}}])
+engine.add_request("c", {{"prompt_token_ids": chat_ids}}, SamplingParams(temperature=0.0, max_tokens=4))
 while engine.has_unfinished_requests():
     engine.step()
 print("FRONTEND", sorted(m for m in ("torch", "transformers") if m in sys.modules))
+engine.get_tokenizer()
+print("ASKED", sorted(m for m in ("torch", "transformers") if m in sys.modules))
 engine.shutdown()
 """
 
@@ -182,7 +186,8 @@ def test_frontend_imports_no_torch_and_the_engine_no_transformers(tmp_path, smol
     done = subprocess.run([sys.executable, str(tmp_path / "frontend.py")], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "IMPORTS_REPORT": str(report), "PYTHONPATH": f"{REPO}:{tmp_path}"})
     assert done.returncode == 0, done.stderr
-    assert "FRONTEND ['transformers']" in done.stdout  # the tokenizer's classes, not torch
+    assert "FRONTEND []" in done.stdout  # the tokenizer is the tokenizers library's
+    assert "ASKED ['transformers']" in done.stdout  # get_tokenizer(): transformers' tokenizer, not torch
     assert json.loads(report.read_text()) == ["torch"]
 
 
@@ -521,3 +526,118 @@ def _children(pid: int) -> list[int]:
     from shmvllm.engine.proc_manager import _children as children
 
     return children(pid)
+
+
+# ---- the first requests, served before torch (first_requests.py) ---------------------------------
+
+# The engine's torch import waits for GO_MARK: whatever completes before it was served without torch.
+NATIVE_FIRST = """
+import json, logging, os, signal, sys, threading, time
+from shmvllm import LLM, SamplingParams
+from shmvllm.engine import core_proc
+
+logging.basicConfig(level=logging.INFO)
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal
+_real_import = core_proc._import_torch
+
+
+def held_import():
+    with open(os.environ["LOADING_MARK"], "w") as f:
+        f.write(str(os.getpid()))
+    while not os.path.exists(os.environ["GO_MARK"]):
+        time.sleep(0.02)
+    _real_import()
+
+
+core_proc._import_torch = held_import
+llm = LLM({model!r}, max_model_len=512, num_kv_blocks=64)
+print("LLM", flush=True)
+cases = json.loads(os.environ["CASES"])
+
+
+def run(cases):
+    outs = llm.generate([c[0] for c in cases], [SamplingParams(**c[1]) for c in cases], use_tqdm=False)
+    return [[list(o.outputs[0].token_ids), o.outputs[0].finish_reason, o.outputs[0].stop_reason,
+             o.outputs[0].logprobs is not None] for o in outs]
+
+
+if os.environ.get("LONG"):  # a request the engine is still serving without torch when it is interrupted
+    run([["Once upon a time", dict(temperature=0.0, max_tokens=480, ignore_eos=True)]])
+print("NATIVE", json.dumps(run(cases)), os.path.exists(os.environ["GO_MARK"]), flush=True)
+threading.Timer(1.0, lambda: open(os.environ["GO_MARK"], "w").close()).start()
+print("MIXED", json.dumps(run(cases[:1] + [[cases[0][0], dict(temperature=0.0, max_tokens=6, logprobs=2)]])), flush=True)
+llm.shutdown()
+"""
+
+CHAT = "<|im_start|>user\\nSay hi<|im_end|>\\n<|im_start|>assistant\\n"
+FIRST_CASES = [
+    ["The capital of France is", dict(temperature=0.0, max_tokens=8)],
+    ["The capital of France is", dict(temperature=0.0, max_tokens=8, stop_token_ids=[30])],
+    ["The capital of France is", dict(temperature=0.0, max_tokens=8, min_tokens=3, stop_token_ids=[7042, 30])],
+    ["The capital of France is", dict(temperature=0.0, max_tokens=12, stop=["answer"])],
+    [CHAT, dict(temperature=0.0, max_tokens=40)],
+    [CHAT, dict(temperature=0.0, max_tokens=12, ignore_eos=True)],
+    [CHAT, dict(temperature=0.0, max_tokens=12, min_tokens=12)],
+    ["Once upon a time, " * 12, dict(temperature=0.0, max_tokens=5)],
+]
+
+
+def _expected(model_dir: Path, cases: list) -> list:
+    from shmvllm import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), max_model_len=512, num_kv_blocks=64, multiprocess=False)
+    try:
+        outs = llm.generate([c[0] for c in cases], [SamplingParams(**c[1]) for c in cases], use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return [[list(o.outputs[0].token_ids), o.outputs[0].finish_reason, o.outputs[0].stop_reason,
+             o.outputs[0].logprobs is not None] for o in outs]
+
+
+def _native_first(tmp_path: Path, model_dir: Path, **env: str) -> subprocess.Popen:
+    return _launch(tmp_path, NATIVE_FIRST.format(model=str(model_dir)), GO_MARK=str(tmp_path / "go"),
+                   CASES=json.dumps(FIRST_CASES), SHMVLLM_ENGINE_START="fork", **env)
+
+
+def test_first_requests_are_served_before_torch_as_torch_serves_them(tmp_path, smollm2_dir):
+    """Greedy requests (EOS, stop_token_ids, min_tokens, max_tokens, ignore_eos, a stop string's
+    abort, batched prefill and decode) complete while the engine's torch import is held, with the
+    torch engine's tokens; then one asking for logprobs waits for torch and torch serves it."""
+    proc = _native_first(tmp_path, smollm2_dir)
+    try:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+    finally:
+        proc.kill()
+    lines = dict(line.split(" ", 1) for line in out.splitlines() if line.startswith(("NATIVE", "MIXED")))
+    native, go = lines["NATIVE"].rsplit(" ", 1)
+    assert go == "False"  # torch had not imported: nothing but the native step could serve them
+    expected = _expected(smollm2_dir, FIRST_CASES + [[FIRST_CASES[0][0], dict(temperature=0.0, max_tokens=6, logprobs=2)]])
+    assert json.loads(native) == expected[:-1]
+    reasons = [e[1] for e in expected]
+    assert {"stop", "length"} <= set(reasons) and expected[3][2] == "answer" and expected[1][2] == 30
+    assert json.loads(lines["MIXED"]) == [expected[0], expected[-1]] and expected[-1][3]
+    assert f"served {len(FIRST_CASES)} requests" in err and "natively before torch" in err, err
+
+
+@pytest.mark.parametrize("how", ["kill-engine", "kill-frontend", "ctrl-c"])
+def test_interrupted_while_serving_before_torch(tmp_path, smollm2_dir, how):
+    """kill -9 of either side, or Ctrl-C, while the engine serves without torch: no process and
+    no /dev/shm entry left."""
+    proc = _native_first(tmp_path, smollm2_dir, LONG="1")
+    engine = int((tmp_path / "loading").read_text())
+    try:
+        assert proc.stdout.readline().strip() == "LLM"
+        time.sleep(0.5)
+        if how == "kill-engine":
+            os.kill(engine, signal.SIGKILL)
+        elif how == "kill-frontend":
+            proc.kill()
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
+        proc.communicate(timeout=30)
+        _assert_nothing_left(proc.pid, engine, within=10.0)
+    finally:
+        proc.kill()
+        if pid_alive(engine):
+            os.kill(engine, signal.SIGKILL)

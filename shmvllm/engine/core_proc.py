@@ -298,6 +298,9 @@ class EngineCoreProc:
         self.engine_index = engine_index
         self.endpoint = import_qualified(addresses.opener)(addresses)
         self.outbox = EngineOutbox(self.endpoint, OUTBOX_RING_MULTIPLE * 4 * self.endpoint.max_message)
+        # messages taken from the channel and not yet handled (the first requests' phase defers
+        # some to the EngineCore; a step's input check keeps what arrives mid-step)
+        self._arrived: collections.deque[Any] = collections.deque()
         opened = time.monotonic()
         try:
             # READY before torch where the config alone decides the limits: the frontend goes on
@@ -308,8 +311,12 @@ class EngineCoreProc:
                 # the model gets the blocks announced, whatever the RAM available reads once it is loaded
                 config = dataclasses.replace(
                     config, cache_config=dataclasses.replace(config.cache_config, num_kv_blocks=early.num_kv_blocks))
-                reserve_kv_cache(config, early.num_kv_blocks)  # mapped and first touched beside torch's import
+                reservation = reserve_kv_cache(config, early.num_kv_blocks)  # mapped and first touched beside torch's import
+                self._arrived.extend(self._serve_first_requests(config, reservation, early.num_kv_blocks))
             early_at = time.monotonic()
+            if any(type(msg) is EngineCoreShutdown for msg in self._arrived):
+                self.engine_core = None  # SHUTDOWN before torch: nothing to build
+                return
             if _torch_import is not None:  # nothing builds (or forks) while that import is half done
                 _torch_import.join()
             if executor_class is None:
@@ -325,7 +332,6 @@ class EngineCoreProc:
             raise
         if early is None:
             self.outbox.send(built)
-        self._arrived: collections.deque[Any] = collections.deque()  # taken by _input_waiting mid-step
         self.engine_core.set_input_check(self._input_waiting)
         serving = time.monotonic()
         age = process_age()
@@ -343,6 +349,37 @@ class EngineCoreProc:
             "" if _prestart_imports_s is None else f" (torch {_prestart_imports_s:.2f} s on a thread from the fork on)",
             opened - at_init, torch_imported - early_at, serving - torch_imported,
         )
+
+    def _serve_first_requests(self, config: EngineConfig, reservation: Any, num_blocks: int) -> list[Any]:
+        """Serves the requests the native step computes exactly while torch imports
+        (first_requests.py); the messages left for the EngineCore. None served where the model
+        is not one the step runs, or its set-up fails (the EngineCore serves them all then)."""
+        global _torch_import
+        from shmvllm.model.gguf_step import unsupported
+
+        if _torch_import is not None and not _torch_import.is_alive():
+            return []  # torch is there already (imported before the fork)
+        reason = unsupported(config)
+        if reason is not None:
+            logger.info("requests wait for torch: %s", reason)
+            return []
+        from ipc import PeerGoneError
+        from shmvllm.engine.first_requests import FirstRequests
+
+        if _torch_import is None:  # an engine program: torch imports on a thread from here
+            _torch_import = threading.Thread(target=_import_torch, name="shmvllm-torch-import", daemon=True)
+            _torch_import.start()
+        try:
+            first = FirstRequests(config, reservation, num_blocks, self.endpoint, self.outbox, self.engine_index)
+        except Exception:
+            logger.warning("requests wait for torch: the native step could not be set up", exc_info=True)
+            return []
+        torch_import = _torch_import
+        try:
+            return first.serve(lambda: not torch_import.is_alive(), self._check_parent)
+        except (PeerGoneError, FrontendGoneError) as exc:
+            self.endpoint.remove_orphaned()
+            raise FrontendGoneError(str(exc)) from exc
 
     # ---- the process ---------------------------------------------------------------------
 
@@ -396,6 +433,9 @@ class EngineCoreProc:
         """Serves until SHUTDOWN (returns) or the frontend's death (FrontendGoneError)."""
         from ipc import PeerGoneError
 
+        if self.engine_core is None:
+            logger.info("SHUTDOWN received before torch had imported")
+            return
         try:
             self._run()
         except _Shutdown:
@@ -405,7 +445,8 @@ class EngineCoreProc:
 
     def shutdown(self) -> None:
         try:
-            self.engine_core.shutdown()
+            if self.engine_core is not None:
+                self.engine_core.shutdown()
         finally:
             self.endpoint.close()
 

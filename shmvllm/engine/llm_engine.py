@@ -24,7 +24,8 @@ from shmvllm.engine.core_client import EngineCoreClient
 from shmvllm.engine.input_processor import InputProcessor, PromptType, check_priority
 from shmvllm.engine.output_processor import OutputProcessor, ParentRequest
 from shmvllm.engine.proc_manager import PrestartedEngine
-from shmvllm.engine.renderer import Renderer, load_tokenizer
+from shmvllm.engine.fast_tokenizer import FastTokenizer
+from shmvllm.engine.renderer import Renderer, load_frontend_tokenizer, load_tokenizer
 from shmvllm.metrics import FrontendStats, Metric
 from shmvllm.outputs import PoolingRequestOutput, RequestOutput
 from shmvllm.pooling_params import PoolingParams
@@ -70,7 +71,7 @@ class LLMEngine:
         # and the wait for READY): a fork while it imports would leave the engine's copy of an
         # import lock held by a thread the engine does not have.
         fork = multiprocess and envs.SHMVLLM_ENGINE_START() == "fork"
-        load = (load_tokenizer, model_config.tokenizer_dir or model_config.model_dir, model_config.tokenizer_mode)
+        load = (load_frontend_tokenizer, model_config.tokenizer_dir or model_config.model_dir, model_config.tokenizer_mode)
         loading: list[_Background] = []
 
         def start_tokenizer() -> None:
@@ -92,7 +93,7 @@ class LLMEngine:
             start_tokenizer()
         tokenizer = loading[0] if loading else None
         try:
-            self.tokenizer = None if tokenizer is None else tokenizer.result()
+            frontend_tokenizer = None if tokenizer is None else tokenizer.result()
         except BaseException:
             self.engine_core.shutdown()
             raise
@@ -100,7 +101,10 @@ class LLMEngine:
             "Start-up: engine ready %.2f s after its start; the tokenizer %s",
             engine_ready - started, "skipped" if tokenizer is None else f"loaded in {tokenizer.seconds:.2f} s alongside",
         )
-        self.renderer = Renderer(self.tokenizer)
+        # transformers' tokenizer, for get_tokenizer(): loaded on first use where the frontend's is a FastTokenizer
+        self._hf_tokenizer = None if isinstance(frontend_tokenizer, FastTokenizer) else frontend_tokenizer
+        self._hf_tokenizer_lock = threading.Lock()
+        self.renderer = Renderer(frontend_tokenizer)
         self.input_processor = InputProcessor(
             self.renderer, model_config.max_model_len, model_config.vocab_size, model_config.model_dir,
             hidden_size=model_config.embedding_size if model_config.is_embedding else model_config.hidden_size,
@@ -108,7 +112,7 @@ class LLMEngine:
             max_logprobs=model_config.max_logprobs,
             model=model_config.model,
         )
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(frontend_tokenizer)
         # The engine's own limits (READY carries them: max_model_len clamped to what the KV cache
         # holds, the vocabulary, max_logprobs), which requests are validated against.
         self.input_processor.set_engine_limits(self.engine_core.ready)
@@ -133,8 +137,22 @@ class LLMEngine:
         logger.info("Start-up: engine config (model %s) in %.3f s", config.model_config.model_dir, time.perf_counter() - started)
         return cls(config, multiprocess=multiprocess, prestarted=prestarted)
 
+    @property
+    def tokenizer(self) -> Any:
+        """transformers' tokenizer of the model (None with skip_tokenizer_init), loaded on first use:
+        the frontend itself encodes and decodes with `renderer.tokenizer`, equal to it."""
+        frontend = self.renderer.tokenizer
+        if frontend is None or self._hf_tokenizer is not None:
+            return self._hf_tokenizer
+        with self._hf_tokenizer_lock:
+            if self._hf_tokenizer is None:
+                model_config = self.config.model_config
+                self._hf_tokenizer = load_tokenizer(model_config.tokenizer_dir or model_config.model_dir,
+                                                    model_config.tokenizer_mode)
+        return self._hf_tokenizer
+
     def get_tokenizer(self) -> Any:
-        if self.tokenizer is None:
+        if self.renderer.tokenizer is None:
             raise ValueError("Tokenizer not available when `skip_tokenizer_init=True`.")
         return self.tokenizer
 

@@ -8,8 +8,11 @@ more.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Optional, Union
+
+logger = logging.getLogger(__name__)
 
 ChatMessage = dict[str, Any]
 Conversation = list[ChatMessage]
@@ -27,6 +30,19 @@ def load_tokenizer(tokenizer_dir: Union[str, Path], mode: str = "auto", **kwargs
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tokenizer_dir), use_fast=mode != "slow", **kwargs)
+
+
+def load_frontend_tokenizer(tokenizer_dir: Union[str, Path], mode: str = "auto") -> Any:
+    """The tokenizer the frontend encodes, decodes and renders chats with: a `FastTokenizer`
+    (the `tokenizers` library, no transformers import) where it reproduces the directory's
+    transformers tokenizer, else transformers' own (`load_tokenizer`), with the reason logged."""
+    from shmvllm.engine.fast_tokenizer import FastTokenizer, unsupported_reason
+
+    reason = unsupported_reason(Path(tokenizer_dir), mode)
+    if reason is None:
+        return FastTokenizer(tokenizer_dir)
+    logger.info("Tokenizer of %s: transformers' (%s)", tokenizer_dir, reason)
+    return load_tokenizer(tokenizer_dir, mode)
 
 
 def _named_tokenizer_class(tokenizer_dir: Path) -> Any:

@@ -481,7 +481,9 @@ class LLM:
                     check_prompt_keys(item)
             texts.append([t.get("prompt") if isinstance(t, dict) else t for t in items])
         pairs = list(zip(*texts))
-        tokenizer = self.get_tokenizer()
+        tokenizer = self.llm_engine.renderer.tokenizer
+        if tokenizer is None:
+            raise ValueError("Tokenizer not available when `skip_tokenizer_init=True`: cross-encoder pairs need one.")
         uses_token_types = getattr(self.model_config.hf_config, "type_vocab_size", 1) > 1
 
         def tokenize(start: int, chunk: list[tuple[str, str]]) -> list[tuple[Optional[str], list[int], PoolingParams]]:

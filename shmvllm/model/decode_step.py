@@ -28,41 +28,11 @@ from shmvllm.model.kernels import cpu_kernels, quant_kernels
 from shmvllm.model.linear import FEW_ROWS, Linear
 from shmvllm.model.moe import GLU_KERNELS, MoEMLP, native_options
 from shmvllm.model.native_linear import NativeLinear, linear_table, linear_tables
-
-_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [
-        ("attn_in_norm", _ptr), ("attn_out_norm", _ptr), ("mlp_in_norm", _ptr), ("mlp_out_norm", _ptr),
-        ("q_norm", _ptr), ("k_norm", _ptr),
-        ("qkv", NativeLinear), ("o", NativeLinear), ("gate_up", NativeLinear), ("down", NativeLinear),
-        ("k_cache", _ptr), ("v_cache", _ptr), ("cos_table", _ptr), ("sin_table", _ptr),
-        ("scale", _f32), ("softcap", _f32), ("window", _i64),
-        ("router", NativeLinear), ("expert_gate_up", ctypes.POINTER(NativeLinear)), ("expert_down", ctypes.POINTER(NativeLinear)),
-        ("num_experts", _i64), ("top_k", _i64), ("norm_topk", _i64), ("expert_intermediate", _i64),
-    ]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [
-        ("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
-        ("intermediate", _i64), ("num_slots", _i64), ("block_size", _i64),
-        ("eps", _f32), ("residual_scale", _f32), ("fused_residual", _i64), ("qk_norm_width", _i64),
-        ("max_len", _i64), ("threads", _i64),
-        ("layers", ctypes.POINTER(_Layer)), ("final_norm", _ptr),
-        ("rms_norm", _ptr), ("rotary", _ptr), ("write_kv", _ptr), ("attention_task", _ptr),
-        ("attention_combine", _ptr), ("glu", _ptr), ("linear_rows", _ptr),
-        ("moe_slots", _i64), ("max_experts", _i64),
-    ]
+from shmvllm.model.step_table import LayerTable as _Layer, ModelTable as _Model, function_address as _fn
 
 
 def enabled() -> bool:
     return envs.SHMVLLM_FUSED_DECODE()
-
-
-def _fn(lib: ctypes.CDLL, name: str) -> int:
-    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
 
 
 def _norm_weight(norm: Any) -> Optional[torch.Tensor]:

@@ -10,16 +10,7 @@ from typing import Any, Sequence
 import torch
 
 from shmvllm.model.linear import Linear
-
-_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-
-
-class _Part(ctypes.Structure):
-    _fields_ = [("offset", _i64), ("n", _i64), ("row_bytes", _i64), ("type", _i64), ("w", _ptr)]
-
-
-class NativeLinear(ctypes.Structure):
-    _fields_ = [("parts", ctypes.POINTER(_Part)), ("num_parts", _i64), ("n", _i64), ("k", _i64), ("bias", _ptr)]
+from shmvllm.model.step_table import NativeLinear, Part as _Part
 
 
 def linear_table(linear: Linear, keep: list[Any]) -> NativeLinear:

@@ -22,18 +22,20 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import importlib.util
 import os
 import platform
 import subprocess
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Optional
-
-import torch  # loaded first: the kernels bind to the libgomp.so.1 that torch loaded
+from typing import TYPE_CHECKING, Any, Optional
 
 from ipc._native import find_compiler, private_dir  # the ring's C helper is built the same way
 from shmvllm import envs
+
+if TYPE_CHECKING:
+    import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 ATTENTION_HEADER = Path(__file__).with_name("attention.h")  # included by cpu_kernels.c and decode_step.c
@@ -96,7 +98,21 @@ def _compile(cc: str, target: Path, source: Path = SOURCE, cflags: list[str] = _
                 os.unlink(leftover)
 
 
+@functools.lru_cache(maxsize=None)
+def _bind_torch_openmp() -> None:
+    """Loads torch's own libgomp.so.1 (by path, without importing torch) before any kernel
+    library, so that the kernels and torch share one OpenMP runtime whichever loads first (the
+    engine runs the kernels before torch has imported); the system's where torch has none."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return
+    bundled = Path(spec.origin).parent / "lib" / "libgomp.so.1"
+    if bundled.exists():
+        ctypes.CDLL(str(bundled), mode=ctypes.RTLD_GLOBAL)
+
+
 def _load(path: Path, signatures: dict = _SIGNATURES) -> ctypes.CDLL:
+    _bind_torch_openmp()
     lib = ctypes.CDLL(str(path))  # CDLL: calls release the GIL
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -108,7 +124,7 @@ def kernels_for(*tensors: torch.Tensor) -> Optional[ctypes.CDLL]:
     """The kernels when they apply to these tensors: all on the CPU and all fp32 (the fp32
     build) or all bf16 (the bf16 build); else None."""
     dtype = tensors[0].dtype
-    if dtype not in _KERNEL_DTYPES:
+    if _dtype_name(dtype) not in _KERNEL_DTYPES:
         return None
     for t in tensors:
         if t.dtype != dtype or t.device.type != "cpu":
@@ -144,19 +160,25 @@ def _build(stem: str, source: Path, cflags: list[str], signatures: dict, include
     return None
 
 
-_KERNEL_DTYPES = {torch.float32: ("cpu_kernels", []), torch.bfloat16: ("cpu_kernels_bf16", ["-DSHM_BF16"])}
+# by torch dtype name: this module imports no torch (the engine's first requests run without it)
+_KERNEL_DTYPES = {"float32": ("cpu_kernels", []), "bfloat16": ("cpu_kernels_bf16", ["-DSHM_BF16"])}
 
 
-def cpu_kernels(dtype: torch.dtype = torch.float32) -> Optional[ctypes.CDLL]:
-    """The compiled kernels for `dtype` (float32 or bfloat16) activations, built on first use;
-    None when disabled or when building fails."""
-    if dtype not in _KERNEL_DTYPES:
-        raise ValueError(f"the CPU kernels are built for {sorted(map(str, _KERNEL_DTYPES))}, not {dtype}.")
-    return _cpu_kernels(dtype)
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def cpu_kernels(dtype: Optional[torch.dtype] = None) -> Optional[ctypes.CDLL]:
+    """The compiled kernels for `dtype` (torch.float32, the default, or torch.bfloat16)
+    activations, built on first use; None when disabled or when building fails."""
+    name = "float32" if dtype is None else _dtype_name(dtype)
+    if name not in _KERNEL_DTYPES:
+        raise ValueError(f"the CPU kernels are built for {sorted(f'torch.{n}' for n in _KERNEL_DTYPES)}, not {dtype}.")
+    return _cpu_kernels(name)
 
 
 @functools.lru_cache(maxsize=None)
-def _cpu_kernels(dtype: torch.dtype) -> Optional[ctypes.CDLL]:
+def _cpu_kernels(dtype: str) -> Optional[ctypes.CDLL]:
     stem, defines = _KERNEL_DTYPES[dtype]
     return _build(stem, SOURCE, _CFLAGS + defines, _SIGNATURES, (ATTENTION_HEADER,))
 

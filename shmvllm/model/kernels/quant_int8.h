@@ -1,4 +1,4 @@
-/* The GEMV rows of the 2- and 3-bit K formats (Q2_K, Q3_K), of Q4_1 (and Q5_0 / Q5_1 on AVX2) on
+/* The GEMV rows of the 2- and 3-bit K formats (Q2_K, Q3_K), of Q4_1 (Q8_0 on VNNI, Q5_0 / Q5_1 on AVX2) on
  * integer dot products of unsigned by signed bytes, in two widths from one source: the AVX-512
  * VNNI build (512-bit vectors, vpdpbusd: 64 products an instruction) and the AVX2 build (256-bit, vpmaddubsw + vpmaddwd: 32 products in
  * two instructions). Included by quant_kernels.c in those builds; plain AVX-512 keeps fp32 rows.
@@ -384,152 +384,113 @@ static inline __attribute__((always_inline)) void q5_row_int8(const int M, float
 #endif
 
 /* Q4_1 (both builds; the default model's layers): w = d q + m per block of 32 (q 4 bits), x split
- * per 32 values. Each block's 16 bytes go to both 128-bit halves and the upper half's 32-bit lanes
- * shift right by 4 (srlv: no shuffle), so after & 15 the 32 bytes are values 0..31 in order, the
- * pieces' order; the three sums combine at once (per lane 4 products of 15 * 127: < 1.3e8), one
- * 256-bit vector a block (VNNI: vpdpbusd; AVX2 pairs blocks, below). VNNI's row puts its block
- * scales through a scalar pass per 8 blocks (d d_x stored for the vector loop's broadcast loads, m
- * times the block's sum of x summed there), AVX2's converts 8 blocks' at once: a gather measured
- * slower on both, and the fp32 rows this replaces were bound by their shuffles (vpmovzxbd, vpermps). */
+ * per 32 values. Eight output rows at a time, row r in 32-bit lane r: each row's 16 nibble bytes of
+ * block b are 4 dwords, transposed in registers so that vector t holds dword t of the 8 rows, and
+ * every lane's integer dot product is with x's 4 bytes broadcast (vpbroadcastd). A lane sums its
+ * own row's block (no horizontal sum), so the convert, the d d_x scale, the FMA and m sum(x) are
+ * one vector op per block for 8 rows, not per 8 weights of one row (the block-per-vector rows this
+ * replaces spent more on those than on the dot products, and repeated them for every row of x).
+ * Each lane's arithmetic is its row's alone: one row of x gives the bits any 2-4 give, and a row's
+ * result does not depend on the rows grouped with it (the last group repeats its last row). */
 #if IW == 64
-static inline __m256i q4_dot3(__m256i w, const int8_t *q) {
-    __m256i t = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, _mm256_loadu_si256((const __m256i *)q));
-    t = _mm256_dpbusd_epi32(_mm256_slli_epi32(t, 7), w, _mm256_loadu_si256((const __m256i *)(q + 32)));
-    return _mm256_dpbusd_epi32(_mm256_slli_epi32(t, 7), w, _mm256_loadu_si256((const __m256i *)(q + 64)));
+/* one piece's dot over a block: 8 vpdpbusd, lo / hi the values 4t.. / 16 + 4t.. of the 8 rows */
+static inline __m256i q4_piece(const __m256i lo[4], const __m256i hi[4], const int8_t *q) {
+    __m256i s = _mm256_setzero_si256(), u = s;
+    for (int t = 0; t < 4; t++) {
+        s = _mm256_dpbusd_epi32(s, lo[t], _mm256_set1_epi32((int)load_u32((const uint8_t *)q + 4 * t)));
+        u = _mm256_dpbusd_epi32(u, hi[t], _mm256_set1_epi32((int)load_u32((const uint8_t *)q + 16 + 4 * t)));
+    }
+    return _mm256_add_epi32(s, u);
 }
 #else
-#define q4_dot3(w, q) pieces_dot(w, q, 32)
-#endif
-static inline float q4_hsum(__m256 v) {
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    return (h[0] + h[2]) + (h[1] + h[3]);
-}
-static inline __m256i q4_bytes(const uint8_t *qs) {
-    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
-    return _mm256_and_si256(_mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0f));
-}
-#if IW == 32
-/* AVX2 (no vpdpbusd: a piece's dot is vpmaddubsw + vpmaddwd) takes blocks in pairs, block b's 16
- * bytes of nibbles in the low 128-bit lane and b + 1's in the high: & 15 gives values 0..15 of
- * both, >> 4 & 15 values 16..31, and q4_pair_pieces stores the pair's pieces in that order. The
- * two halves' vpmaddubsw sums add in int16 (|.| <= 4 * 15 * 127) before one vpmaddwd a piece:
- * 4.5 multiplies a block instead of 6, and one convert and FMA a pair, each lane scaled by its
- * block's d d_x. An odd last block keeps the one-block layout and dot. */
-static inline void q4_pair_pieces(int8_t *xq, int64_t blocks) {
-    for (int64_t b = 0; b + 2 <= blocks; b += 2) {
-        int8_t *q = xq + b * 96, pair[192];
-        for (int p = 0; p < 3; p++)
-            for (int h = 0; h < 2; h++)
-                for (int e = 0; e < 2; e++) memcpy(pair + 64 * p + 32 * h + 16 * e, q + 96 * e + 32 * p + 16 * h, 16);
-        memcpy(q, pair, 192);
+/* AVX2: vpmaddubsw's int16 pair sums (|.| <= 2 * 15 * 127) add up over the block's 8 vectors
+ * (<= 30480) before one vpmaddwd by the piece's weight (16384, 128, 1) */
+static inline __m256i q4_piece(const __m256i lo[4], const __m256i hi[4], const int8_t *q, short weight) {
+    __m256i s = _mm256_setzero_si256();
+    for (int t = 0; t < 4; t++) {
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[t], _mm256_set1_epi32((int)load_u32((const uint8_t *)q + 4 * t))));
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[t], _mm256_set1_epi32((int)load_u32((const uint8_t *)q + 16 + 4 * t))));
     }
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(weight));
 }
-static inline __m256i q4_pair_dot3(const uint8_t *qs0, const uint8_t *qs1, const int8_t *q) {
-    const __m256i raw = _mm256_loadu2_m128i((const __m128i *)qs1, (const __m128i *)qs0), low4 = _mm256_set1_epi8(0x0f);
-    const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-    __m256i p[3];
-    for (int i = 0; i < 3; i++)
-        p[i] = _mm256_add_epi16(_mm256_maddubs_epi16(lo, iv_load(q + 64 * i)), _mm256_maddubs_epi16(hi, iv_load(q + 64 * i + 32)));
-    return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p[0], _mm256_set1_epi16(16384)),
-                                             _mm256_madd_epi16(p[1], _mm256_set1_epi16(128))),
-                            _mm256_madd_epi16(p[2], _mm256_set1_epi16(1)));
-}
-/* the fp16 d and m of blocks 0..n-1 (n <= 8) at base as 8 floats each (0 past n): the 32-bit
- * words (d | m << 16) put together in registers and split by one shuffle, not converted one by one */
-static inline void q4_1_scales8(const uint8_t *base, int n, __m256 *d, __m256 *mb) {
-    uint32_t w[8];
-    for (int i = 0; i < 8; i++) w[i] = i < n ? load_u32(base + 20 * i) : 0;
-    const __m128i sel = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
-    const __m128i a = _mm_shuffle_epi8(_mm_setr_epi32((int)w[0], (int)w[1], (int)w[2], (int)w[3]), sel);
-    const __m128i b = _mm_shuffle_epi8(_mm_setr_epi32((int)w[4], (int)w[5], (int)w[6], (int)w[7]), sel);
-    *d = _mm256_cvtph_ps(_mm_unpacklo_epi64(a, b));
-    *mb = _mm256_cvtph_ps(_mm_unpackhi_epi64(a, b));
-}
-static inline __attribute__((always_inline)) void q4_1_row_int8(const int M, float *out, int64_t ldo, const int8_t *xq,
-                                                                const float *xd, const float *xs, int64_t blocks,
-                                                                const uint8_t *row, const float *bias,
-                                                                const float *residual, int64_t ldr, int64_t j) {
-    __m256 acc0[FEW_ROWS], acc1[FEW_ROWS], macc[FEW_ROWS];
-    for (int m = 0; m < M; m++) acc0[m] = acc1[m] = macc[m] = _mm256_setzero_ps();
-    for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
-        const int n = blocks - b0 < 8 ? (int)(blocks - b0) : 8;
-        const uint8_t *base = row + b0 * 20;
-        const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        __m256 d, mb, scale[FEW_ROWS];
-        q4_1_scales8(base, n, &d, &mb);
+#endif
+static inline __attribute__((always_inline)) void q4_1_rows8(const int M, float *out, int64_t ldo, const int8_t *xq,
+                                                             const float *xd, const float *xs, int64_t blocks,
+                                                             const uint8_t *w, int64_t row_bytes, int rows,
+                                                             const float *bias, const float *residual, int64_t ldr,
+                                                             int64_t j) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    __m256 acc[FEW_ROWS], macc[FEW_ROWS];
+    for (int m = 0; m < M; m++) acc[m] = macc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        /* row r's block b: its (d | m << 16) word then 4 dwords of nibbles; rows r and r + 4 in one vector */
+        const uint8_t *blk = w + 20 * b;
+        /* the hardware prefetcher loses 8 rows read a block at a time (7-8 GB/s from memory, 17 in
+         * L2): the group two ahead is fetched in step with this one's blocks (one or three: slower) */
+        for (int l = 0; l < 3; l++) __builtin_prefetch(w + 16 * row_bytes + 192 * b + 64 * l, 0, 3);
+        __m256i p[4], h[4];
+        for (int r = 0; r < 4; r++) {
+            p[r] = _mm256_loadu2_m128i((const __m128i *)(blk + (r + 4) * row_bytes + 4), (const __m128i *)(blk + r * row_bytes + 4));
+            h[r] = _mm256_loadu2_m128i((const __m128i *)(blk + (r + 4) * row_bytes), (const __m128i *)(blk + r * row_bytes));
+        }
+        const __m256i u0 = _mm256_unpacklo_epi32(p[0], p[1]), u1 = _mm256_unpackhi_epi32(p[0], p[1]);
+        const __m256i u2 = _mm256_unpacklo_epi32(p[2], p[3]), u3 = _mm256_unpackhi_epi32(p[2], p[3]);
+        const __m256i c[4] = {_mm256_unpacklo_epi64(u0, u2), _mm256_unpackhi_epi64(u0, u2), _mm256_unpacklo_epi64(u1, u3),
+                              _mm256_unpackhi_epi64(u1, u3)};
+        __m256i lo[4], hi[4];
+        for (int t = 0; t < 4; t++) lo[t] = _mm256_and_si256(c[t], low4), hi[t] = _mm256_and_si256(_mm256_srli_epi16(c[t], 4), low4);
+        /* the 8 rows' (d | m << 16) words: d and m as fp16 halves, then floats */
+        const __m256i dm = _mm256_unpacklo_epi64(_mm256_unpacklo_epi32(h[0], h[1]), _mm256_unpacklo_epi32(h[2], h[3]));
+        const __m256i halves = _mm256_permute4x64_epi64(
+            _mm256_packus_epi32(_mm256_and_si256(dm, _mm256_set1_epi32(0xffff)), _mm256_srli_epi32(dm, 16)), 0xd8);
+        const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves)), mv = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
         for (int m = 0; m < M; m++) {
-            scale[m] = _mm256_mul_ps(d, _mm256_maskload_ps(xd + m * blocks + b0, live));
-            macc[m] = _mm256_fmadd_ps(mb, _mm256_maskload_ps(xs + m * blocks + b0, live), macc[m]);
-        }
-        int i = 0;
-        for (; i + 2 <= n; i += 2) {
-            const __m256i pick = _mm256_setr_epi32(i, i, i, i, i + 1, i + 1, i + 1, i + 1);
-            for (int m = 0; m < M; m++) {
-                const __m256 dot = _mm256_cvtepi32_ps(q4_pair_dot3(base + 20 * i + 4, base + 20 * i + 24,
-                                                                   xq + (m * blocks + b0 + i) * 96));
-                const __m256 sv = _mm256_permutevar8x32_ps(scale[m], pick);
-                if (i % 4 == 0) acc0[m] = _mm256_fmadd_ps(dot, sv, acc0[m]);
-                else acc1[m] = _mm256_fmadd_ps(dot, sv, acc1[m]);
-            }
-        }
-        if (i < n) {
-            const __m256i w0 = q4_bytes(base + 20 * i + 4);
-            for (int m = 0; m < M; m++)
-                acc0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot3(w0, xq + (m * blocks + b0 + i) * 96)),
-                                          _mm256_permutevar8x32_ps(scale[m], _mm256_set1_epi32(i)), acc0[m]);
-        }
-    }
-    const float add = bias != NULL ? bias[j] : 0.0f;
-    for (int m = 0; m < M; m++)
-        out[m * ldo + j] = (q4_hsum(_mm256_add_ps(acc0[m], acc1[m])) * (1.0f / 16384.0f) + q4_hsum(macc[m])) + add +
-                           (residual != NULL ? residual[m * ldr + j] : 0.0f);
-}
+            const int8_t *q = xq + (m * blocks + b) * 96;
+#if IW == 64
+            const __m256i total = _mm256_add_epi32(
+                _mm256_slli_epi32(_mm256_add_epi32(_mm256_slli_epi32(q4_piece(lo, hi, q), 7), q4_piece(lo, hi, q + 32)), 7),
+                q4_piece(lo, hi, q + 64));
 #else
-static inline __attribute__((always_inline)) void q4_1_row_int8(const int M, float *out, int64_t ldo, const int8_t *xq,
-                                                                const float *xd, const float *xs, int64_t blocks,
-                                                                const uint8_t *row, const float *bias,
-                                                                const float *residual, int64_t ldr, int64_t j) {
-    __m256 acc0[FEW_ROWS], acc1[FEW_ROWS];
-    float scale[FEW_ROWS][8], macc[FEW_ROWS];
-    for (int m = 0; m < M; m++) acc0[m] = acc1[m] = _mm256_setzero_ps(), macc[m] = 0.0f;
-    for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
-        const int n = blocks - b0 < 8 ? (int)(blocks - b0) : 8;
-        const uint8_t *base = row + b0 * 20;
-        for (int i = 0; i < n; i++) {
-            const float d = fp16_to_fp32(load_u16(base + 20 * i));
-            const float mb = fp16_to_fp32(load_u16(base + 20 * i + 2));
-            for (int m = 0; m < M; m++) {
-                const int64_t b = m * blocks + b0 + i;
-                scale[m][i] = d * xd[b];
-                macc[m] += mb * xs[b];
-            }
-        }
-        int i = 0;
-        for (; i + 2 <= n; i += 2) {
-            const __m256i w0 = q4_bytes(base + 20 * i + 4), w1 = q4_bytes(base + 20 * i + 24);
-            for (int m = 0; m < M; m++) {
-                const int8_t *q = xq + (m * blocks + b0 + i) * 96;
-                acc0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot3(w0, q)), _mm256_broadcast_ss(&scale[m][i]), acc0[m]);
-                acc1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot3(w1, q + 96)), _mm256_broadcast_ss(&scale[m][i + 1]),
-                                          acc1[m]);
-            }
-        }
-        if (i < n) {
-            const __m256i w0 = q4_bytes(base + 20 * i + 4);
-            for (int m = 0; m < M; m++)
-                acc0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot3(w0, xq + (m * blocks + b0 + i) * 96)),
-                                          _mm256_broadcast_ss(&scale[m][i]), acc0[m]);
+            const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q4_piece(lo, hi, q, 16384), q4_piece(lo, hi, q + 32, 128)),
+                                                   q4_piece(lo, hi, q + 64, 1));
+#endif
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(xd[m * blocks + b])), acc[m]);
+            macc[m] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[m * blocks + b]), macc[m]);
         }
     }
-    const float add = bias != NULL ? bias[j] : 0.0f;
-    for (int m = 0; m < M; m++)
-        out[m * ldo + j] = (q4_hsum(_mm256_add_ps(acc0[m], acc1[m])) * (1.0f / 16384.0f) + macc[m]) + add +
-                           (residual != NULL ? residual[m * ldr + j] : 0.0f);
+    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(rows), lanes);
+    const __m256 add = bias != NULL ? _mm256_maskload_ps(bias + j, live) : _mm256_setzero_ps();
+    for (int m = 0; m < M; m++) {
+        const __m256 res = residual != NULL ? _mm256_maskload_ps(residual + m * ldr + j, live) : _mm256_setzero_ps();
+        const __m256 v = _mm256_add_ps(_mm256_mul_ps(acc[m], _mm256_set1_ps(1.0f / 16384.0f)), macc[m]);
+        _mm256_maskstore_ps(out + m * ldo + j, live, _mm256_add_ps(_mm256_add_ps(v, add), res));
+    }
 }
 
-#endif
+/* rows [j, j + rows) of w as a group of 8: in place, or (the last group, rows < 8) copied to `last`
+ * with its last row repeated */
+static inline const uint8_t *rows8_group(const uint8_t *w, int64_t row_bytes, int64_t j, int rows, uint8_t *last) {
+    const uint8_t *group = w + j * row_bytes;
+    if (rows == 8) return group;
+    memcpy(last, group, rows * row_bytes);
+    for (int r = rows; r < 8; r++) memcpy(last + r * row_bytes, group + (rows - 1) * row_bytes, row_bytes);
+    return last;
+}
+#define ROWS8_RANGE_LOOP(ROWS8, XSUMS)                                                                          \
+    for (int64_t j = j0; j < j1; j += 8) {                                                                      \
+        const int rows = j1 - j < 8 ? (int)(j1 - j) : 8;                                                        \
+        uint8_t last[rows < 8 ? 8 * row_bytes : 1];                                                             \
+        const uint8_t *g = rows8_group(w, row_bytes, j, rows, last);                                            \
+        switch (M) {                                                                                            \
+        case 1: ROWS8(1, out, ldo, xq, xd, XSUMS, blocks, g, row_bytes, rows, bias, residual, ldr, j); break;    \
+        case 2: ROWS8(2, out, ldo, xq, xd, XSUMS, blocks, g, row_bytes, rows, bias, residual, ldr, j); break;    \
+        case 3: ROWS8(3, out, ldo, xq, xd, XSUMS, blocks, g, row_bytes, rows, bias, residual, ldr, j); break;    \
+        default: ROWS8(4, out, ldo, xq, xd, XSUMS, blocks, g, row_bytes, rows, bias, residual, ldr, j); break;   \
+        }                                                                                                       \
+    }
 
-/* Q4_1's range: as DEFINE_INT8_RANGE's, with the sums of x per block (not per 16) */
+/* Q4_1's range: x split once per call, with the sums of x per block (not per 16), then 8 rows a pass */
 static void q4_1_range(int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
                        const float *bias, const float *residual, int64_t ldr, int64_t j0, int64_t j1, int64_t k) {
     const int64_t blocks = k / 32;
@@ -537,19 +498,87 @@ static void q4_1_range(int M, float *out, int64_t ldo, const float *x, int64_t l
     float xd[M * blocks], xs[M * (k / 16)];
     split_x(M, x, ldx, k, 32, xq, xd, xs);
     for (int64_t b = 0; b < M * blocks; b++) xs[b] = xs[2 * b] + xs[2 * b + 1];
-#if IW == 32
-    for (int m = 0; m < M; m++) q4_pair_pieces(xq + m * blocks * 96, blocks);
-#endif
-    for (int64_t j = j0; j < j1; j++) {
-        const uint8_t *row = w + j * row_bytes;
-        switch (M) {
-        case 1: q4_1_row_int8(1, out, ldo, xq, xd, xs, blocks, row, bias, residual, ldr, j); break;
-        case 2: q4_1_row_int8(2, out, ldo, xq, xd, xs, blocks, row, bias, residual, ldr, j); break;
-        case 3: q4_1_row_int8(3, out, ldo, xq, xd, xs, blocks, row, bias, residual, ldr, j); break;
-        default: q4_1_row_int8(4, out, ldo, xq, xd, xs, blocks, row, bias, residual, ldr, j); break;
+    ROWS8_RANGE_LOOP(q4_1_rows8, xs)
+}
+
+#if IW == 64
+/* Q8_0 (the VNNI build; the default model's lm_head): w = d q per block of 32 (q signed 8 bits), x
+ * split per 32 values, 8 output rows a pass as Q4_1's. vpdpbusd takes unsigned by signed bytes, so
+ * the weights go in as q + 128 (q ^ 0x80) and 128 times the block's sum of each piece comes off:
+ * that sum is x's alone (the same in every lane), computed once per call. A piece's sum over a
+ * block (|.| <= 32 * 255 * 127) cannot be shifted by 14 in int32: pieces 0 and 1 combine in int32,
+ * piece 2 in fp32. */
+#define INT8_Q8_ROWS 1
+static inline __m256i q8_piece(const __m256i c[8], const int8_t *q) {
+    __m256i s = _mm256_setzero_si256(), u = s;
+    for (int t = 0; t < 4; t++) {
+        s = _mm256_dpbusd_epi32(s, c[t], _mm256_set1_epi32((int)load_u32((const uint8_t *)q + 4 * t)));
+        u = _mm256_dpbusd_epi32(u, c[t + 4], _mm256_set1_epi32((int)load_u32((const uint8_t *)q + 16 + 4 * t)));
+    }
+    return _mm256_add_epi32(s, u);
+}
+/* rows r and r + 4's 16 bytes at blk + r row_bytes in one vector, as 4 vectors of dword t of the 8 rows */
+static inline void dwords8(const uint8_t *blk, int64_t row_bytes, __m256i c[4]) {
+    __m256i p[4];
+    for (int r = 0; r < 4; r++)
+        p[r] = _mm256_loadu2_m128i((const __m128i *)(blk + (r + 4) * row_bytes), (const __m128i *)(blk + r * row_bytes));
+    const __m256i u0 = _mm256_unpacklo_epi32(p[0], p[1]), u1 = _mm256_unpackhi_epi32(p[0], p[1]);
+    const __m256i u2 = _mm256_unpacklo_epi32(p[2], p[3]), u3 = _mm256_unpackhi_epi32(p[2], p[3]);
+    c[0] = _mm256_unpacklo_epi64(u0, u2), c[1] = _mm256_unpackhi_epi64(u0, u2);
+    c[2] = _mm256_unpacklo_epi64(u1, u3), c[3] = _mm256_unpackhi_epi64(u1, u3);
+}
+static inline __attribute__((always_inline)) void q8_0_rows8(const int M, float *out, int64_t ldo, const int8_t *xq,
+                                                             const float *xd, const int32_t *xc, int64_t blocks,
+                                                             const uint8_t *w, int64_t row_bytes, int rows,
+                                                             const float *bias, const float *residual, int64_t ldr,
+                                                             int64_t j) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    __m256 acc[FEW_ROWS];
+    for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *blk = w + 34 * b;
+        for (int l = 0; l < 5; l++) __builtin_prefetch(w + 16 * row_bytes + 272 * b + 64 * l, 0, 3);
+        __m256i c[8], h[4];
+        dwords8(blk + 2, row_bytes, c);
+        dwords8(blk + 18, row_bytes, c + 4);
+        for (int t = 0; t < 8; t++) c[t] = _mm256_xor_si256(c[t], flip);
+        dwords8(blk, row_bytes, h);
+        const __m256 d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(h[0]));
+        for (int m = 0; m < M; m++) {
+            const int8_t *q = xq + (m * blocks + b) * 96;
+            const int32_t *corr = xc + 2 * (m * blocks + b);
+            const __m256i t01 = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(q8_piece(c, q), 7), q8_piece(c, q + 32)),
+                                                 _mm256_set1_epi32(corr[0]));
+            const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t01), _mm256_set1_ps(128.0f),
+                                             _mm256_cvtepi32_ps(_mm256_sub_epi32(q8_piece(c, q + 64), _mm256_set1_epi32(corr[1]))));
+            acc[m] = _mm256_fmadd_ps(t, _mm256_mul_ps(d, _mm256_set1_ps(xd[m * blocks + b])), acc[m]);
         }
     }
+    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(rows), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 add = bias != NULL ? _mm256_maskload_ps(bias + j, live) : _mm256_setzero_ps();
+    for (int m = 0; m < M; m++) {
+        const __m256 res = residual != NULL ? _mm256_maskload_ps(residual + m * ldr + j, live) : _mm256_setzero_ps();
+        _mm256_maskstore_ps(out + m * ldo + j, live,
+                            _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(acc[m], _mm256_set1_ps(1.0f / 16384.0f)), add), res));
+    }
 }
+/* Q8_0's range: x split once per call, with each block's correction for the weights' + 128 */
+static void q8_0_range(int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
+                       const float *bias, const float *residual, int64_t ldr, int64_t j0, int64_t j1, int64_t k) {
+    const int64_t blocks = k / 32;
+    int8_t xq[M * blocks * 96];
+    float xd[M * blocks], xs[M * (k / 16)];
+    int32_t xc[2 * M * blocks];
+    split_x(M, x, ldx, k, 32, xq, xd, xs);
+    for (int64_t b = 0; b < M * blocks; b++) {
+        int32_t sum[3] = {0, 0, 0};
+        for (int i = 0; i < 3; i++)
+            for (int e = 0; e < 32; e++) sum[i] += xq[b * 96 + 32 * i + e];
+        xc[2 * b] = 128 * (128 * sum[0] + sum[1]), xc[2 * b + 1] = 128 * sum[2];
+    }
+    ROWS8_RANGE_LOOP(q8_0_rows8, xc)
+}
+#endif
 
 /* NAME##_range for these rows: x split per QK values and its sums per 16 once per call, then row by row. */
 #define DEFINE_INT8_RANGE(NAME, QK)                                                                             \

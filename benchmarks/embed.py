@@ -22,8 +22,8 @@ The worker is told when to run, so the three engines alternate round by round.
 shmvllm (`--engine llm`, the default) is the whole engine as an application uses it:
 `LLM(model=..., task="embed").embed(texts)`, the engine in its own process behind the
 shared-memory rings, tokenization in the frontend overlapping the engine's compute. Each step
-packs the tokens of many sentences with no padding, up to `--max-num-batched-tokens` (16384:
-larger steps mean fewer, larger attention calls; ~3% faster than 8192 here) and
+packs the tokens of many sentences with no padding, up to `--max-num-batched-tokens` (16384;
+the runner takes each step through the model in pieces of at most 4,096 tokens) and
 `--max-num-seqs`. `--engine runner` instead drives the PoolingModelRunner in this process
 (row `shmvllm-runner`): the model alone, without the engine around it.
 """

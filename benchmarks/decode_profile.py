@@ -14,6 +14,10 @@ Measured, each as the median over interleaved repetitions:
 
     flock /tmp/shmvllm-cpu.lock python benchmarks/decode_profile.py [--json PATH]
 
+`--step-stages` runs the profiling build of the step (decode_step.c compiled with
+-DSHM_STEP_PROFILE: each thread's time in each stage of a layer, qkv GEMV, the wait at the barrier
+after it, rotary + KV write, attention, o GEMV, ...) instead, and prints ms a token per thread.
+
 `--cpu-time` times with the calling thread's CPU time instead of the wall clock: with
 OMP_NUM_THREADS=1 (the step's team is then the calling thread alone) that is the work a token
 costs, whatever else the machine runs; the probe stays on the wall clock.
@@ -35,6 +39,7 @@ import torch
 from shmvllm import envs
 from shmvllm.engine.arg_utils import EngineArgs
 from shmvllm.model.attention import build_attention_metadata
+from shmvllm.model import kernels as kernel_builds
 from shmvllm.model.kernels import cpu_kernels, quant_isas_supported, quant_kernels
 from shmvllm.model.loader import get_model
 from shmvllm.model.registry import resolve_model_dir
@@ -113,6 +118,46 @@ def phases(setup: Setup, context: int, tokens: int) -> dict[str, float]:
     return {key: statistics.median(values) for key, values in times.items()}
 
 
+STAGES = ("fork", "qkv", "qkv_wait", "rope_kv", "rope_kv_wait", "attention", "attention_wait", "o", "o_wait",
+          "gate_up", "gate_up_wait", "glu", "down", "down_wait", "final")
+
+
+def step_stages(setup: Setup, isa: str, context: int, tokens: int) -> list[dict[str, float]]:
+    """Each thread's ms a token in each stage of the native step (the profiling build), and the
+    step's wall time a token as the caller sees it ("call")."""
+    flags = next(f for name, _, f in kernel_builds.QUANT_ISAS if name == isa)
+    signatures = {**kernel_builds._QUANT_SIGNATURES, "shm_step_profile": (ctypes.c_int, [ctypes.c_void_p])}
+    lib = kernel_builds._build(f"quant_kernels-{isa}-profile", kernel_builds.STEP_SOURCE,
+                               kernel_builds._QUANT_BASE_FLAGS + flags + ["-DSHM_STEP_PROFILE"], signatures,
+                               (kernel_builds.QUANT_SOURCE, kernel_builds.QUANT_FORMATS_SOURCE,
+                                kernel_builds.QUANT_INT8_SOURCE, kernel_builds.QUANT_GEMM_INT8_SOURCE,
+                                kernel_builds.ATTENTION_HEADER, kernel_builds.MOE_SOURCE))
+    step = setup.step
+    shipped, step.quant, step._table = step.quant, lib, None
+    ids, positions, meta = setup.inputs(context)
+    sums = np.zeros((8, len(STAGES)), dtype=np.int64)
+    calls = []
+    try:
+        with torch.inference_mode():
+            hidden = setup.model.model.embed_tokens(ids)
+            for warm in (True, False):
+                lib.shm_step_profile(sums.ctypes.data)
+                for _ in range(tokens):
+                    started = WALL()
+                    step.run(hidden.clone(), positions, meta)
+                    calls.append(WALL() - started)
+                if warm:
+                    calls.clear()
+            lib.shm_step_profile(sums.ctypes.data)
+    finally:
+        step.quant, step._table = shipped, None
+    threads = torch.get_num_threads()
+    rows = [dict(zip(STAGES, (sums[t] / tokens / 1e6).tolist())) for t in range(threads)]
+    for row in rows:
+        row["call"] = statistics.median(calls) * 1e3
+    return rows
+
+
 def kernels(setup: Setup, calls: int) -> dict[str, dict[str, float]]:
     """Each GEMV over all layers' weights in turn (s per layer and GB/s), the lm_head, attention
     at each context, the small ops, and the price of a parallel region."""
@@ -187,6 +232,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=200, help="decode steps per context (default 200)")
     parser.add_argument("--calls", type=int, default=30, help="repetitions of each kernel pass (default 30)")
     parser.add_argument("--cpu-time", action="store_true", help="time with the calling thread's CPU time")
+    parser.add_argument("--step-stages", action="store_true", help="only the step's stages per thread (profiling build)")
     parser.add_argument("--json", help="write the figures to this JSON file")
     args = parser.parse_args()
     if args.cpu_time:
@@ -196,6 +242,19 @@ def main() -> None:
     threads = torch.get_num_threads()
     setup = Setup(max(CONTEXTS))
     report: dict[str, Any] = {"isa": isa, "threads": threads, "cpu": _cpu_model(), "clock": "cpu" if args.cpu_time else "wall"}
+    if args.step_stages:
+        report["step_stages"] = {str(c): step_stages(setup, isa, c, args.tokens) for c in CONTEXTS}
+        print(f"{report['cpu']}, quantized kernels: {isa}, {threads} threads; ms a token per stage, per thread")
+        print("context thread " + " ".join(f"{name:>8.8}" for name in STAGES) + "  sum  call")
+        for context, rows in report["step_stages"].items():
+            for t, row in enumerate(rows):
+                total = sum(row[name] for name in STAGES)
+                print(f"{context:>7} {t:>6} " + " ".join(f"{row[name]:8.3f}" for name in STAGES)
+                      + f" {total:5.2f} {row['call']:5.2f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2)
+        return
     report["read_gb_per_s"] = {str(t): read_probe(t) for t in (1, 2)}
     report["phases"] = {str(c): phases(setup, c, args.tokens) for c in CONTEXTS}
     report["kernels"] = kernels(setup, args.calls)

@@ -33,9 +33,9 @@ _BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 def byte_fallback_token_ids(tokenizer: Any) -> frozenset[int]:
     """Ids of SentencePiece byte-fallback tokens (`<0x00>`..`<0xFF>`); empty for other tokenizers."""
     vocab = tokenizer.get_vocab()
-    if sum(1 for token in vocab if _BYTE_TOKEN.match(token)) < 256:
-        return frozenset()
-    return frozenset(i for token, i in vocab.items() if _BYTE_TOKEN.match(token))
+    # the prefix test first: the regex over a whole vocabulary (49k+ tokens) costs ~20 ms
+    found = {token: i for token, i in vocab.items() if token.startswith("<0x") and _BYTE_TOKEN.match(token)}
+    return frozenset(found.values()) if len(found) >= 256 else frozenset()
 
 
 def added_token_ids(tokenizer: Any) -> frozenset[int]:

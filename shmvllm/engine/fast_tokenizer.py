@@ -123,7 +123,7 @@ class FastTokenizer:
             backend.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1", special_tokens=[])
         self.chat_template = self._read_chat_template(directory, config)
         self._added = backend.get_added_tokens_decoder()
-        self._vocab: Optional[dict[str, int]] = None
+        self._vocab = backend.get_vocab(with_added_tokens=True)  # built here, on the loading thread
 
     @staticmethod
     def _read_chat_template(directory: Path, config: dict[str, Any]) -> Union[str, dict[str, str], None]:
@@ -166,8 +166,6 @@ class FastTokenizer:
     # -- vocabulary --------------------------------------------------------------------------
 
     def get_vocab(self) -> dict[str, int]:
-        if self._vocab is None:
-            self._vocab = self._backend.get_vocab(with_added_tokens=True)
         return dict(self._vocab)
 
     @property

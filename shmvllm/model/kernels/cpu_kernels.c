@@ -61,20 +61,35 @@ typedef float act_t;
 /* Threads pay off above about this many floats of work. */
 #define PARALLEL_MIN_FLOATS (1 << 17)
 
+/* Runs `call` for each row t_ in [0, rows): across the threads where `big`, else inline. A region
+ * entered with if (false) still has libgomp set up a team of one (~1 us a call), which the decode
+ * step's threads paid at each of their norms, rotaries and KV writes. */
+#define EACH_ROW(rows, big, ...)                                   \
+    do {                                                           \
+        if (big) {                                                 \
+            _Pragma("omp parallel for")                            \
+            for (int64_t t_ = 0; t_ < (rows); t_++) __VA_ARGS__;   \
+        } else {                                                   \
+            for (int64_t t_ = 0; t_ < (rows); t_++) __VA_ARGS__;   \
+        }                                                          \
+    } while (0)
+
+static inline void write_kv_row(const act_t *k, const act_t *v, int64_t slot, act_t *k_cache, act_t *v_cache,
+                                int64_t head_stride, int64_t kv_heads, int64_t head_dim) {
+    for (int64_t h = 0; h < kv_heads; h++) {
+        const int64_t dst = h * head_stride + slot * head_dim;
+        memcpy(k_cache + dst, k + h * head_dim, (size_t)head_dim * sizeof(act_t));
+        memcpy(v_cache + dst, v + h * head_dim, (size_t)head_dim * sizeof(act_t));
+    }
+}
+
 /* Writes the step's new keys and values into their cache slots. */
 void shm_write_kv_cache(const act_t *k, int64_t k_row_stride, const act_t *v, int64_t v_row_stride,
                         const int64_t *slot_mapping, int64_t num_tokens, act_t *k_cache, act_t *v_cache,
                         int64_t num_slots, int64_t kv_heads, int64_t head_dim) {
-    const size_t row_bytes = (size_t)head_dim * sizeof(act_t);
-    const int64_t head_stride = num_slots * head_dim;
-#pragma omp parallel for collapse(2) if (2 * num_tokens * kv_heads * head_dim >= PARALLEL_MIN_FLOATS)
-    for (int64_t t = 0; t < num_tokens; t++) {
-        for (int64_t h = 0; h < kv_heads; h++) {
-            const int64_t dst = h * head_stride + slot_mapping[t] * head_dim;
-            memcpy(k_cache + dst, k + t * k_row_stride + h * head_dim, row_bytes);
-            memcpy(v_cache + dst, v + t * v_row_stride + h * head_dim, row_bytes);
-        }
-    }
+    EACH_ROW(num_tokens, 2 * num_tokens * kv_heads * head_dim >= PARALLEL_MIN_FLOATS,
+             write_kv_row(k + t_ * k_row_stride, v + t_ * v_row_stride, slot_mapping[t_], k_cache, v_cache,
+                          num_slots * head_dim, kv_heads, head_dim));
 }
 
 /* Hints the next block's rows into the cache while this block is computed on: blocks are
@@ -161,14 +176,17 @@ static inline float head_vec_sum(head_vec v) {
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+/* The scores pass also hints each block's value rows, which the values pass reads next: the two
+ * streams' misses overlap instead of the values pass waiting on memory block by block. */
 static inline __attribute__((always_inline)) void scores_fixed(const int64_t nv, const float *q, const float *k_head,
-                                                               const int32_t *blocks, int64_t start, int64_t end,
-                                                               int64_t block_size, int64_t group, float scale,
+                                                               const float *v_head, const int32_t *blocks, int64_t start,
+                                                               int64_t end, int64_t block_size, int64_t group, float scale,
                                                                float softcap, float *s) {
     const int64_t len = end - start, head_dim = 16 * nv;
     for (int64_t b = start / block_size; b * block_size < end; b++) {
         const float *keys = block_rows(k_head, blocks, b, block_size, head_dim);
         if ((b + 1) * block_size < end) prefetch_block(block_rows(k_head, blocks, b + 1, block_size, head_dim), block_size, head_dim);
+        prefetch_block(block_rows(v_head, blocks, b, block_size, head_dim), block_size, head_dim);
         const int64_t j0 = b * block_size < start ? start - b * block_size : 0;
         for (int64_t j = j0; j < block_size && b * block_size + j < end; j++) {
             const float *key = keys + j * head_dim;
@@ -209,10 +227,11 @@ static inline __attribute__((always_inline)) void values_fixed(const int64_t nv,
     }
 }
 
-static void attention_scores_fast(const float *q, const float *k_head, const int32_t *blocks, int64_t start, int64_t end,
-                                  int64_t block_size, int64_t group, int64_t head_dim, float scale, float softcap, float *s) {
-    if (head_dim == 64) scores_fixed(4, q, k_head, blocks, start, end, block_size, group, scale, softcap, s);
-    else scores_fixed(8, q, k_head, blocks, start, end, block_size, group, scale, softcap, s);
+static void attention_scores_fast(const float *q, const float *k_head, const float *v_head, const int32_t *blocks,
+                                  int64_t start, int64_t end, int64_t block_size, int64_t group, int64_t head_dim,
+                                  float scale, float softcap, float *s) {
+    if (head_dim == 64) scores_fixed(4, q, k_head, v_head, blocks, start, end, block_size, group, scale, softcap, s);
+    else scores_fixed(8, q, k_head, v_head, blocks, start, end, block_size, group, scale, softcap, s);
 }
 
 static void attention_values_fast(const float *v_head, const int32_t *blocks, int64_t start, int64_t end,
@@ -266,7 +285,7 @@ void shm_attention_task(const shm_attention_args *a, int64_t task, float *work, 
     float *s = work, *acc = work + group * len, maxes[group], sums[group];
 #ifndef SHM_BF16
     if (fast_head(D))
-        attention_scores_fast(q, k_head, blocks, start, end, a->block_size, group, D, a->scale, a->softcap, s);
+        attention_scores_fast(q, k_head, v_head, blocks, start, end, a->block_size, group, D, a->scale, a->softcap, s);
     else
 #endif
         attention_scores(q, k_head, blocks, start, end, a->block_size, group, D, a->scale, a->softcap, s);
@@ -390,69 +409,70 @@ int shm_paged_decode_attention(act_t *out, int64_t out_row_stride, const act_t *
 
 /* out[t] = weight * (x[t] / sqrt(mean(x[t]^2) + eps)): transformers' RMSNorm (normalized in
  * fp32, rounded to the activation type, then scaled). */
-void shm_rms_norm(act_t *out, const act_t *x, const act_t *weight, int64_t rows, int64_t hidden, float eps) {
-#pragma omp parallel for if (rows * hidden >= PARALLEL_MIN_FLOATS)
-    for (int64_t t = 0; t < rows; t++) {
-        const act_t *row = x + t * hidden;
-        act_t *dst = out + t * hidden;
-        float squares = 0.0f;
+static inline void rms_norm_row(act_t *dst, const act_t *row, const act_t *weight, int64_t hidden, float eps) {
+    float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
-        for (int64_t i = 0; i < hidden; i++) squares += LD(row[i]) * LD(row[i]);
-        const float scale = 1.0f / sqrtf(squares / (float)hidden + eps);
+    for (int64_t i = 0; i < hidden; i++) squares += LD(row[i]) * LD(row[i]);
+    const float scale = 1.0f / sqrtf(squares / (float)hidden + eps);
 #pragma omp simd
-        for (int64_t i = 0; i < hidden; i++) dst[i] = ST(LD(weight[i]) * RB(LD(row[i]) * scale));
-    }
+    for (int64_t i = 0; i < hidden; i++) dst[i] = ST(LD(weight[i]) * RB(LD(row[i]) * scale));
+}
+
+void shm_rms_norm(act_t *out, const act_t *x, const act_t *weight, int64_t rows, int64_t hidden, float eps) {
+    EACH_ROW(rows, rows * hidden >= PARALLEL_MIN_FLOATS, rms_norm_row(out + t_ * hidden, x + t_ * hidden, weight, hidden, eps));
 }
 
 /* out[t] = silu(gate) * up, where x[t] = [gate | up], each `width` wide. */
-void shm_silu_and_mul(act_t *out, const act_t *x, int64_t rows, int64_t width) {
-#pragma omp parallel for if (rows * width >= PARALLEL_MIN_FLOATS)
-    for (int64_t t = 0; t < rows; t++) {
-        const act_t *gate = x + t * 2 * width, *up = gate + width;
-        act_t *dst = out + t * width;
+static inline void silu_and_mul_row(act_t *dst, const act_t *gate, int64_t width) {
+    const act_t *up = gate + width;
 #pragma omp simd
-        for (int64_t i = 0; i < width; i++) {
-            const float g = LD(gate[i]);
-            dst[i] = ST(RB(g / (1.0f + expf(-g))) * LD(up[i]));
-        }
+    for (int64_t i = 0; i < width; i++) {
+        const float g = LD(gate[i]);
+        dst[i] = ST(RB(g / (1.0f + expf(-g))) * LD(up[i]));
     }
+}
+
+void shm_silu_and_mul(act_t *out, const act_t *x, int64_t rows, int64_t width) {
+    EACH_ROW(rows, rows * width >= PARALLEL_MIN_FLOATS, silu_and_mul_row(out + t_ * width, x + t_ * 2 * width, width));
 }
 
 /* out[t] = gelu_tanh(gate) * up, where x[t] = [gate | up], each `width` wide: GeGLU with
  * torch's tanh approximation, 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) (Gemma). */
-void shm_gelu_tanh_and_mul(act_t *out, const act_t *x, int64_t rows, int64_t width) {
+static inline void gelu_tanh_and_mul_row(act_t *dst, const act_t *gate, int64_t width) {
     const float beta = 0.7978845608028654f, kappa = 0.044715f;
-#pragma omp parallel for if (rows * width >= PARALLEL_MIN_FLOATS)
-    for (int64_t t = 0; t < rows; t++) {
-        const act_t *gate = x + t * 2 * width, *up = gate + width;
-        act_t *dst = out + t * width;
+    const act_t *up = gate + width;
 #pragma omp simd
-        for (int64_t i = 0; i < width; i++) {
-            const float g = LD(gate[i]);
-            dst[i] = ST(RB(0.5f * g * (1.0f + tanhf(beta * (g + kappa * g * g * g)))) * LD(up[i]));
-        }
+    for (int64_t i = 0; i < width; i++) {
+        const float g = LD(gate[i]);
+        dst[i] = ST(RB(0.5f * g * (1.0f + tanhf(beta * (g + kappa * g * g * g)))) * LD(up[i]));
     }
+}
+
+void shm_gelu_tanh_and_mul(act_t *out, const act_t *x, int64_t rows, int64_t width) {
+    EACH_ROW(rows, rows * width >= PARALLEL_MIN_FLOATS, gelu_tanh_and_mul_row(out + t_ * width, x + t_ * 2 * width, width));
 }
 
 /* Neox rotary embedding in place on `heads` heads of each row of x (rows `row_stride` apart):
  * x * cos + swap_halves(x) * sin, with the tables of RotaryEmbedding ([max_position, head_dim],
  * sin with its first half negated) looked up at positions[t]. */
-void shm_rotary(act_t *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim,
-                const int64_t *positions, const float *cos_table, const float *sin_table) {
+static inline void rotary_row(act_t *x, int64_t heads, int64_t head_dim, const float *c, const float *s) {
     const int64_t half = head_dim / 2;
-#pragma omp parallel for if (rows * heads * head_dim >= PARALLEL_MIN_FLOATS)
-    for (int64_t t = 0; t < rows; t++) {
-        const float *c = cos_table + positions[t] * head_dim, *s = sin_table + positions[t] * head_dim;
-        for (int64_t h = 0; h < heads; h++) {
-            act_t *lo = x + t * row_stride + h * head_dim, *hi = lo + half;
+    for (int64_t h = 0; h < heads; h++) {
+        act_t *lo = x + h * head_dim, *hi = lo + half;
 #pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                const float x1 = LD(lo[i]), x2 = LD(hi[i]);
-                lo[i] = ST(x1 * RB(c[i]) + x2 * RB(s[i]));
-                hi[i] = ST(x2 * RB(c[half + i]) + x1 * RB(s[half + i]));
-            }
+        for (int64_t i = 0; i < half; i++) {
+            const float x1 = LD(lo[i]), x2 = LD(hi[i]);
+            lo[i] = ST(x1 * RB(c[i]) + x2 * RB(s[i]));
+            hi[i] = ST(x2 * RB(c[half + i]) + x1 * RB(s[half + i]));
         }
     }
+}
+
+void shm_rotary(act_t *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim,
+                const int64_t *positions, const float *cos_table, const float *sin_table) {
+    EACH_ROW(rows, rows * heads * head_dim >= PARALLEL_MIN_FLOATS,
+             rotary_row(x + t_ * row_stride, heads, head_dim, cos_table + positions[t_] * head_dim,
+                        sin_table + positions[t_] * head_dim));
 }
 
 /* out = x @ w^T (+ bias) (+ residual) for a few rows of x ([rows, k]; w: [n, k] as nn.Linear

@@ -34,6 +34,36 @@ typedef float act_t;
 #include "attention.h"
 #include "quant_kernels.c"
 
+#ifdef SHM_STEP_PROFILE
+/* The profiling build (benchmarks/decode_profile.py --step-stages): each thread's nanoseconds in
+ * each stage of the step, summed over calls; the shipped build compiles STAMP to nothing. */
+#include <time.h>
+enum { ST_FORK, ST_QKV, ST_QKV_WAIT, ST_ROPE, ST_ROPE_WAIT, ST_ATTN, ST_ATTN_WAIT, ST_O, ST_O_WAIT, ST_GATE_UP,
+       ST_GATE_UP_WAIT, ST_GLU, ST_DOWN, ST_DOWN_WAIT, ST_FINAL, ST_STAGES };
+#define PROFILE_THREADS 8
+static int64_t step_profile[PROFILE_THREADS][ST_STAGES];
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+#define STAMP(stage)                                                    \
+    do {                                                                \
+        const int64_t now_ = now_ns();                                  \
+        if (tid < PROFILE_THREADS) step_profile[tid][stage] += now_ - last_; \
+        last_ = now_;                                                   \
+    } while (0)
+
+/* Copies the sums into out[PROFILE_THREADS * ST_STAGES] and zeroes them; returns ST_STAGES. */
+int shm_step_profile(int64_t *out) {
+    memcpy(out, step_profile, sizeof(step_profile));
+    memset(step_profile, 0, sizeof(step_profile));
+    return ST_STAGES;
+}
+#else
+#define STAMP(stage) ((void)0)
+#endif
+
 typedef struct {
     int64_t offset, n, row_bytes, type; /* type -1: plain fp32 rows run by cpu_kernels.c's shm_linear_rows */
     const uint8_t *w;
@@ -87,9 +117,9 @@ typedef struct {
     int64_t moe_slots, max_experts; /* the largest top_k and expert count of the MoE layers (0: none) */
 } shm_model;
 
-/* Phases a layer hands out work in (qkv, attention, combine, o, gate-up, down, router), each its
- * counter; a MoE layer's experts take synchronisation words of their own (moe.c's moe_team). */
-#define PHASES_PER_LAYER 7
+/* Phases a layer hands out work in (qkv, attention, combine, o, gate-up, down, router, attention
+ * inputs), each its counter; a MoE layer's experts take synchronisation words of their own (moe.c's moe_team). */
+#define PHASES_PER_LAYER 8
 
 /* Output rows per chunk handed out: one chunk per thread (each streams one contiguous run of weight
  * rows, the hardware prefetcher's best case; smaller chunks measured slower, decode_profile.md). */
@@ -248,22 +278,41 @@ static void moe_route(const shm_model *m, const shm_layer *layer, const float *l
     for (int64_t s = 0; s < r->plan.slots; s++) memcpy(r->xs + s * H, x + r->plan.row[s] * H, (size_t)H * sizeof(float));
 }
 
-/* One thread's q/k norms, rotary and KV write for the step's rows (run by one thread). */
+/* The q/k norms, rotary and KV write of the step's rows where the q/k norms span the whole
+ * projection (OLMo 2): every head's norm needs all heads, so one thread does it all. */
 static void attention_inputs(const shm_model *m, const shm_layer *layer, float *qkv, int64_t rows,
                              const int64_t *positions, const int64_t *slot_mapping) {
     const int64_t D = m->head_dim, q_size = m->num_heads * D, kv_size = m->kv_heads * D, width = q_size + 2 * kv_size;
-    if (layer->q_norm != NULL) {
-        const int64_t w = m->qk_norm_width;
-        for (int64_t t = 0; t < rows; t++) {
-            float *q = qkv + t * width, *k = q + q_size;
-            m->rms_norm(q, q, layer->q_norm, w ? q_size / w : 1, w ? w : q_size, m->eps);
-            m->rms_norm(k, k, layer->k_norm, w ? kv_size / w : 1, w ? w : kv_size, m->eps);
-        }
+    for (int64_t t = 0; t < rows; t++) {
+        float *q = qkv + t * width, *k = q + q_size;
+        m->rms_norm(q, q, layer->q_norm, 1, q_size, m->eps);
+        m->rms_norm(k, k, layer->k_norm, 1, kv_size, m->eps);
     }
     if (layer->cos_table != NULL)
         m->rotary(qkv, width, rows, m->num_heads + m->kv_heads, D, positions, layer->cos_table, layer->sin_table);
     m->write_kv(qkv + q_size, width, qkv + q_size + kv_size, width, slot_mapping, rows, layer->k_cache, layer->v_cache,
                 m->num_slots, m->kv_heads, D);
+}
+
+/* The same for one (row, kv head) `pair` = t * kv_heads + h, where the q/k norms are per head or
+ * absent: its group's query heads and its key head normed and rotated, its key and value rows
+ * written to the cache. Each head's arithmetic is the whole-row calls' (they loop over heads), so
+ * the pairs run on any threads. */
+static void attention_pair_inputs(const shm_model *m, const shm_layer *layer, float *qkv, int64_t pair,
+                                  const int64_t *positions, const int64_t *slot_mapping) {
+    const int64_t D = m->head_dim, q_size = m->num_heads * D, kv_size = m->kv_heads * D, width = q_size + 2 * kv_size;
+    const int64_t t = pair / m->kv_heads, h = pair % m->kv_heads, group = m->num_heads / m->kv_heads;
+    float *q = qkv + t * width + h * group * D, *k = qkv + t * width + q_size + h * D, *v = k + kv_size;
+    if (layer->q_norm != NULL) {
+        m->rms_norm(q, q, layer->q_norm, group, D, m->eps);
+        m->rms_norm(k, k, layer->k_norm, 1, D, m->eps);
+    }
+    if (layer->cos_table != NULL) {
+        m->rotary(q, width, 1, group, D, positions + t, layer->cos_table, layer->sin_table);
+        m->rotary(k, width, 1, 1, D, positions + t, layer->cos_table, layer->sin_table);
+    }
+    const int64_t head = h * m->num_slots * D;
+    m->write_kv(k, width, v, width, slot_mapping + t, 1, layer->k_cache + head, layer->v_cache + head, m->num_slots, 1, D);
 }
 
 /* Each layer's norm weights and GEMVs can run; -1 / -3 for a weight the kernels cannot run. */
@@ -314,9 +363,16 @@ int shm_decode_step(const shm_model *m, float *hidden, float *out, int64_t rows,
                                      m->kv_heads, D, 0.0f, 1, 0, 0.0f, NULL};
     int threads = omp_get_max_threads();
     threads = threads < m->threads ? threads : (int)m->threads;
+#ifdef SHM_STEP_PROFILE
+    const int64_t forked = now_ns();
+#endif
 #pragma omp parallel num_threads(threads)
     {
         const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+#ifdef SHM_STEP_PROFILE
+        int64_t last_ = forked;
+        STAMP(ST_FORK);
+#endif
         float *normed = own_base + tid * own, *act = normed + rows * H, *residual = act + rows * I;
         float *block_normed = residual + rows * H, *work = block_normed + rows * H;
         float *routing_base = work + attention_work_floats(group, D);
@@ -340,20 +396,33 @@ int shm_decode_step(const shm_model *m, float *hidden, float *out, int64_t rows,
             const int64_t tasks = pairs * a.max_chunks;
             team_linear(m, &layer->qkv, qkv, norm_or_same(m, normed, stream, layer->attn_in_norm, rows), NULL, rows, team,
                         &counter[0]);
+            STAMP(ST_QKV);
 #pragma omp barrier
-            if (tid == 0) attention_inputs(m, layer, qkv, rows, positions, slot_mapping);
+            STAMP(ST_QKV_WAIT);
+            if (layer->q_norm != NULL && m->qk_norm_width == 0) {
+                if (tid == 0) attention_inputs(m, layer, qkv, rows, positions, slot_mapping);
+            } else {
+                for (int64_t p; (p = __atomic_fetch_add(&counter[7], 1, __ATOMIC_RELAXED)) < pairs;)
+                    attention_pair_inputs(m, layer, qkv, p, positions, slot_mapping);
+            }
+            STAMP(ST_ROPE);
 #pragma omp barrier
+            STAMP(ST_ROPE_WAIT);
             for (int64_t t; (t = __atomic_fetch_add(&counter[1], 1, __ATOMIC_RELAXED)) < tasks;)
                 m->attention_task(&a, t, work, partials);
+            STAMP(ST_ATTN);
             if (a.max_chunks > 1) {
 #pragma omp barrier
                 for (int64_t p; (p = __atomic_fetch_add(&counter[2], 1, __ATOMIC_RELAXED)) < pairs;)
                     m->attention_combine(&a, p, partials);
             }
 #pragma omp barrier
+            STAMP(ST_ATTN_WAIT);
             if (m->fused_residual) {
                 team_linear(m, &layer->o, hidden, attn, hidden, rows, team, &counter[3]);
+                STAMP(ST_O);
 #pragma omp barrier
+                STAMP(ST_O_WAIT);
             } else {
                 team_linear(m, &layer->o, block, attn, NULL, rows, team, &counter[3]);
 #pragma omp barrier
@@ -377,11 +446,16 @@ int shm_decode_step(const shm_model *m, float *hidden, float *out, int64_t rows,
             }
             team_linear(m, &layer->gate_up, gate_up, norm_or_same(m, normed, stream, layer->mlp_in_norm, rows), NULL, rows,
                         team, &counter[4]);
+            STAMP(ST_GATE_UP);
 #pragma omp barrier
+            STAMP(ST_GATE_UP_WAIT);
             m->glu(act, gate_up, rows, I);
+            STAMP(ST_GLU);
             if (m->fused_residual) {
                 team_linear(m, &layer->down, hidden, act, hidden, rows, team, &counter[5]);
+                STAMP(ST_DOWN);
 #pragma omp barrier
+                STAMP(ST_DOWN_WAIT);
             } else {
                 team_linear(m, &layer->down, block, act, NULL, rows, team, &counter[5]);
 #pragma omp barrier
@@ -389,6 +463,7 @@ int shm_decode_step(const shm_model *m, float *hidden, float *out, int64_t rows,
             }
         }
         if (tid == 0) m->rms_norm(out, stream, m->final_norm, rows, H, m->eps);
+        STAMP(ST_FINAL);
     }
     return 0;
 }

@@ -1,4 +1,4 @@
-/* The GEMV rows of the 2- and 3-bit K formats (Q2_K, Q3_K), of Q4_1 (and Q5_0 / Q5_1 on AVX2) on
+/* The GEMV rows of the 2- and 3-bit K formats (Q2_K, Q3_K), of Q4_1 (Q8_0 on VNNI, Q5_0 / Q5_1 on AVX2) on
  * integer dot products of unsigned by signed bytes, in two widths from one source: the AVX-512
  * VNNI build (512-bit vectors, vpdpbusd: 64 products an instruction) and the AVX2 build (256-bit, vpmaddubsw + vpmaddwd: 32 products in
  * two instructions). Included by quant_kernels.c in those builds; plain AVX-512 keeps fp32 rows.
@@ -468,6 +468,28 @@ static inline __attribute__((always_inline)) void q4_1_rows8(const int M, float 
     }
 }
 
+/* rows [j, j + rows) of w as a group of 8: in place, or (the last group, rows < 8) copied to `last`
+ * with its last row repeated */
+static inline const uint8_t *rows8_group(const uint8_t *w, int64_t row_bytes, int64_t j, int rows, uint8_t *last) {
+    const uint8_t *group = w + j * row_bytes;
+    if (rows == 8) return group;
+    memcpy(last, group, rows * row_bytes);
+    for (int r = rows; r < 8; r++) memcpy(last + r * row_bytes, group + (rows - 1) * row_bytes, row_bytes);
+    return last;
+}
+#define ROWS8_RANGE_LOOP(ROWS8, XSUMS)                                                                          \
+    for (int64_t j = j0; j < j1; j += 8) {                                                                      \
+        const int rows = j1 - j < 8 ? (int)(j1 - j) : 8;                                                        \
+        uint8_t last[rows < 8 ? 8 * row_bytes : 1];                                                             \
+        const uint8_t *g = rows8_group(w, row_bytes, j, rows, last);                                            \
+        switch (M) {                                                                                            \
+        case 1: ROWS8(1, out, ldo, xq, xd, XSUMS, blocks, g, row_bytes, rows, bias, residual, ldr, j); break;    \
+        case 2: ROWS8(2, out, ldo, xq, xd, XSUMS, blocks, g, row_bytes, rows, bias, residual, ldr, j); break;    \
+        case 3: ROWS8(3, out, ldo, xq, xd, XSUMS, blocks, g, row_bytes, rows, bias, residual, ldr, j); break;    \
+        default: ROWS8(4, out, ldo, xq, xd, XSUMS, blocks, g, row_bytes, rows, bias, residual, ldr, j); break;   \
+        }                                                                                                       \
+    }
+
 /* Q4_1's range: x split once per call, with the sums of x per block (not per 16), then 8 rows a pass */
 static void q4_1_range(int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
                        const float *bias, const float *residual, int64_t ldr, int64_t j0, int64_t j1, int64_t k) {
@@ -476,23 +498,87 @@ static void q4_1_range(int M, float *out, int64_t ldo, const float *x, int64_t l
     float xd[M * blocks], xs[M * (k / 16)];
     split_x(M, x, ldx, k, 32, xq, xd, xs);
     for (int64_t b = 0; b < M * blocks; b++) xs[b] = xs[2 * b] + xs[2 * b + 1];
-    for (int64_t j = j0; j < j1; j += 8) {
-        const int rows = j1 - j < 8 ? (int)(j1 - j) : 8;
-        uint8_t last[rows < 8 ? 8 * row_bytes : 1];
-        const uint8_t *group = w + j * row_bytes;
-        if (rows < 8) { /* the last group: its rows, then its last row again */
-            memcpy(last, group, rows * row_bytes);
-            for (int r = rows; r < 8; r++) memcpy(last + r * row_bytes, group + (rows - 1) * row_bytes, row_bytes);
-            group = last;
-        }
-        switch (M) {
-        case 1: q4_1_rows8(1, out, ldo, xq, xd, xs, blocks, group, row_bytes, rows, bias, residual, ldr, j); break;
-        case 2: q4_1_rows8(2, out, ldo, xq, xd, xs, blocks, group, row_bytes, rows, bias, residual, ldr, j); break;
-        case 3: q4_1_rows8(3, out, ldo, xq, xd, xs, blocks, group, row_bytes, rows, bias, residual, ldr, j); break;
-        default: q4_1_rows8(4, out, ldo, xq, xd, xs, blocks, group, row_bytes, rows, bias, residual, ldr, j); break;
+    ROWS8_RANGE_LOOP(q4_1_rows8, xs)
+}
+
+#if IW == 64
+/* Q8_0 (the VNNI build; the default model's lm_head): w = d q per block of 32 (q signed 8 bits), x
+ * split per 32 values, 8 output rows a pass as Q4_1's. vpdpbusd takes unsigned by signed bytes, so
+ * the weights go in as q + 128 (q ^ 0x80) and 128 times the block's sum of each piece comes off:
+ * that sum is x's alone (the same in every lane), computed once per call. A piece's sum over a
+ * block (|.| <= 32 * 255 * 127) cannot be shifted by 14 in int32: pieces 0 and 1 combine in int32,
+ * piece 2 in fp32. */
+#define INT8_Q8_ROWS 1
+static inline __m256i q8_piece(const __m256i c[8], const int8_t *q) {
+    __m256i s = _mm256_setzero_si256(), u = s;
+    for (int t = 0; t < 4; t++) {
+        s = _mm256_dpbusd_epi32(s, c[t], _mm256_set1_epi32((int)load_u32((const uint8_t *)q + 4 * t)));
+        u = _mm256_dpbusd_epi32(u, c[t + 4], _mm256_set1_epi32((int)load_u32((const uint8_t *)q + 16 + 4 * t)));
+    }
+    return _mm256_add_epi32(s, u);
+}
+/* rows r and r + 4's 16 bytes at blk + r row_bytes in one vector, as 4 vectors of dword t of the 8 rows */
+static inline void dwords8(const uint8_t *blk, int64_t row_bytes, __m256i c[4]) {
+    __m256i p[4];
+    for (int r = 0; r < 4; r++)
+        p[r] = _mm256_loadu2_m128i((const __m128i *)(blk + (r + 4) * row_bytes), (const __m128i *)(blk + r * row_bytes));
+    const __m256i u0 = _mm256_unpacklo_epi32(p[0], p[1]), u1 = _mm256_unpackhi_epi32(p[0], p[1]);
+    const __m256i u2 = _mm256_unpacklo_epi32(p[2], p[3]), u3 = _mm256_unpackhi_epi32(p[2], p[3]);
+    c[0] = _mm256_unpacklo_epi64(u0, u2), c[1] = _mm256_unpackhi_epi64(u0, u2);
+    c[2] = _mm256_unpacklo_epi64(u1, u3), c[3] = _mm256_unpackhi_epi64(u1, u3);
+}
+static inline __attribute__((always_inline)) void q8_0_rows8(const int M, float *out, int64_t ldo, const int8_t *xq,
+                                                             const float *xd, const int32_t *xc, int64_t blocks,
+                                                             const uint8_t *w, int64_t row_bytes, int rows,
+                                                             const float *bias, const float *residual, int64_t ldr,
+                                                             int64_t j) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    __m256 acc[FEW_ROWS];
+    for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *blk = w + 34 * b;
+        for (int l = 0; l < 5; l++) __builtin_prefetch(w + 16 * row_bytes + 272 * b + 64 * l, 0, 3);
+        __m256i c[8], h[4];
+        dwords8(blk + 2, row_bytes, c);
+        dwords8(blk + 18, row_bytes, c + 4);
+        for (int t = 0; t < 8; t++) c[t] = _mm256_xor_si256(c[t], flip);
+        dwords8(blk, row_bytes, h);
+        const __m256 d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(h[0]));
+        for (int m = 0; m < M; m++) {
+            const int8_t *q = xq + (m * blocks + b) * 96;
+            const int32_t *corr = xc + 2 * (m * blocks + b);
+            const __m256i t01 = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(q8_piece(c, q), 7), q8_piece(c, q + 32)),
+                                                 _mm256_set1_epi32(corr[0]));
+            const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t01), _mm256_set1_ps(128.0f),
+                                             _mm256_cvtepi32_ps(_mm256_sub_epi32(q8_piece(c, q + 64), _mm256_set1_epi32(corr[1]))));
+            acc[m] = _mm256_fmadd_ps(t, _mm256_mul_ps(d, _mm256_set1_ps(xd[m * blocks + b])), acc[m]);
         }
     }
+    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(rows), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 add = bias != NULL ? _mm256_maskload_ps(bias + j, live) : _mm256_setzero_ps();
+    for (int m = 0; m < M; m++) {
+        const __m256 res = residual != NULL ? _mm256_maskload_ps(residual + m * ldr + j, live) : _mm256_setzero_ps();
+        _mm256_maskstore_ps(out + m * ldo + j, live,
+                            _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(acc[m], _mm256_set1_ps(1.0f / 16384.0f)), add), res));
+    }
 }
+/* Q8_0's range: x split once per call, with each block's correction for the weights' + 128 */
+static void q8_0_range(int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
+                       const float *bias, const float *residual, int64_t ldr, int64_t j0, int64_t j1, int64_t k) {
+    const int64_t blocks = k / 32;
+    int8_t xq[M * blocks * 96];
+    float xd[M * blocks], xs[M * (k / 16)];
+    int32_t xc[2 * M * blocks];
+    split_x(M, x, ldx, k, 32, xq, xd, xs);
+    for (int64_t b = 0; b < M * blocks; b++) {
+        int32_t sum[3] = {0, 0, 0};
+        for (int i = 0; i < 3; i++)
+            for (int e = 0; e < 32; e++) sum[i] += xq[b * 96 + 32 * i + e];
+        xc[2 * b] = 128 * (128 * sum[0] + sum[1]), xc[2 * b + 1] = 128 * sum[2];
+    }
+    ROWS8_RANGE_LOOP(q8_0_rows8, xc)
+}
+#endif
 
 /* NAME##_range for these rows: x split per QK values and its sums per 16 once per call, then row by row. */
 #define DEFINE_INT8_RANGE(NAME, QK)                                                                             \

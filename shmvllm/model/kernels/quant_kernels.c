@@ -13,7 +13,7 @@
  *
  * Built four times from this one file (kernels/__init__.py): with AVX-512 (VW = 16; with and
  * without VNNI), with AVX2 + FMA (VW = 8) and for the baseline ISA (portable), through GCC's vector
- * extensions (the VNNI and AVX2 builds run Q2_K / Q3_K / Q4_1's GEMV on integer dot products, AVX2 Q5_0 /
+ * extensions (the VNNI and AVX2 builds run Q2_K / Q3_K / Q4_1's GEMV on integer dot products, VNNI Q8_0's, AVX2 Q5_0 /
  * Q5_1's too: quant_int8.h), and picked at run time by what the CPU reports (shm_quant_cpu_supports). Compiled without
  * -ffast-math: no reassociation may touch the dequantization arithmetic.
  *
@@ -963,7 +963,9 @@ DEFINE_FOLDED_ROW(q4_1, 20, 1)
 #endif
 #define Q4_XSUM 32 /* the folded rows' m * sum(x) */
 #endif
+#ifndef INT8_Q8_ROWS
 DEFINE_FOLDED_ROW(q8_0, 34, 0)
+#endif
 DEFINE_ROW(q5_k, deq_q5_k, 256, 176)
 DEFINE_ROW(f16, deq_f16, 32, 64)
 DEFINE_ROW(bf16, deq_bf16, 32, 64)
@@ -990,7 +992,11 @@ DEFINE_FEW_DEQ(q4_1, deq_q4_1, 32, 20)
 #else
 DEFINE_FORMAT(q4_1, deq_q4_1, 32, 20, Q4_XSUM)
 #endif
+#ifdef INT8_Q8_ROWS
+DEFINE_FEW_DEQ(q8_0, deq_q8_0, 32, 34)
+#else
 DEFINE_FORMAT(q8_0, deq_q8_0, 32, 34, 0)
+#endif
 DEFINE_FORMAT(q4_k, deq_q4_k, 256, 144, 32)
 DEFINE_FORMAT(q5_k, deq_q5_k, 256, 176, 0)
 DEFINE_FORMAT(q6_k, deq_q6_k, 256, 210, 0)

@@ -97,6 +97,28 @@ def test_step_with_mixed_params(tiny_runner):
     np.testing.assert_allclose(out["r1"], out["r0"][:8] / np.linalg.norm(out["r0"][:8]), atol=1e-6)
 
 
+def test_step_past_the_sub_batch_runs_in_pieces_with_the_same_outputs(tiny_runner):
+    from shmvllm.worker import pooling_runner
+
+    rng = np.random.default_rng(0)
+    lengths = [int(n) for n in rng.integers(3, 200, size=80)]  # ~8,000 tokens: two or three pieces
+    prompts = [[101] + [int(t) for t in rng.integers(1000, 5000, size=n - 2)] + [102] for n in lengths]
+    assert sum(lengths) > pooling_runner.SUB_BATCH_TOKENS
+    together = _embed(tiny_runner, prompts)
+    alone = np.concatenate([_embed(tiny_runner, [p]) for p in prompts[:6]])
+    np.testing.assert_allclose(together[:6], alone, atol=1e-6)
+    cosine = (together * np.stack([_embed(tiny_runner, [p])[0] for p in prompts])).sum(1)
+    assert cosine.min() >= 0.999999
+
+
+def test_sub_batches_cut_at_whole_sequences():
+    from shmvllm.worker.pooling_runner import _sub_batches
+
+    reqs = _step([[1] * n for n in (3, 4, 2, 9, 1, 1)]).scheduled_new_reqs
+    parts = _sub_batches(reqs, 8)
+    assert [[len(r.prompt_token_ids) for r in part] for part in parts] == [[3, 4], [2], [9], [1, 1]]
+
+
 def test_empty_step(tiny_runner):
     out = tiny_runner.execute_model(_step([]))
     assert out.req_ids == [] and out.pooler_output == {}

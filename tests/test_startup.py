@@ -575,7 +575,7 @@ def held_import():
 
 
 core_proc._import_torch = held_import
-llm = LLM({model!r}, max_model_len=512, num_kv_blocks=64)
+llm = LLM({model!r}, max_model_len=512, num_kv_blocks=256)
 print("LLM", flush=True)
 cases = json.loads(os.environ["CASES"])
 
@@ -610,7 +610,7 @@ FIRST_CASES = [
 def _expected(model_dir: Path, cases: list) -> list:
     from shmvllm import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), max_model_len=512, num_kv_blocks=64, multiprocess=False)
+    llm = LLM(str(model_dir), max_model_len=512, num_kv_blocks=256, multiprocess=False)
     try:
         outs = llm.generate([c[0] for c in cases], [SamplingParams(**c[1]) for c in cases], use_tqdm=False)
     finally:

@@ -98,10 +98,10 @@ class PoolingModelRunner:
             self._check(req, scheduler_output.num_scheduled_tokens)
         # Packed by length, equal lengths sit together: the encoder attends each such run at once.
         by_length = sorted(reqs, key=lambda req: len(req.prompt_token_ids))
+        vectors: list[np.ndarray] = []
         with torch.inference_mode():
-            vectors = self._embed(
-                [req.prompt_token_ids for req in by_length], [req.pooling_params for req in by_length]
-            )
+            for part in _sub_batches(by_length, SUB_BATCH_TOKENS):
+                vectors += self._embed([req.prompt_token_ids for req in part], [req.pooling_params for req in part])
         return ModelRunnerOutput(
             req_ids=[req.req_id for req in reqs],
             sampled_token_ids=[[] for _ in reqs],
@@ -246,6 +246,28 @@ class PoolingModelRunner:
             slot_mapping=None, prefills=[PrefillSeq(s, e, None, None) for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])]
         )
         return self.model(input_ids, positions, meta)
+
+
+SUB_BATCH_TOKENS = 4096
+"""A step runs through the model in pieces of whole sequences of at most this many tokens (a
+longer sequence alone): their activations (a 4,096-token QKV is 18 MB for MiniLM) stay under
+glibc's 32 MB mmap threshold and so are reused between pieces, where a 16,384-token step's are
+mapped and page-faulted afresh each time (8-12x the engine's minor faults): MiniLM's embed and
+reranker ran 7% faster with one engine alive, 30-40% with six (benchmarks/results/embed.md,
+"Encoder choices"); 4,096 beat 2,048."""
+
+
+def _sub_batches(reqs: list[NewRequestData], max_tokens: int) -> list[list[NewRequestData]]:
+    """reqs in order, cut into consecutive runs of at most max_tokens prompt tokens each."""
+    parts: list[list[NewRequestData]] = []
+    budget = 0
+    for req in reqs:
+        if not parts or len(req.prompt_token_ids) > budget:
+            parts.append([])
+            budget = max_tokens
+        parts[-1].append(req)
+        budget -= len(req.prompt_token_ids)
+    return parts
 
 
 def _classify_activation(hf_config: Any) -> str:

@@ -191,6 +191,31 @@ def test_frontend_imports_no_torch_and_the_engine_no_transformers(tmp_path, smol
     assert json.loads(report.read_text()) == ["torch"]
 
 
+LLM_FRONTEND = """
+import sys
+from shmvllm import LLM, SamplingParams
+
+llm = LLM(model={model!r}, max_model_len=128, num_kv_blocks=16)
+params = SamplingParams(temperature=0.0, max_tokens=4)
+text = llm.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0].text
+chat = llm.chat([{{"role": "user", "content": "Hi"}}], params, use_tqdm=False)[0].outputs[0].text
+print("LLM", sorted(m for m in ("torch", "transformers") if m in sys.modules), bool(text), bool(chat))
+llm.get_tokenizer()
+print("ASKED", "transformers" in sys.modules)
+"""
+
+
+def test_llm_generate_and_chat_import_no_transformers(tmp_path, smollm2_dir):
+    """`LLM(model=...)`, a generate and a chat: the frontend's tokenizer is the tokenizers
+    library's; `get_tokenizer()` alone imports transformers."""
+    (tmp_path / "frontend.py").write_text(LLM_FRONTEND.format(model=str(smollm2_dir)))
+    done = subprocess.run([sys.executable, str(tmp_path / "frontend.py")], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+    assert "LLM [] True True" in done.stdout
+    assert "ASKED True" in done.stdout
+
+
 # ---- a start-up interrupted ----------------------------------------------------------------------
 
 SLOW_EXECUTOR = """
@@ -550,7 +575,7 @@ def held_import():
 
 
 core_proc._import_torch = held_import
-llm = LLM({model!r}, max_model_len=512, num_kv_blocks=64)
+llm = LLM({model!r}, max_model_len=512, num_kv_blocks=256)
 print("LLM", flush=True)
 cases = json.loads(os.environ["CASES"])
 
@@ -585,7 +610,7 @@ FIRST_CASES = [
 def _expected(model_dir: Path, cases: list) -> list:
     from shmvllm import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), max_model_len=512, num_kv_blocks=64, multiprocess=False)
+    llm = LLM(str(model_dir), max_model_len=512, num_kv_blocks=256, multiprocess=False)
     try:
         outs = llm.generate([c[0] for c in cases], [SamplingParams(**c[1]) for c in cases], use_tqdm=False)
     finally:

@@ -197,13 +197,37 @@ def serve_prestarted(read_fd: int) -> None:
     serve_forked(decode_proc_args(payload), None)
 
 
+class _PausableImport:
+    """A finder first on sys.meta_path that holds the torch-importing thread at its next module
+    while `torch_may_run` is clear (the engine computes a request without torch meanwhile: the
+    import would hold the GIL between each of its C calls); at most PAUSE_MAX_S a module."""
+
+    PAUSE_MAX_S = 1.0
+
+    def __init__(self) -> None:
+        self.thread = threading.current_thread()
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if threading.current_thread() is self.thread:
+            torch_may_run.wait(self.PAUSE_MAX_S)
+        return None
+
+
+torch_may_run = threading.Event()
+torch_may_run.set()
+
+
 def _import_torch() -> None:
     global _prestart_imports_s
     started = time.monotonic()
+    pausable = _PausableImport()
+    sys.meta_path.insert(0, pausable)
     try:  # torch only: shmvllm's own modules import on the main thread (no two threads in one import cycle)
         import torch  # noqa: F401  (every built-in executor needs it)
     except Exception:  # the same import fails again in `serve`, which reports why
         pass
+    finally:
+        sys.meta_path.remove(pausable)
     _prestart_imports_s = time.monotonic() - started
 
 
@@ -376,10 +400,12 @@ class EngineCoreProc:
             return []
         torch_import = _torch_import
         try:
-            return first.serve(lambda: not torch_import.is_alive(), self._check_parent)
+            return first.serve(lambda: not torch_import.is_alive(), self._check_parent, torch_may_run)
         except (PeerGoneError, FrontendGoneError) as exc:
             self.endpoint.remove_orphaned()
             raise FrontendGoneError(str(exc)) from exc
+        finally:
+            torch_may_run.set()
 
     # ---- the process ---------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ from shmvllm.boundary.messages import (
     now,
 )
 from shmvllm.model.gguf_step import MAX_ROWS, GGUFStep
+from shmvllm.worker.kv_memory import TOUCHED_BLOCKS
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +106,13 @@ class FirstRequests:
         self.cpus = len(os.sched_getaffinity(0))
         self.step = GGUFStep(gguf_source(model.model_dir), model.hf_config, reservation.address, num_blocks,
                              self.block_size, self.max_model_len, self.cpus)
-        reservation.wait()  # its thread zeroes the first blocks, which requests here write
-        self.free_blocks = collections.deque(range(1, num_blocks))  # block 0 is the runner's padding block
+        # the reservation's thread zeroes the first TOUCHED_BLOCKS blocks of each region: requests
+        # here write the blocks after them (within the same first huge page), or wait for it where
+        # the cache has no more; never block 0, the runner's padding block
+        first = TOUCHED_BLOCKS if num_blocks > 2 * TOUCHED_BLOCKS else 1
+        if first == 1:
+            reservation.wait()
+        self.free_blocks = collections.deque(range(first, num_blocks))
         self.waiting: collections.deque[_Native] = collections.deque()
         self.running: list[_Native] = []
         self.deferred: list[Any] = []  # for the torch EngineCore, in arrival order
@@ -115,9 +121,11 @@ class FirstRequests:
         self.tokens = 0
         self.shutdown = False
 
-    def serve(self, torch_ready: Callable[[], bool], check_parent: Callable[[], None]) -> list[Any]:
+    def serve(self, torch_ready: Callable[[], bool], check_parent: Callable[[], None], torch_may_run: Any) -> list[Any]:
         """Serves until torch has imported (`torch_ready`) and no request of its own is left,
-        or SHUTDOWN; returns the messages that wait for the EngineCore (SHUTDOWN among them)."""
+        or SHUTDOWN; returns the messages that wait for the EngineCore (SHUTDOWN among them).
+        `torch_may_run` (a threading.Event) is cleared while requests of its own run and nothing
+        waits for the EngineCore: torch's import pauses at its next module then."""
         interval = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         started = time.monotonic()
@@ -128,8 +136,12 @@ class FirstRequests:
                 while (msg := self.endpoint.try_recv(decode_to_engine)) is not None:
                     self._take(msg, torch_ready())
                 self._admit()
+                if self.running and not self.deferred:
+                    torch_may_run.clear()
+                else:
+                    torch_may_run.set()
                 if self.running and not self.outbox.backlogged:
-                    self._step(torch_ready())
+                    self._step(torch_ready() or not torch_may_run.is_set())
                 elif not self.running:
                     if torch_ready():
                         break
@@ -192,9 +204,10 @@ class FirstRequests:
             self.waiting.remove(request)
         self.free_blocks.extend(int(b) for b in request.blocks)
 
-    def _step(self, torch_ready: bool) -> None:
+    def _step(self, torch_idle: bool) -> None:
         """One call of the step: each running request's next prompt tokens (up to the rows left)
-        or its last sampled token; then a token for each request whose tokens are all computed."""
+        or its last sampled token; then a token for each request whose tokens are all computed.
+        `torch_idle`: torch's import is done or paused (the step may take every core)."""
         rows: list[tuple[_Native, int, int]] = []  # request, first position, count
         room = MAX_ROWS
         for request in self.running:
@@ -213,7 +226,7 @@ class FirstRequests:
             table[row:row + count, :len(request.blocks)] = request.blocks
             row += count
         # 1 thread while torch imports on the other core (a team of 2 would wait at every barrier for it)
-        self.step.table.threads = self.cpus if torch_ready else 1
+        self.step.table.threads = self.cpus if torch_idle else 1
         hidden = self.step.forward(tokens, positions, slots, table, positions.astype(np.int32) + 1)
         sampled, last = [], 0
         for request, first, count in rows:

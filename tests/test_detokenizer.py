@@ -40,25 +40,6 @@ def smollm2_tokenizer(smollm2_dir):
     return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
-@pytest.fixture(scope="module")
-def byte_fallback_tokenizer():
-    """A SentencePiece-style tokenizer: metaspace, byte-fallback tokens <0x00>..<0xFF>, strip decoder."""
-    from tokenizers import Tokenizer, decoders, models, normalizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for b in range(256):
-        vocab[f"<0x{b:02X}>"] = len(vocab)
-    for piece in ["▁", "▁hello", "▁world", "▁the", "中", "文", "▁中", "é", *"abcdefghijklmnopqrstuvwxyz.,"]:
-        vocab.setdefault(piece, len(vocab))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-
-
 @pytest.fixture(params=["smollm2", "byte_fallback"])
 def tokenizer(request, smollm2_tokenizer, byte_fallback_tokenizer):
     return smollm2_tokenizer if request.param == "smollm2" else byte_fallback_tokenizer

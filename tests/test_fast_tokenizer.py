@@ -27,25 +27,12 @@ CONVERSATION = [
 
 
 @pytest.fixture(scope="module")
-def byte_fallback_dir(tmp_path_factory):
-    """A SentencePiece-style tokenizer (metaspace, byte-fallback tokens, strip decoder) saved by
-    transformers, with add_bos_token / add_eos_token in its config (which transformers ignores
-    beside a tokenizer.json) and no post-processor in its tokenizer.json."""
-    from tokenizers import Tokenizer, decoders, models, normalizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for b in range(256):
-        vocab[f"<0x{b:02X}>"] = len(vocab)
-    for piece in ["▁", "▁hello", "▁world", "▁the", "中", "文", "▁中", "é", *"abcdefghijklmnopqrstuvwxyz.,"]:
-        vocab.setdefault(piece, len(vocab))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
+def byte_fallback_dir(tmp_path_factory, byte_fallback_tokenizer):
+    """The conftest's byte-fallback tokenizer saved by transformers, with add_bos_token /
+    add_eos_token in its config (which transformers ignores beside a tokenizer.json) and no
+    post-processor in its tokenizer.json."""
     target = tmp_path_factory.mktemp("byte_fallback")
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>").save_pretrained(target)
+    byte_fallback_tokenizer.save_pretrained(target)
     config = json.loads((target / "tokenizer_config.json").read_text())
     (target / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": True, "add_eos_token": True}))
     tokenizer_json = json.loads((target / "tokenizer.json").read_text())

@@ -409,9 +409,13 @@ class EngineCoreProc:
         if _torch_import is None:  # an engine program: torch imports on a thread from here
             _torch_import = threading.Thread(target=_import_torch, name="shmvllm-torch-import", daemon=True)
             _torch_import.start()
+        # torch's import pauses during the set-up: it imports nothing the paused thread may hold
+        # (loaded before that thread started, `_load_engine_code`); serving resumes it while idle
+        torch_may_run.clear()
         try:
             first = FirstRequests(config, reservation, num_blocks, self.endpoint, self.outbox, self.engine_index)
         except Exception:
+            torch_may_run.set()
             logger.warning("requests wait for torch: the native step could not be set up", exc_info=True)
             return []
         torch_import = _torch_import

@@ -182,12 +182,13 @@ def serve_forked(args: EngineProcArgs, num_threads: Optional[int]) -> None:
 
 
 def serve_prestarted(read_fd: int) -> None:
-    """A fork of the frontend made before its config existed (`PrestartedEngine`): imports torch
-    on a thread while the main thread reads its EngineProcArgs from `read_fd`
-    until EOF and serves (it answers READY before torch where it can; its own `import torch` then
+    """A fork of the frontend made before its config existed (`PrestartedEngine`): loads the
+    engine's own code, then imports torch on a thread while the main thread reads its
+    EngineProcArgs from `read_fd` until EOF and serves (it answers READY before torch where it can; its own `import torch` then
     waits for the thread's). Nothing to read (the frontend gave up, or died): exits. Never returns."""
     global _torch_import
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # as the engine's: the frontend decides on Ctrl-C
+    _load_engine_code()
     _torch_import = threading.Thread(target=_import_torch, name="shmvllm-torch-import", daemon=True)
     _torch_import.start()
     with os.fdopen(read_fd, "rb") as pipe:
@@ -195,6 +196,21 @@ def serve_prestarted(read_fd: int) -> None:
     if not payload:
         os._exit(0)
     serve_forked(decode_proc_args(payload), None)
+
+
+def _load_engine_code() -> None:
+    """Imports the engine's code that runs before torch (its core; the native step's where it is
+    on) and loads the rings' C helper, ahead of torch's thread: the fork's main thread would wait
+    for its config meanwhile, and after it these would share the GIL with torch's import (the
+    first request waits for them)."""
+    import ipc
+    import shmvllm.engine.core  # noqa: F401
+
+    ipc.native_available()
+    if envs.SHMVLLM_FUSED_DECODE() and envs.SHMVLLM_NATIVE_KERNELS():
+        import shmvllm.engine.first_requests  # noqa: F401
+        import shmvllm.model.kernels  # noqa: F401
+        import shmvllm.model.registry  # noqa: F401
 
 
 class _PausableImport:

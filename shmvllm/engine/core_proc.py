@@ -407,6 +407,7 @@ class EngineCoreProc:
         from shmvllm.engine.first_requests import FirstRequests
 
         if _torch_import is None:  # an engine program: torch imports on a thread from here
+            _load_engine_code()  # before it, as a prestarted fork does: the pause below relies on it
             _torch_import = threading.Thread(target=_import_torch, name="shmvllm-torch-import", daemon=True)
             _torch_import.start()
         # torch's import pauses during the set-up: it imports nothing the paused thread may hold

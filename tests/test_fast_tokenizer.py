@@ -228,6 +228,27 @@ def test_unsupported_directories_get_transformers_by_name(tmp_path, smollm2_dir,
     assert isinstance(load_frontend_tokenizer(smollm2_dir), FastTokenizer)
 
 
+
+@pytest.mark.parametrize("update", [{"do_lower_case": False}, {"strip_accents": True}, {"tokenize_chinese_chars": False}])
+def test_bert_config_unlike_its_tokenizer_json_gets_transformers(tmp_path, minilm_dir, update):
+    """transformers' BertTokenizer rebuilds its normalizer from tokenizer_config.json: where that
+    differs from tokenizer.json's, the frontend takes transformers' tokenizer, with its ids."""
+    from transformers import PreTrainedTokenizerBase
+
+    target = tmp_path / "bert"
+    target.mkdir()
+    for name in ("tokenizer.json", "special_tokens_map.json"):
+        shutil.copy(minilm_dir / name, target / name)
+    config = json.loads((minilm_dir / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps({**config, **update}))
+    key = next(iter(update))
+    assert {"do_lower_case": "lowercase", "strip_accents": "strip_accents",
+            "tokenize_chinese_chars": "handle_chinese_chars"}[key] in unsupported_reason(target)
+    tok = load_frontend_tokenizer(target)
+    assert isinstance(tok, PreTrainedTokenizerBase)
+    text = "Hello World Ünïcode 東京"
+    assert tok(text)["input_ids"] == load_tokenizer(target)(text)["input_ids"]
+
 def test_bad_input_named(smollm2_dir):
     fast = FastTokenizer(smollm2_dir)
     with pytest.raises(TypeError, match="text must be"):

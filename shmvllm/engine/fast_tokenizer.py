@@ -65,6 +65,8 @@ def unsupported_reason(tokenizer_dir: Path, mode: str = "auto") -> Optional[str]
     for key in _UNSUPPORTED_KEYS:
         if config.get(key):
             return f"tokenizer_config.json sets {key}={config[key]!r}"
+    if name in _TOKEN_TYPE_CLASSES and (reason := _bert_set_up_differs(tokenizer_dir, config)) is not None:
+        return reason
     if (tokenizer_dir / "additional_chat_templates").is_dir():
         return "the directory has additional_chat_templates/"
     if isinstance(config.get("extra_special_tokens"), dict):
@@ -72,6 +74,35 @@ def unsupported_reason(tokenizer_dir: Path, mode: str = "auto") -> Optional[str]
     model_type = str(_read_json(tokenizer_dir / "config.json").get("model_type", "")) if (tokenizer_dir / "config.json").exists() else ""
     if "mistral" in model_type or "mixtral" in model_type:
         return "transformers patches Mistral tokenizers' pre-tokenizer"
+    return None
+
+
+def _bert_set_up_differs(tokenizer_dir: Path, config: dict[str, Any]) -> Optional[str]:
+    """transformers' BertTokenizer rebuilds its normalizer, pre-tokenizer, decoder and
+    post-processor from tokenizer_config.json (do_lower_case, strip_accents,
+    tokenize_chinese_chars, cls / sep) and its WordPiece model with the defaults; where
+    tokenizer.json's differ, the reason (this class uses the file's as they are), else None."""
+    spec = _read_json(tokenizer_dir / "tokenizer.json")
+    cls, sep = (_token_text(config.get(key)) or default for key, default in (("cls_token", "[CLS]"), ("sep_token", "[SEP]")))
+    expected = {
+        "normalizer": {"type": "BertNormalizer", "clean_text": True, "handle_chinese_chars": config.get("tokenize_chinese_chars", True),
+                       "strip_accents": config.get("strip_accents"), "lowercase": config.get("do_lower_case", True)},
+        "pre_tokenizer": {"type": "BertPreTokenizer"},
+        "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": True},
+        "model": {"type": "WordPiece", "unk_token": _token_text(config.get("unk_token")) or "[UNK]",
+                  "continuing_subword_prefix": "##", "max_input_chars_per_word": 100},
+    }
+    for part, values in expected.items():
+        found = spec.get(part) or {}
+        for key, value in values.items():
+            if found.get(key) != value:
+                return f"tokenizer.json's {part} has {key}={found.get(key)!r} where transformers' BertTokenizer sets {value!r}"
+    processor = spec.get("post_processor") or {}
+    single = [{"SpecialToken": {"id": cls, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+              {"SpecialToken": {"id": sep, "type_id": 0}}]
+    pair = single + [{"Sequence": {"id": "B", "type_id": 1}}, {"SpecialToken": {"id": sep, "type_id": 1}}]
+    if processor.get("type") != "TemplateProcessing" or processor.get("single") != single or processor.get("pair") != pair:
+        return f"tokenizer.json's post_processor is not the {cls} ... {sep} template transformers' BertTokenizer sets"
     return None
 
 

@@ -122,6 +122,11 @@ def cluster():
     # otherwise reconnect this driver to the cluster, which then exits the process when the last
     # test kills the cluster's raylets.
     auto_init_hook.enable_auto_connect = False
+    # Ray Data's usage-metrics poller (a daemon thread started with the first execution, never
+    # stopped) would query the cluster after ray.shutdown(); Ray then exits this process ("The
+    # core worker has already been shutdown ... The process will exit"). Usage stats off: no poller.
+    environment = pytest.MonkeyPatch()
+    environment.setenv("RAY_USAGE_STATS_ENABLED", "0")
     node_args = {"num_cpus": 1, "object_store_memory": OBJECT_STORE_BYTES}
     cluster = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False})
     cluster.add_node(**node_args)
@@ -135,6 +140,7 @@ def cluster():
         ray.shutdown()
         cluster.shutdown()
         state["recorder"].stop()
+    environment.undo()
 
 
 def processor_config(model: Path, **overrides):
@@ -243,11 +249,13 @@ def test_cluster_shutdown_mid_run_leaves_no_engine_and_no_segment(cluster, tiny_
     import ray
 
     rows, busy = [], []
-    for row in generate_dataset(tiny_llama_dir).iter_rows():
+    iteration = iter(generate_dataset(tiny_llama_dir).iter_rows())
+    for row in iteration:
         rows.append(row)
         if len(rows) >= 20 and len(busy := engine_pids()) == 2:
             break
     assert len(busy) == 2 and len(rows) < NUM_ROWS, (busy, len(rows))
+    iteration.close()  # the iteration ends before Ray does
     recorder: PidRecorder = cluster["recorder"]
     recorder.stop()
     ray.shutdown()

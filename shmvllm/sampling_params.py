@@ -418,6 +418,17 @@ class SamplingParams(
         return SamplingType.RANDOM
 
     @property
+    def argmax_decides(self) -> bool:
+        """Whether the argmax of the raw logits alone picks each token (min_tokens' stop-token
+        mask aside): greedy, with no logprobs, grammar, allowed tokens, logit bias, penalties or
+        bad words. What a decode burst and the engine's first requests before torch compute."""
+        return (
+            self.sampling_type == SamplingType.GREEDY and self.logprobs is None and self.structured_outputs is None
+            and not self.allowed_token_ids and not self.logit_bias and not self.bad_words_token_ids
+            and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
+        )
+
+    @property
     def all_stop_token_ids(self) -> set[int]:
         """Token ids that finish the request: stop_token_ids, plus EOS unless ignore_eos."""
         ids = set(self.stop_token_ids or ())

@@ -29,13 +29,13 @@ from typing import Any, Callable
 import numpy as np
 
 from shmvllm.boundary.channel import ChannelTimeout
+from shmvllm.core.sched.scheduler import finish_of
 from shmvllm.boundary.messages import (
     EngineCoreAbort,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreShutdown,
-    FinishReason,
     decode_to_engine,
     now,
 )
@@ -80,13 +80,8 @@ def servable(msg: EngineCoreRequest, vocab_size: int, max_model_len: int) -> boo
         return False
     if int(prompt.min()) < 0 or int(prompt.max()) >= vocab_size:
         return False  # the EngineCore rejects it, with its message
-    return (
-        params.temperature == 0.0 and params.n == 1 and params.logprobs is None and params.prompt_logprobs is None
-        and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0
-        and not params.logit_bias and params.allowed_token_ids is None and not params.bad_words
-        and not params.bad_words_token_ids and params.structured_outputs is None and params.guided_decoding is None
-        and params.extra_args is None
-    )
+    return (params.argmax_decides and params.n == 1 and params.prompt_logprobs is None and not params.bad_words
+            and params.guided_decoding is None and params.extra_args is None)
 
 
 class FirstRequests:
@@ -249,17 +244,8 @@ class FirstRequests:
         self._send(outputs)
 
     def _output(self, request: _Native, token: int) -> EngineCoreOutput:
-        """The request's output for `token`, finished as the scheduler's _check_stop decides."""
-        params = request.params
-        reason, stop_reason = None, None
-        if request.outputs >= params.min_tokens:
-            if params.eos_token_id is not None and not params.ignore_eos and token == params.eos_token_id:
-                reason = FinishReason.STOP
-            elif params.stop_token_ids and token in params.stop_token_ids:
-                reason, stop_reason = FinishReason.STOP, token
-        if reason is None and (len(request.tokens) >= self.max_model_len
-                               or (params.max_tokens is not None and request.outputs >= params.max_tokens)):
-            reason = FinishReason.LENGTH
+        """The request's output for `token`, finished as the scheduler finishes it."""
+        reason, stop_reason = finish_of(request.params, token, request.outputs, len(request.tokens), self.max_model_len)
         if reason is not None:
             self._finish(request)
             self.served += 1

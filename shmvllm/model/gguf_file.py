@@ -38,6 +38,13 @@ GGML_BLOCKS: dict[int, tuple[int, int]] = {
 _TYPED = {0: np.float32, 1: np.float16}  # kept typed (values); every other type as uint8 rows of blocks
 
 
+def unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undoes llama.cpp's q/k row interleave (as transformers' LlamaTensorProcessor does), on
+    whole rows: the same reshape and swap for a row of blocks as for a row of values."""
+    half = rows.shape[0] // heads // 2
+    return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
+
+
 class GGUFFormatError(ValueError):
     """The file is not a GGUF file shmvllm can read (bad magic, version, truncated)."""
 

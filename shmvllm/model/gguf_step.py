@@ -20,7 +20,7 @@ from typing import Any, Optional
 import numpy as np
 
 from shmvllm import envs
-from shmvllm.model.gguf_file import GGUFFile
+from shmvllm.model.gguf_file import GGUFFile, unpermute_rows
 from shmvllm.model.step_table import LayerTable, ModelTable, NativeLinear, Part, function_address
 
 # what the native decode step's layer table holds as `rows`: the C side's FEW_ROWS (linear.py)
@@ -68,11 +68,6 @@ def _rope_tables(hf: Any, head_dim: int, positions: int) -> tuple[np.ndarray, np
     return np.ascontiguousarray(np.concatenate((cos, cos), axis=1)), np.ascontiguousarray(np.concatenate((-sin, sin), axis=1))
 
 
-def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
-    half = rows.shape[0] // heads // 2
-    return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
-
-
 class GGUFStep:
     """The step over `gguf_path`'s blocks for `hf` (HFConfig) with the KV cache at `kv_address`
     ([layers, 2, kv_heads, num_blocks, block_size, head_dim] fp32), contexts up to `max_len`,
@@ -107,7 +102,7 @@ class GGUFStep:
             def t(name: str) -> Any:
                 return tensors[f"blk.{i}.{name}.weight"]
 
-            qkv = np.concatenate((_unpermute(t("attn_q").data, heads), _unpermute(t("attn_k").data, kv_heads), t("attn_v").data))
+            qkv = np.concatenate((unpermute_rows(t("attn_q").data, heads), unpermute_rows(t("attn_k").data, kv_heads), t("attn_v").data))
             qtype = t("attn_q").tensor_type
             if not t("attn_k").tensor_type == t("attn_v").tensor_type == qtype:
                 raise ValueError(f"layer {i}'s q, k and v are of different GGML types")

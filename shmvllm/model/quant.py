@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from shmvllm.model.checkpoint import CheckpointTensor, read_byte_columns
-from shmvllm.model.gguf_file import GGML_BLOCKS, GGUFFile
+from shmvllm.model.gguf_file import GGML_BLOCKS, GGUFFile, unpermute_rows
 
 # GGML type id -> (name, values per block, bytes per block): the formats the kernels run.
 FORMATS: dict[int, tuple[str, int, int]] = {
@@ -261,13 +261,6 @@ def checkpoint_name(gguf_name: str, layer_names: dict[str, str]) -> str:
     raise ValueError(f"GGUF tensor {gguf_name!r} has no place in this model family (known: {sorted(layer_names)}).")
 
 
-def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
-    """Undoes llama.cpp's q/k row interleave (as transformers' LlamaTensorProcessor does), on
-    whole rows: the same reshape and swap for a row of blocks as for a row of values."""
-    half = rows.shape[0] // heads // 2
-    return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
-
-
 class GGUFTensorRef(CheckpointTensor):
     """A tensor of a mapped GGUF file, read in part: rows of a 2-D weight in blocks are views of
     the file's mapped pages (a rank touches only its rows), input columns (whole blocks) are read
@@ -314,7 +307,7 @@ class GGUFTensorRef(CheckpointTensor):
                 per_head = self.shape[0] // self.heads
                 if start % per_head or stop % per_head:
                     raise ValueError(f"{self.name!r}: rows [{start}, {stop}) are not whole heads of {per_head} rows.")
-                part = _unpermute_rows(part, (stop - start) // per_head)
+                part = unpermute_rows(part, (stop - start) // per_head)
             if self.dense or self.dequantize:
                 result = self._values(part)
             elif permuted:

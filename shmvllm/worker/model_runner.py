@@ -672,7 +672,6 @@ def _never() -> bool:
     return False
 
 
-
 def _greedy_token(logits: torch.Tensor) -> int:
     """The first index of the largest value of one row of logits, as torch's argmax picks it:
     through numpy on the CPU (~4 us against torch's ~45 us for a 49k vocabulary)."""

@@ -60,12 +60,12 @@ from shmvllm.core.sched.output import (
 )
 from shmvllm.core.sched.request_queue import RequestQueue
 from shmvllm.boundary.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats, now
-from shmvllm.sampling_params import SamplingType
 from shmvllm.spec_decode.config import SpeculativeConfig, draft_may_propose, samples_independently
 from shmvllm.spec_decode.metrics import SpecDecodingStats
 from shmvllm.spec_decode.ngram_proposer import NgramProposer, TokenArrays
 
 if TYPE_CHECKING:
+    from shmvllm.sampling_params import SamplingParams
     from shmvllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -74,6 +74,21 @@ logger = logging.getLogger(__name__)
 # How long an idle schedule() waits for a compiling grammar before it returns an empty plan
 # (the engine loop then looks at its input channel, and comes back).
 GRAMMAR_WAIT_S = 0.01
+
+
+def finish_of(params: "SamplingParams", last: int, num_output_tokens: int, num_tokens: int,
+              max_model_len: int) -> tuple[Optional[FinishReason], Optional[int]]:
+    """Whether `last`, a request's newest token, ends it: (STOP, None) at EOS and (STOP, the
+    id) at a stop_token_id, both only after min_tokens outputs; (LENGTH, None) at max_tokens or
+    max_model_len; else (None, None)."""
+    if num_output_tokens >= params.min_tokens:
+        if params.eos_token_id is not None and not params.ignore_eos and last == params.eos_token_id:
+            return FinishReason.STOP, None
+        if params.stop_token_ids and last in params.stop_token_ids:
+            return FinishReason.STOP, last
+    if num_tokens >= max_model_len or (params.max_tokens is not None and num_output_tokens >= params.max_tokens):
+        return FinishReason.LENGTH, None
+    return None, None
 
 
 class Scheduler:
@@ -279,9 +294,7 @@ class Scheduler:
                 or request.num_tokens - request.num_computed_tokens != 1):
             return 1
         params = request.sampling_params
-        if (params is None or params.sampling_type != SamplingType.GREEDY or params.logprobs is not None
-                or params.structured_outputs is not None or params.allowed_token_ids or params.logit_bias
-                or not samples_independently(params) or params.stop):
+        if params is None or not params.argmax_decides or params.stop:
             return 1
         burst = min(self.burst_tokens, budget, self.max_model_len - request.num_tokens)
         if params.max_tokens is not None:
@@ -542,24 +555,15 @@ class Scheduler:
         ))
 
     def _check_stop(self, request: Request) -> bool:
-        """Sets a finished status if the last token ends the request. Stop tokens count only
-        after min_tokens outputs; EOS gives stop_reason None, a stop_token_id gives itself."""
-        params = request.sampling_params
-        assert params is not None
-        last = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens:
-            if params.eos_token_id is not None and not params.ignore_eos and last == params.eos_token_id:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if params.stop_token_ids and last in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = last
-                return True
-        max_tokens = params.max_tokens
-        if request.num_tokens >= self.max_model_len or (max_tokens is not None and request.num_output_tokens >= max_tokens):
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
+        """Sets a finished status (and stop reason) if the last token ends the request."""
+        assert request.sampling_params is not None
+        reason, stop_reason = finish_of(request.sampling_params, request.output_token_ids[-1],
+                                        request.num_output_tokens, request.num_tokens, self.max_model_len)
+        if reason is None:
+            return False
+        request.status = RequestStatus.FINISHED_STOPPED if reason == FinishReason.STOP else RequestStatus.FINISHED_LENGTH_CAPPED
+        request.stop_reason = stop_reason
+        return True
 
     def _free_request(self, request: Request) -> None:
         if request.structured_output_request is not None:

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.skipif(
         (100, 800, 48, True),  # k in three passes, rows over two blocks plus an edge
         (1000, 64, 24, False),  # many row blocks, no bias
         (1, 384, 1152, True),  # one row: the panels split between threads
+        (2047, 384, 384, True),  # rows shared out by threads in whole tiles, an edge tile last
     ],
 )
 def test_gemm_and_epilogues_match_torch(rows, k, n, bias):
@@ -43,6 +44,12 @@ def test_gemm_and_epilogues_match_torch(rows, k, n, bias):
             torch.testing.assert_close(packed(x, gelu=approximate), F.gelu(ref, approximate=approximate), atol=1e-5, rtol=1e-5)
         strided = torch.randn(rows, 2 * k, generator=g)[:, ::2]  # not row-major: copied first
         torch.testing.assert_close(packed(strided), packed(strided.contiguous()))
+        norm = torch.nn.LayerNorm(n, eps=1e-6)
+        norm.weight.copy_(torch.randn(n, generator=g)), norm.bias.copy_(torch.randn(n, generator=g))
+        into = torch.full((rows, 2 * n), float("nan"))[:, n:]  # rows of a wider tensor: only those written
+        got = packed(x, residual=residual, norm=norm, out=into)
+        assert got.data_ptr() == into.data_ptr() and not into.isnan().any()
+        torch.testing.assert_close(got, F.layer_norm(ref + residual, (n,), norm.weight, norm.bias, 1e-6), atol=1e-5, rtol=1e-5)
 
 
 def test_bad_input_is_a_value_error():
@@ -51,6 +58,10 @@ def test_bad_input_is_a_value_error():
         packed(torch.randn(3, 9))
     with pytest.raises(ValueError, match="residual must be"):
         packed(torch.randn(3, 8), residual=torch.randn(3, 15))
+    with pytest.raises(ValueError, match="out must be"):
+        packed(torch.randn(3, 8), out=torch.empty(3, 15))
+    with pytest.raises(ValueError, match="norm must be a LayerNorm over 16"):
+        packed(torch.randn(3, 8), norm=torch.nn.LayerNorm(8))
 
 
 def test_chosen_by_isa(monkeypatch):
@@ -58,9 +69,10 @@ def test_chosen_by_isa(monkeypatch):
     monkeypatch.setenv("SHMVLLM_QUANT_ISA", "avx2")
     assert isinstance(encoder_gemm.pack_for_cpu(weight, None), encoder_gemm.PackedLinear)
     assert encoder_gemm.pack_for_cpu(weight.bfloat16(), None) is None  # fp32 only
+    monkeypatch.setenv("SHMVLLM_QUANT_ISA", "portable")
+    assert encoder_gemm.pack_for_cpu(weight, None) is None  # held off the vector kernels: oneDNN / torch
     monkeypatch.delenv("SHMVLLM_QUANT_ISA")
-    chosen = encoder_gemm.pack_for_cpu(weight, None) is not None
-    assert chosen == (quant_isas_supported()[0] == "avx2")  # oneDNN where AVX-512 is there
+    assert isinstance(encoder_gemm.pack_for_cpu(weight, None), encoder_gemm.PackedLinear)  # AVX-512 CPUs too
 
 
 def test_bert_on_the_avx2_gemm_matches_transformers(monkeypatch, tiny_bert_dir):

@@ -104,31 +104,66 @@ class BertLayer(nn.Module):
             return _Rows(self.qkv.weight[self.hidden :], self.qkv.bias[self.hidden :])
         return getattr(self, name)
 
-    def _linear(self, x: torch.Tensor, name: str, residual: Optional[torch.Tensor] = None, gelu: Optional[str] = None) -> torch.Tensor:
+    def _linear(
+        self,
+        x: torch.Tensor,
+        name: str,
+        residual: Optional[torch.Tensor] = None,
+        gelu: Optional[str] = None,
+        norm: Optional[nn.LayerNorm] = None,
+        out: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """The linear `name` of x, + residual or GELU, then `norm`, into `out` if given (fused into
+        the AVX2 GEMM's store where the layer is packed)."""
         packed = self.packed.get(name)
         if packed is not None:
-            return packed(x, residual, gelu)
-        return _linear(x, self._weights(name), residual, gelu)
+            return packed(x, residual, gelu, norm, out)
+        y = _linear(x, self._weights(name), residual, gelu)
+        if norm is not None:
+            y = norm(y)
+        return y if out is None else out.copy_(y)
 
-    def forward(self, x: torch.Tensor, plan: AttentionPlan, query_at: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """query_at (see AttentionPlan.attend_one): the layer's output for those tokens only, one
-        per sequence; their queries alone are projected, every token's keys and values."""
+    def forward(
+        self, x: torch.Tensor, plan: AttentionPlan, scratch: Scratch, query_at: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """The layer's output, written over x (each chunk's rows are read, as the residual, before
+        they are written), or, with query_at (see AttentionPlan.attend_one), a new tensor for those
+        tokens only, one per sequence: their queries alone are projected, every token's keys and values."""
         if query_at is None:
-            attn = plan.attend(self._linear(x, "qkv"), self.num_heads, self.head_dim)
+            qkv = self._linear(x, "qkv", out=scratch.get("qkv", x.shape[0], 3 * self.hidden, x))
+            attn = plan.attend(qkv, self.num_heads, self.head_dim)
         else:
-            kv = self._linear(x, "kv")
+            kv = self._linear(x, "kv", out=scratch.get("qkv", x.shape[0], 2 * self.hidden, x))
             x = x.index_select(0, plan.token_rows(query_at))
             attn = plan.attend_one(self._linear(x, "q"), kv, self.num_heads, self.head_dim, query_at)
-        if x.shape[0] <= TOKEN_CHUNK:
-            return self._token_wise(attn, x)
-        chunks = zip(attn.split(TOKEN_CHUNK), x.split(TOKEN_CHUNK))
-        return torch.cat([self._token_wise(a, r) for a, r in chunks])
+        for start in range(0, x.shape[0], TOKEN_CHUNK):
+            rows = x[start : start + TOKEN_CHUNK]
+            self._token_wise(attn[start : start + TOKEN_CHUNK], rows, scratch, rows)
+        return x
 
-    def _token_wise(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """Everything after attention: output projection, norms and the MLP, row by row."""
-        x = self.attn_norm(self._linear(attn, "attn_out", residual=residual))
-        h = self._linear(x, "intermediate", gelu=self.gelu_approximate)
-        return self.out_norm(self._linear(h, "out", residual=x))
+    def _token_wise(self, attn: torch.Tensor, residual: torch.Tensor, scratch: Scratch, out: torch.Tensor) -> torch.Tensor:
+        """Everything after attention: output projection, norms and the MLP, row by row, into out."""
+        rows = attn.shape[0]
+        x = self._linear(attn, "attn_out", residual=residual, norm=self.attn_norm, out=scratch.get("x", rows, self.hidden, attn))
+        h = self._linear(x, "intermediate", gelu=self.gelu_approximate,
+                         out=scratch.get("mlp", rows, self.intermediate.out_features, attn))
+        return self._linear(h, "out", residual=x, norm=self.out_norm, out=out)
+
+
+class Scratch:
+    """The activations a forward overwrites layer after layer (QKV, the MLP's), kept between
+    forwards: fresh tensors of this size were page-faulted anew by every layer of every step."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+        """A [rows, cols] tensor of like's dtype and device, valid until the next get(name)."""
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < rows * cols or buffer.dtype != like.dtype or buffer.device != like.device:
+            buffer = like.new_empty(rows * cols)
+            self._buffers[name] = buffer
+        return buffer[: rows * cols].view(rows, cols)
 
 
 class _Rows(NamedTuple):
@@ -261,6 +296,7 @@ class BertModel(nn.Module):
         self.config = config
         self.embeddings = BertEmbeddings(config)
         self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+        self.scratch = Scratch()
 
     @property
     def hidden_size(self) -> int:
@@ -280,8 +316,8 @@ class BertModel(nn.Module):
         plan = AttentionPlan(cu_seqlens)
         x = self.embeddings(input_ids, positions, token_type_ids)
         for layer in self.layers[:-1]:
-            x = layer(x, plan)
-        return self.layers[-1](x, plan, query_at)
+            x = layer(x, plan, self.scratch)
+        return self.layers[-1](x, plan, self.scratch, query_at)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Loads HF BertModel / RobertaModel tensors (names with or without `bert.` / `roberta.`)

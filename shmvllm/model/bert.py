@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shmvllm.model.encoder_gemm import PackedLinear, pack_for_cpu
+from shmvllm.model.encoder_gemm import PackedLinear, pack_for_cpu, token_wise
 
 _IGNORED_PREFIXES = ("pooler.", "cls.", "lm_head.")
 _MODEL_PREFIXES = ("bert.", "roberta.")
@@ -105,30 +105,22 @@ class BertLayer(nn.Module):
         return getattr(self, name)
 
     def _linear(
-        self,
-        x: torch.Tensor,
-        name: str,
-        residual: Optional[torch.Tensor] = None,
-        gelu: Optional[str] = None,
-        norm: Optional[nn.LayerNorm] = None,
+        self, x: torch.Tensor, name: str, residual: Optional[torch.Tensor] = None, gelu: Optional[str] = None,
         out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """The linear `name` of x, + residual or GELU, then `norm`, into `out` if given (fused into
-        the AVX2 GEMM's store where the layer is packed)."""
+        """The linear `name` of x, + residual or GELU; `out`: where the C kernel may write it
+        (torch's linears return a new tensor instead of copying theirs there)."""
         packed = self.packed.get(name)
         if packed is not None:
-            return packed(x, residual, gelu, norm, out)
-        y = _linear(x, self._weights(name), residual, gelu)
-        if norm is not None:
-            y = norm(y)
-        return y if out is None else out.copy_(y)
+            return packed(x, residual, gelu, out)
+        return _linear(x, self._weights(name), residual, gelu)
 
     def forward(
         self, x: torch.Tensor, plan: AttentionPlan, scratch: Scratch, query_at: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
-        """The layer's output, written over x (each chunk's rows are read, as the residual, before
-        they are written), or, with query_at (see AttentionPlan.attend_one), a new tensor for those
-        tokens only, one per sequence: their queries alone are projected, every token's keys and values."""
+        """The layer's output, written over x (each row is read, as the residual, before it is
+        written), or, with query_at (see AttentionPlan.attend_one), a new tensor for those tokens
+        only, one per sequence: their queries alone are projected, every token's keys and values."""
         if query_at is None:
             qkv = self._linear(x, "qkv", out=scratch.get("qkv", x.shape[0], 3 * self.hidden, x))
             attn = plan.attend(qkv, self.num_heads, self.head_dim)
@@ -136,22 +128,24 @@ class BertLayer(nn.Module):
             kv = self._linear(x, "kv", out=scratch.get("qkv", x.shape[0], 2 * self.hidden, x))
             x = x.index_select(0, plan.token_rows(query_at))
             attn = plan.attend_one(self._linear(x, "q"), kv, self.num_heads, self.head_dim, query_at)
+        packed = [self.packed.get(name) for name in ("attn_out", "intermediate", "out")]
+        if all(packed):  # the whole token-wise half in one call of the C kernel, a block of rows at a time
+            o, up, down = packed
+            return token_wise(attn, x, o, self.attn_norm, up, self.gelu_approximate, down, self.out_norm, x)
         for start in range(0, x.shape[0], TOKEN_CHUNK):
             rows = x[start : start + TOKEN_CHUNK]
-            self._token_wise(attn[start : start + TOKEN_CHUNK], rows, scratch, rows)
+            rows.copy_(self._token_wise(attn[start : start + TOKEN_CHUNK], rows))
         return x
 
-    def _token_wise(self, attn: torch.Tensor, residual: torch.Tensor, scratch: Scratch, out: torch.Tensor) -> torch.Tensor:
-        """Everything after attention: output projection, norms and the MLP, row by row, into out."""
-        rows = attn.shape[0]
-        x = self._linear(attn, "attn_out", residual=residual, norm=self.attn_norm, out=scratch.get("x", rows, self.hidden, attn))
-        h = self._linear(x, "intermediate", gelu=self.gelu_approximate,
-                         out=scratch.get("mlp", rows, self.intermediate.out_features, attn))
-        return self._linear(h, "out", residual=x, norm=self.out_norm, out=out)
+    def _token_wise(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Everything after attention: output projection, norms and the MLP, row by row."""
+        x = self.attn_norm(self._linear(attn, "attn_out", residual=residual))
+        h = self._linear(x, "intermediate", gelu=self.gelu_approximate)
+        return self.out_norm(self._linear(h, "out", residual=x))
 
 
 class Scratch:
-    """The activations a forward overwrites layer after layer (QKV, the MLP's), kept between
+    """Activations a forward overwrites layer after layer (the QKV projection's), kept between
     forwards: fresh tensors of this size were page-faulted anew by every layer of every step."""
 
     def __init__(self) -> None:
@@ -174,8 +168,8 @@ class _Rows(NamedTuple):
 
 
 TOKEN_CHUNK = 2048
-"""The token-wise half of a layer runs on chunks of this many tokens, so that the wide MLP
-activation stays in cache (benchmarks/results/embed.md, "Encoder choices")."""
+"""Off the C kernel, the token-wise half of a layer runs on chunks of this many tokens, so that
+the wide MLP activation stays in cache (benchmarks/results/embed.md, "Encoder choices")."""
 
 
 def _linear(

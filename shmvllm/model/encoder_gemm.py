@@ -31,16 +31,11 @@ class PackedLinear:
                                    self.out_features, self.in_features, self.packed.data_ptr())
 
     def __call__(
-        self,
-        x: torch.Tensor,
-        residual: Optional[torch.Tensor] = None,
-        gelu: Optional[str] = None,
-        norm: Optional[torch.nn.LayerNorm] = None,
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, gelu: Optional[str] = None,
         out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """x @ W^T + b, then + residual, or GELU ("none": erf form, "tanh"; None: no GELU), then
-        `norm` (a LayerNorm over the output features) if given; into `out` (row-major rows, not
-        overlapping x or residual) if given, else a new tensor."""
+        """x @ W^T + b, then + residual, or GELU ("none": erf form, "tanh"; None: no GELU); into
+        `out` (row-major rows, not overlapping x or residual) if given, else a new tensor."""
         if x.dim() != 2 or x.shape[1] != self.in_features or x.dtype != torch.float32:
             raise ValueError(f"x must be a float32 [tokens, {self.in_features}] tensor, got {x.dtype} {tuple(x.shape)}.")
         if x.stride(1) != 1:
@@ -52,15 +47,10 @@ class PackedLinear:
             raise ValueError(f"out must be a row-major float32 {shape} tensor, got {out.dtype} {tuple(out.shape)}.")
         if residual is not None and (residual.shape != shape or residual.stride(1) != 1):
             raise ValueError(f"residual must be a row-major {shape} tensor, got {tuple(residual.shape)}.")
-        norm_w = norm_b = None
-        if norm is not None:
-            if tuple(norm.normalized_shape) != (self.out_features,) or norm.weight is None or norm.bias is None:
-                raise ValueError(f"norm must be a LayerNorm over {self.out_features} features with weight and bias, got {norm}.")
-            norm_w, norm_b = norm.weight.data_ptr(), norm.bias.data_ptr()
         self._lib.shm_encoder_gemm(
             x.data_ptr(), x.shape[0], self.in_features, x.stride(0), self.packed.data_ptr(), self.out_features,
             None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
-            out.data_ptr(), out.stride(0), GELU_CODES[gelu], norm_w, norm_b, 0.0 if norm is None else norm.eps,
+            out.data_ptr(), out.stride(0), GELU_CODES[gelu], None, None, 0.0,
         )
         return out
 
@@ -77,3 +67,37 @@ def pack_for_cpu(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional
     if encoder_gemm_kernels() is None:
         return None
     return PackedLinear(weight, bias)
+
+
+def token_wise(
+    attn: torch.Tensor,
+    x: torch.Tensor,
+    attn_out: PackedLinear,
+    norm1: torch.nn.LayerNorm,
+    up: PackedLinear,
+    gelu: str,
+    down: PackedLinear,
+    norm2: torch.nn.LayerNorm,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """A post-LayerNorm layer's token-wise half in one kernel call, a block of rows at a time:
+    y = norm1(attn_out(attn) + x), out = norm2(down(GELU(up(y))) + y). attn, x, out: row-major
+    float32 [tokens, hidden] rows (out may be x); gelu: "none" (erf form) or "tanh"."""
+    hidden, inter = attn_out.out_features, up.out_features
+    shape = (attn.shape[0], hidden)
+    for name, t in (("attn", attn), ("x", x), ("out", out)):
+        if t.shape != shape or t.stride(1) != 1 or t.dtype != torch.float32:
+            raise ValueError(f"{name} must be a row-major float32 {shape} tensor, got {t.dtype} {tuple(t.shape)}.")
+    if (attn_out.in_features, up.in_features, down.in_features, down.out_features) != (hidden, hidden, inter, hidden):
+        raise ValueError(f"attn_out, up and down do not chain: {attn_out.in_features}->{hidden}, {up.in_features}->{inter}, "
+                         f"{down.in_features}->{down.out_features}.")
+    for name, norm in (("norm1", norm1), ("norm2", norm2)):
+        if tuple(norm.normalized_shape) != (hidden,) or norm.weight is None or norm.bias is None or norm.eps != norm1.eps:
+            raise ValueError(f"{name} must be a LayerNorm over {hidden} features with weight, bias and norm1's eps, got {norm}.")
+    if attn_out._lib.shm_encoder_token_wise(
+        attn.data_ptr(), attn.stride(0), x.data_ptr(), x.stride(0), shape[0], hidden, inter, attn_out.packed.data_ptr(),
+        norm1.weight.data_ptr(), norm1.bias.data_ptr(), up.packed.data_ptr(), GELU_CODES[gelu], down.packed.data_ptr(),
+        norm2.weight.data_ptr(), norm2.bias.data_ptr(), norm1.eps, out.data_ptr(), out.stride(0),
+    ):
+        raise MemoryError("encoder token-wise kernel: out of memory for its per-thread buffers.")
+    return out

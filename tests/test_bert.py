@@ -29,6 +29,16 @@ def ours(tiny_bert_dir, hf_config):
     return load_encoder(tiny_bert_dir, hf_config, torch.float32, torch.device("cpu"))[0]
 
 
+@pytest.fixture(scope="module")
+def ours_torch(tiny_bert_dir, hf_config):
+    """The encoder on torch's linears (oneDNN / F.linear), as where the C GEMM does not run."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SHMVLLM_QUANT_ISA", "portable")
+        model = load_encoder(tiny_bert_dir, hf_config, torch.float32, torch.device("cpu"))[0]
+    assert not model.layers[0].packed
+    return model
+
+
 def _batch(seed: int = 0, with_token_types: bool = False):
     g = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(1000, 30000, (n,), generator=g) for n in LENGTHS]
@@ -195,20 +205,21 @@ def test_linear_epilogues(monkeypatch, fused, approximate):
         )
 
 
-def test_unfused_path_matches_transformers(monkeypatch, hf_model, ours):
+@pytest.mark.parametrize("onednn", [True, False])
+def test_torch_linears_match_transformers(monkeypatch, hf_model, ours_torch, onednn):
     from shmvllm.model import bert
 
-    monkeypatch.setattr(bert, "_ONEDNN_FUSION", False)
+    monkeypatch.setattr(bert, "_ONEDNN_FUSION", onednn and bert._ONEDNN_FUSION)
     seqs, types = _batch(seed=5)
-    for ref, got in zip(_hf_hidden(hf_model, seqs, types), _our_hidden(ours, seqs, types, pass_types=False)):
+    for ref, got in zip(_hf_hidden(hf_model, seqs, types), _our_hidden(ours_torch, seqs, types, pass_types=False)):
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 
-def test_token_chunks_do_not_change_the_result(monkeypatch, ours):
+def test_token_chunks_do_not_change_the_result(monkeypatch, ours_torch):
     from shmvllm.model import bert
 
     seqs, types = _batch(seed=6)
-    whole = _our_hidden(ours, seqs, types, pass_types=False)
+    whole = _our_hidden(ours_torch, seqs, types, pass_types=False)
     monkeypatch.setattr(bert, "TOKEN_CHUNK", 7)
-    for a, b in zip(whole, _our_hidden(ours, seqs, types, pass_types=False)):
+    for a, b in zip(whole, _our_hidden(ours_torch, seqs, types, pass_types=False)):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)

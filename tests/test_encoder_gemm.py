@@ -26,6 +26,7 @@ pytestmark = pytest.mark.skipif(
         (100, 800, 48, True),  # k in three passes, rows over two blocks plus an edge
         (1000, 64, 24, False),  # many row blocks, no bias
         (1, 384, 1152, True),  # one row: the panels split between threads
+        (2047, 384, 384, True),  # rows shared out by threads in whole tiles, an edge tile last
     ],
 )
 def test_gemm_and_epilogues_match_torch(rows, k, n, bias):
@@ -43,6 +44,37 @@ def test_gemm_and_epilogues_match_torch(rows, k, n, bias):
             torch.testing.assert_close(packed(x, gelu=approximate), F.gelu(ref, approximate=approximate), atol=1e-5, rtol=1e-5)
         strided = torch.randn(rows, 2 * k, generator=g)[:, ::2]  # not row-major: copied first
         torch.testing.assert_close(packed(strided), packed(strided.contiguous()))
+        into = torch.full((rows, 2 * n), float("nan"))[:, n:]  # rows of a wider tensor: only those written
+        got = packed(x, residual=residual, out=into)
+        assert got.data_ptr() == into.data_ptr() and not into.isnan().any()
+        torch.testing.assert_close(got, ref + residual, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 50, 2047])  # a short batch (three GEMMs), blocks shared out by threads
+@pytest.mark.parametrize("in_place", [False, True])
+def test_token_wise_matches_torch(rows, in_place):
+    g = torch.Generator().manual_seed(rows)
+    hidden, inter = 40, 96
+    linears = [torch.nn.Linear(hidden, hidden), torch.nn.Linear(hidden, inter), torch.nn.Linear(inter, hidden)]
+    norms = [torch.nn.LayerNorm(hidden, eps=1e-6) for _ in range(2)]
+    with torch.inference_mode():
+        for norm in norms:
+            norm.weight.copy_(torch.randn(hidden, generator=g)), norm.bias.copy_(torch.randn(hidden, generator=g))
+        attn = torch.randn(rows, 3 * hidden, generator=g)[:, hidden : 2 * hidden]  # rows at a stride
+        x = torch.randn(rows, hidden, generator=g)
+        d = lambda t: t.double()  # noqa: E731
+        y = F.layer_norm(F.linear(d(attn), d(linears[0].weight), d(linears[0].bias)) + d(x), (hidden,), d(norms[0].weight), d(norms[0].bias), 1e-6)
+        h = F.gelu(F.linear(y, d(linears[1].weight), d(linears[1].bias)))
+        ref = F.layer_norm(F.linear(h, d(linears[2].weight), d(linears[2].bias)) + y, (hidden,), d(norms[1].weight), d(norms[1].bias), 1e-6)
+        packed = [encoder_gemm.PackedLinear(lin.weight, lin.bias) for lin in linears]
+        out = x if in_place else torch.empty_like(x)
+        got = encoder_gemm.token_wise(attn, x, packed[0], norms[0], packed[1], "none", packed[2], norms[1], out)
+        assert got.data_ptr() == out.data_ptr()
+        torch.testing.assert_close(got, ref.float(), atol=2e-5, rtol=1e-5)
+        with pytest.raises(ValueError, match="do not chain"):
+            encoder_gemm.token_wise(attn, x, packed[0], norms[0], packed[2], "none", packed[1], norms[1], out)
+        with pytest.raises(ValueError, match="norm2 must be a LayerNorm over 40"):
+            encoder_gemm.token_wise(attn, x, packed[0], norms[0], packed[1], "none", packed[2], torch.nn.LayerNorm(8), out)
 
 
 def test_bad_input_is_a_value_error():
@@ -51,6 +83,8 @@ def test_bad_input_is_a_value_error():
         packed(torch.randn(3, 9))
     with pytest.raises(ValueError, match="residual must be"):
         packed(torch.randn(3, 8), residual=torch.randn(3, 15))
+    with pytest.raises(ValueError, match="out must be"):
+        packed(torch.randn(3, 8), out=torch.empty(3, 15))
 
 
 def test_chosen_by_isa(monkeypatch):
@@ -58,9 +92,10 @@ def test_chosen_by_isa(monkeypatch):
     monkeypatch.setenv("SHMVLLM_QUANT_ISA", "avx2")
     assert isinstance(encoder_gemm.pack_for_cpu(weight, None), encoder_gemm.PackedLinear)
     assert encoder_gemm.pack_for_cpu(weight.bfloat16(), None) is None  # fp32 only
+    monkeypatch.setenv("SHMVLLM_QUANT_ISA", "portable")
+    assert encoder_gemm.pack_for_cpu(weight, None) is None  # held off the vector kernels: oneDNN / torch
     monkeypatch.delenv("SHMVLLM_QUANT_ISA")
-    chosen = encoder_gemm.pack_for_cpu(weight, None) is not None
-    assert chosen == (quant_isas_supported()[0] == "avx2")  # oneDNN where AVX-512 is there
+    assert isinstance(encoder_gemm.pack_for_cpu(weight, None), encoder_gemm.PackedLinear)  # AVX-512 CPUs too
 
 
 def test_bert_on_the_avx2_gemm_matches_transformers(monkeypatch, tiny_bert_dir):

@@ -109,6 +109,19 @@ def ring_entries_of(pids: set[int]) -> set[str]:
     return {e.name for e in SHM_DIR.iterdir() if (m := _RING_NAME.match(e.name)) and int(m.group(1)) in pids}
 
 
+def join_ray_data_threads(timeout_s: float = 60.0) -> None:
+    """Waits for Ray Data's iterator threads of this process to end. Closing an iteration only
+    tells them to stop: one may still be inside its executor's shutdown, and a call of theirs
+    reaching the core worker after `ray.shutdown()` makes Ray exit the whole process. (A parked
+    block prefetcher thread makes no call until it is given blocks.)"""
+    deadline = time.monotonic() + timeout_s
+    for thread in threading.enumerate():
+        if thread.name == "iter_threaded":
+            thread.join(max(0.0, deadline - time.monotonic()))
+    alive = [t.name for t in threading.enumerate() if t.name == "iter_threaded" and t.is_alive()]
+    assert not alive, f"Ray Data threads still running {timeout_s} s after their iteration ended: {alive}"
+
+
 # ---- the cluster ------------------------------------------------------------------------------
 
 
@@ -137,6 +150,7 @@ def cluster():
     state = {"cluster": cluster, "recorder": PidRecorder(), "shut_down": False}
     yield state
     if not state["shut_down"]:
+        join_ray_data_threads()
         ray.shutdown()
         cluster.shutdown()
         state["recorder"].stop()
@@ -256,6 +270,7 @@ def test_cluster_shutdown_mid_run_leaves_no_engine_and_no_segment(cluster, tiny_
             break
     assert len(busy) == 2 and len(rows) < NUM_ROWS, (busy, len(rows))
     iteration.close()  # the iteration ends before Ray does
+    join_ray_data_threads()
     recorder: PidRecorder = cluster["recorder"]
     recorder.stop()
     ray.shutdown()

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shmvllm.model.encoder_gemm import PackedLinear, pack_for_cpu
+from shmvllm.model.encoder_gemm import PackedLinear, pack_for_cpu, token_wise
 
 _IGNORED_PREFIXES = ("pooler.", "cls.", "lm_head.")
 _MODEL_PREFIXES = ("bert.", "roberta.")
@@ -104,31 +104,60 @@ class BertLayer(nn.Module):
             return _Rows(self.qkv.weight[self.hidden :], self.qkv.bias[self.hidden :])
         return getattr(self, name)
 
-    def _linear(self, x: torch.Tensor, name: str, residual: Optional[torch.Tensor] = None, gelu: Optional[str] = None) -> torch.Tensor:
+    def _linear(
+        self, x: torch.Tensor, name: str, residual: Optional[torch.Tensor] = None, gelu: Optional[str] = None,
+        out: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """The linear `name` of x, + residual or GELU; `out`: where the C kernel may write it
+        (torch's linears return a new tensor instead of copying theirs there)."""
         packed = self.packed.get(name)
         if packed is not None:
-            return packed(x, residual, gelu)
+            return packed(x, residual, gelu, out)
         return _linear(x, self._weights(name), residual, gelu)
 
-    def forward(self, x: torch.Tensor, plan: AttentionPlan, query_at: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """query_at (see AttentionPlan.attend_one): the layer's output for those tokens only, one
-        per sequence; their queries alone are projected, every token's keys and values."""
+    def forward(
+        self, x: torch.Tensor, plan: AttentionPlan, scratch: Scratch, query_at: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """The layer's output, written over x (each row is read, as the residual, before it is
+        written), or, with query_at (see AttentionPlan.attend_one), a new tensor for those tokens
+        only, one per sequence: their queries alone are projected, every token's keys and values."""
         if query_at is None:
-            attn = plan.attend(self._linear(x, "qkv"), self.num_heads, self.head_dim)
+            qkv = self._linear(x, "qkv", out=scratch.get("qkv", x.shape[0], 3 * self.hidden, x))
+            attn = plan.attend(qkv, self.num_heads, self.head_dim)
         else:
-            kv = self._linear(x, "kv")
+            kv = self._linear(x, "kv", out=scratch.get("qkv", x.shape[0], 2 * self.hidden, x))
             x = x.index_select(0, plan.token_rows(query_at))
             attn = plan.attend_one(self._linear(x, "q"), kv, self.num_heads, self.head_dim, query_at)
-        if x.shape[0] <= TOKEN_CHUNK:
-            return self._token_wise(attn, x)
-        chunks = zip(attn.split(TOKEN_CHUNK), x.split(TOKEN_CHUNK))
-        return torch.cat([self._token_wise(a, r) for a, r in chunks])
+        packed = [self.packed.get(name) for name in ("attn_out", "intermediate", "out")]
+        if all(packed):  # the whole token-wise half in one call of the C kernel, a block of rows at a time
+            o, up, down = packed
+            return token_wise(attn, x, o, self.attn_norm, up, self.gelu_approximate, down, self.out_norm, x)
+        for start in range(0, x.shape[0], TOKEN_CHUNK):
+            rows = x[start : start + TOKEN_CHUNK]
+            rows.copy_(self._token_wise(attn[start : start + TOKEN_CHUNK], rows))
+        return x
 
     def _token_wise(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Everything after attention: output projection, norms and the MLP, row by row."""
         x = self.attn_norm(self._linear(attn, "attn_out", residual=residual))
         h = self._linear(x, "intermediate", gelu=self.gelu_approximate)
         return self.out_norm(self._linear(h, "out", residual=x))
+
+
+class Scratch:
+    """Activations a forward overwrites layer after layer (the QKV projection's), kept between
+    forwards: fresh tensors of this size were page-faulted anew by every layer of every step."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+        """A [rows, cols] tensor of like's dtype and device, valid until the next get(name)."""
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < rows * cols or buffer.dtype != like.dtype or buffer.device != like.device:
+            buffer = like.new_empty(rows * cols)
+            self._buffers[name] = buffer
+        return buffer[: rows * cols].view(rows, cols)
 
 
 class _Rows(NamedTuple):
@@ -139,8 +168,8 @@ class _Rows(NamedTuple):
 
 
 TOKEN_CHUNK = 2048
-"""The token-wise half of a layer runs on chunks of this many tokens, so that the wide MLP
-activation stays in cache (benchmarks/results/embed.md, "Encoder choices")."""
+"""Off the C kernel, the token-wise half of a layer runs on chunks of this many tokens, so that
+the wide MLP activation stays in cache (benchmarks/results/embed.md, "Encoder choices")."""
 
 
 def _linear(
@@ -261,6 +290,7 @@ class BertModel(nn.Module):
         self.config = config
         self.embeddings = BertEmbeddings(config)
         self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+        self.scratch = Scratch()
 
     @property
     def hidden_size(self) -> int:
@@ -280,8 +310,8 @@ class BertModel(nn.Module):
         plan = AttentionPlan(cu_seqlens)
         x = self.embeddings(input_ids, positions, token_type_ids)
         for layer in self.layers[:-1]:
-            x = layer(x, plan)
-        return self.layers[-1](x, plan, query_at)
+            x = layer(x, plan, self.scratch)
+        return self.layers[-1](x, plan, self.scratch, query_at)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Loads HF BertModel / RobertaModel tensors (names with or without `bert.` / `roberta.`)

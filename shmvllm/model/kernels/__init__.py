@@ -202,7 +202,13 @@ ENCODER_GEMM_SOURCE = Path(__file__).with_name("encoder_gemm.c")
 _ENCODER_GEMM_SIGNATURES = {
     "shm_encoder_packed_floats": (_i64, [_i64, _i64]),
     "shm_encoder_pack": (None, [_ptr, _ptr, _i64, _i64, _ptr]),
-    "shm_encoder_gemm": (None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, ctypes.c_int]),
+    "shm_encoder_gemm": (
+        None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, ctypes.c_int, _ptr, _ptr, ctypes.c_float],
+    ),
+    "shm_encoder_token_wise": (
+        ctypes.c_int,
+        [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, ctypes.c_int, _ptr, _ptr, _ptr, ctypes.c_float, _ptr, _i64],
+    ),
 }
 # AVX2 + FMA code whatever the build machine (-mtune only): it is the kernel for CPUs without AVX-512.
 _ENCODER_GEMM_FLAGS = ["-O3", "-mavx2", "-mfma", "-mtune=native", "-fopenmp", "-fPIC", "-std=gnu11", "-c"]
@@ -267,6 +273,8 @@ MOE_SOURCE = Path(__file__).with_name("moe.c")  # included by decode_step.c
 _QUANT_SIGNATURES = {
     "shm_decode_step": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]),
     "shm_decode_scratch_floats": (_i64, [_ptr, _i64]),
+    "shm_decode_burst": (_i64, [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr]),
+    "shm_decode_burst_floats": (_i64, [_ptr, _ptr]),
     "shm_read_probe": (ctypes.c_double, [_ptr, _i64, ctypes.c_int]),
     "shm_moe_experts": (ctypes.c_int, [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, ctypes.c_int]),
     "shm_moe_scratch_floats": (_i64, [_ptr, _i64]),

@@ -72,18 +72,27 @@ static void scores(const float *const q[QR], const float *kt, int64_t ldk, int64
 
 /* One query: softmax over s[lo, hi) (s is 8-aligned from j0 = lo & ~7 up to hi rounded up; the
  * entries outside [lo, hi) are masked here), then out[0, head_dim) = P . V / sum. */
+/* s[j, j + 8) with the lanes outside [lo, hi) set to -1e30, masked in registers: scalar stores
+ * into a vector the next load reads whole would stall its store forwarding, once per query. */
+static inline __m256 load_masked(const float *s, int64_t j, int64_t lo, int64_t hi) {
+    const __m256 x = _mm256_loadu_ps(s + j);
+    if (j >= lo && j + 8 <= hi) return x;
+    const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32((int)j), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i in = _mm256_and_si256(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32((int)lo - 1)),
+                                        _mm256_cmpgt_epi32(_mm256_set1_epi32((int)hi), lane));
+    return _mm256_blendv_ps(_mm256_set1_ps(-1e30f), x, _mm256_castsi256_ps(in));
+}
+
 static void softmax_pv(float *s, int64_t lo, int64_t hi, const float *v, int64_t ldv, int64_t head_dim, float *out) {
     const int64_t j0 = lo & ~(int64_t)7, j1 = (hi + 7) & ~(int64_t)7;
-    for (int64_t j = j0; j < lo; j++) s[j] = -1e30f;
-    for (int64_t j = hi; j < j1; j++) s[j] = -1e30f;
     __m256 m = _mm256_set1_ps(-1e30f);
-    for (int64_t j = j0; j < j1; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
+    for (int64_t j = j0; j < j1; j += 8) m = _mm256_max_ps(m, load_masked(s, j, lo, hi));
     const __m256 mx = _mm256_set1_ps(hmax8(m)), floor = _mm256_set1_ps(-87.0f);
     __m256 sum = _mm256_setzero_ps();
     for (int64_t j = j0; j < j1; j += 8) {
         /* held above expf's underflow, whose scalar fallback is slow: a masked key's ~1e-38 is
          * lost in the sum (>= 1) and never weighs a V row (the P.V loop skips it) */
-        const __m256 p = _ZGVdN8v_expf(_mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), mx), floor));
+        const __m256 p = _ZGVdN8v_expf(_mm256_max_ps(_mm256_sub_ps(load_masked(s, j, lo, hi), mx), floor));
         _mm256_storeu_ps(s + j, p);
         sum = _mm256_add_ps(sum, p);
     }

@@ -5,7 +5,8 @@ equal those of one token a step (the shipped SmolLM2 and a tiny random Llama); E
 stop_token_ids, max_tokens and min_tokens end the output exactly there (a request with stop
 strings decodes one token a step, so its token ids end with its text); a request that
 arrives during a burst is served at once, and both outputs equal their runs alone; with n-gram
-speculation bursts run between proposals, which are still verified.
+speculation bursts run between proposals, which are still verified; a burst of the native decode
+step is one native call (embedding, step, lm_head, argmax and the stop rule in C).
 """
 
 from __future__ import annotations
@@ -63,6 +64,30 @@ def test_bursts_give_the_tokens_of_one_a_step(which, smollm2_dir, tiny_llama_dir
     assert any(s[2] == "length" for s in short)
     if which == "smollm2":
         assert any(s[2] == "stop" for s in natural), "no answer ended with EOS"
+
+
+@pytest.mark.parametrize("which", ["smollm2", "tiny_llama"])
+def test_a_burst_is_one_native_call(which, smollm2_dir, tiny_llama_dir, monkeypatch, no_engine_left_behind):
+    """In the engine's process, bursts run as the native step's burst (DecodeStep.burst): its
+    tokens equal one token a step's, with EOS masked by min_tokens, stop_token_ids and max_tokens."""
+    model_dir = smollm2_dir if which == "smollm2" else tiny_llama_dir
+    chat = [f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n" for p in PROMPTS]
+    cases = [
+        SamplingParams(temperature=0.0, max_tokens=45, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=60, min_tokens=30),
+        SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[28, 30]),  # SmolLM2's "," and "."
+    ]
+    results = {}
+    for burst in (1, 8):
+        monkeypatch.setenv("SHMVLLM_DECODE_BURST", str(burst))
+        with LLM(model=str(model_dir), max_model_len=1024, multiprocess=False) as llm:
+            step = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.model.model.decode_step
+            results[burst] = [[summary(c) for c in outputs_alone(llm, chat, params)] for params in cases]
+            assert (step.bursts > 0) == (burst > 1)
+    assert results[8] == results[1]
+    assert all(len(s[0]) >= 30 for s in results[8][1])
+    if which == "smollm2":
+        assert any(s[3] in (28, 30) for s in results[8][2]), "no answer stopped at a stop token id"
 
 
 def test_stop_token_ids_and_stop_strings_end_a_burst_exactly(smollm2_dir, monkeypatch, no_engine_left_behind):

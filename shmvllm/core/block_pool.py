@@ -3,7 +3,10 @@
 A block with ref_cnt 0 is free. A free block may still hold a cached prefix (block_hash is
 set); it stays findable by its hash until it is handed out again, which is when its hash is
 evicted. The free list is ordered by eviction priority: blocks are taken from the head and
-returned to the tail, so the least recently freed cached block is evicted first (LRU).
+cached blocks returned to the tail, so the least recently freed cached block is evicted first
+(LRU). A freed block that holds no cached prefix goes to the head: it is taken again first, so
+that requests reuse memory already mapped and warm instead of first-touching fresh pages of the
+cache (a fresh block's zeroing faulted in its pages: 0.2-21 ms a block on a 2-core Zen 4).
 """
 
 from __future__ import annotations
@@ -58,14 +61,22 @@ class FreeKVCacheBlockQueue:
         self.num_free_blocks -= 1
 
     def append(self, block: KVCacheBlock) -> None:
-        if block.prev_free is not None:
-            raise ValueError(f"{block} is already in the free list.")
         last = self._tail.prev_free
         assert last is not None
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
-        self._tail.prev_free = block
+        self._insert(block, last)
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        self._insert(block, self._head)
+
+    def _insert(self, block: KVCacheBlock, after: KVCacheBlock) -> None:
+        if block.prev_free is not None:
+            raise ValueError(f"{block} is already in the free list.")
+        nxt = after.next_free
+        assert nxt is not None
+        after.next_free = block
+        block.prev_free = after
+        block.next_free = nxt
+        nxt.prev_free = block
         self.num_free_blocks += 1
 
     def __iter__(self):
@@ -120,14 +131,18 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drops one reference from each block; those reaching 0 go to the tail of the free list
-        in the given order (so the first given is evicted first)."""
+        """Drops one reference from each block; cached ones reaching 0 go to the tail of the free
+        list in the given order (so the first given is evicted first), uncached ones to its head
+        (taken next, the last given first)."""
         for block in ordered_blocks:
             if block.ref_cnt <= 0:
                 raise ValueError(f"{block} freed more often than it was taken.")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_block_queue.append(block)
+                if block.block_hash is None:
+                    self.free_block_queue.appendleft(block)
+                else:
+                    self.free_block_queue.append(block)
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
         """Makes a full block findable by its hash. If another block already holds the same

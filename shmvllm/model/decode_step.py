@@ -11,15 +11,19 @@ output value computed the same way whatever the threads' split (so the hidden st
 identical bit for bit, see tests/test_quant_model.py); this module lays out, once, a table of
 every layer's weights (GGML block parts or plain fp32 rows), norms and KV-cache pointers, and
 re-lays it (and the step's scratch buffer) when the cache is re-bound or the thread count
-changes. ``SHMVLLM_FUSED_DECODE=0`` turns it off (the modules then run as for any other step).
+changes. A greedy decode burst (`burst`) is one call and one parallel region too: per token
+the embedding row, the step, the lm_head and the argmax, the stop rule between tokens
+(decode_step.c's shm_decode_burst). ``SHMVLLM_FUSED_DECODE=0`` turns it off (the modules then
+run as for any other step).
 Where its time goes: benchmarks/results/decode_profile.md.
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from shmvllm import envs
@@ -28,6 +32,7 @@ from shmvllm.model.kernels import cpu_kernels, quant_kernels
 from shmvllm.model.linear import FEW_ROWS, Linear
 from shmvllm.model.moe import GLU_KERNELS, MoEMLP, native_options
 from shmvllm.model.native_linear import NativeLinear, linear_table, linear_tables
+from shmvllm.model.step_table import BurstTable, WaitingFn
 from shmvllm.model.step_table import LayerTable as _Layer, ModelTable as _Model, function_address as _fn
 
 
@@ -81,7 +86,9 @@ def _mlp_linears(mlp: Any) -> list[Linear]:
 
 class DecodeStep:
     """The native decode step of one DecoderModel; `run` returns None where it does not apply.
-    `steps`: how many steps it ran (what tests check to see that a model did not fall back)."""
+    `steps`: how many steps it ran (what tests check to see that a model did not fall back).
+    With `set_head` (the embedding and the lm_head), `burst` decodes greedy tokens in one call
+    (`bursts`: how many such calls ran)."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -92,6 +99,11 @@ class DecodeStep:
         self._cache_ptr = None
         self._scratch: Optional[torch.Tensor] = None
         self.steps = 0
+        self.bursts = 0
+        self._head: Optional[tuple[Any, Linear]] = None  # (the embedding, the lm_head) for bursts
+        self._burst: Optional[BurstTable] = None
+        self._burst_work: Optional[np.ndarray] = None
+        self._callback: tuple[Optional[Callable[[], bool]], Any] = (None, WaitingFn())
 
     def usable(self) -> bool:
         return self.quant is not None and self.cpu is not None and not fallback_reasons(self.model)
@@ -157,6 +169,71 @@ class DecodeStep:
             max((m.top_k for m in moes), default=0), max((m.num_experts for m in moes), default=0),
         )
 
+    def _ensure_table(self) -> bool:
+        """Lays out the table and scratch for the bound KV cache and thread count; False: no cache yet."""
+        k_cache = self.model.layers[0].self_attn.attn.k_cache
+        if k_cache is None:
+            return False
+        if self._table is None or self._cache_ptr != k_cache.data_ptr() or self._table.threads != torch.get_num_threads():
+            self._table = self._build()
+            self._cache_ptr = k_cache.data_ptr()
+            floats = self.quant.shm_decode_scratch_floats(ctypes.addressof(self._table), FEW_ROWS)
+            self._scratch = torch.empty(floats, dtype=torch.float32)
+            self._burst = None
+        return True
+
+    def set_head(self, embedding: Any, lm_head: Linear) -> None:
+        """The model's embedding (a VocabEmbedding) and lm_head, whose logits are the argmax's
+        input as they are (no scale or soft-capping): what `burst` needs."""
+        self._head = (embedding, lm_head)
+
+    def _burst_table(self) -> BurstTable:
+        embedding, lm_head = self._head
+        blocks = embedding.blocks
+        if blocks is not None:
+            source = (blocks.data.data_ptr(), blocks.qtype, blocks.data.shape[1])
+        else:
+            weight = embedding.weight.detach()
+            if not weight.is_contiguous() or weight.dtype != torch.float32:
+                raise ValueError("the native decode burst needs a contiguous fp32 embedding or GGML blocks.")
+            source = (weight.data_ptr(), -1, weight.shape[1] * 4)
+        table = BurstTable(*source, linear_table(lm_head, self._keep))
+        floats = self.quant.shm_decode_burst_floats(ctypes.addressof(self._table), ctypes.addressof(table))
+        self._burst_work = np.empty(floats, dtype=np.float32)
+        return table
+
+    def burst(self, token: int, position: int, block_table: np.ndarray, count: int, stops: Sequence[int],
+              masked: Sequence[int], masked_tokens: int,
+              input_waiting: Optional[Callable[[], bool]]) -> Optional[list[int]]:
+        """1 to `count` greedy tokens of one sequence in one native call (decode_step.c's
+        shm_decode_burst), from `token` at `position`: each the argmax of its logits, `masked`
+        excluded for the first `masked_tokens`; it ends after a token in `stops`, or when
+        `input_waiting()` (None: never asked) says so after a token. `block_table`: the
+        sequence's int32 blocks, holding position + count slots. None: no head set or no KV cache."""
+        if self._head is None or not self._ensure_table():
+            return None
+        if self._burst is None:
+            self._burst = self._burst_table()
+        table = self._burst
+        stop_ids = (ctypes.c_int64 * max(len(stops), 1))(*stops)
+        masked_ids = (ctypes.c_int64 * max(len(masked), 1))(*masked)
+        table.stops, table.num_stops = stop_ids, len(stops)
+        table.masked, table.num_masked, table.masked_tokens = masked_ids, len(masked), max(masked_tokens, 0)
+        if self._callback[0] is not input_waiting:  # a C function pointer made once per callable
+            self._callback = (input_waiting, WaitingFn() if input_waiting is None else WaitingFn(input_waiting))
+        table.input_waiting = self._callback[1]
+        block_table = np.ascontiguousarray(block_table, dtype=np.int32)
+        tokens = np.empty(count, dtype=np.int64)
+        n = self.quant.shm_decode_burst(
+            ctypes.addressof(self._table), ctypes.addressof(table), token, position, block_table.ctypes.data, count,
+            tokens.ctypes.data, self._scratch.data_ptr(), self._burst_work.ctypes.data,
+        )
+        if n < 0:
+            raise RuntimeError(f"the native decode burst failed (status {n}).")
+        self.steps += n
+        self.bursts += 1
+        return tokens[:n].tolist()
+
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> Optional[torch.Tensor]:
         """The final-normed hidden states of a pure-decode step of <= FEW_ROWS rows, else None.
         `hidden` (the embedded tokens) is used as the residual stream and overwritten."""
@@ -168,14 +245,8 @@ class DecodeStep:
             or hidden.dtype != torch.float32 or hidden.device.type != "cpu"
         ):
             return None
-        k_cache = self.model.layers[0].self_attn.attn.k_cache
-        if k_cache is None:
+        if not self._ensure_table():
             return None
-        if self._table is None or self._cache_ptr != k_cache.data_ptr() or self._table.threads != torch.get_num_threads():
-            self._table = self._build()
-            self._cache_ptr = k_cache.data_ptr()
-            floats = self.quant.shm_decode_scratch_floats(ctypes.addressof(self._table), FEW_ROWS)
-            self._scratch = torch.empty(floats, dtype=torch.float32)
         hidden = hidden.contiguous()
         positions = positions.contiguous()
         out = torch.empty_like(hidden)

@@ -27,8 +27,9 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -442,6 +443,16 @@ class DecoderForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
+    def decode_burst(self, token: int, position: int, block_table: np.ndarray, count: int, stops: Sequence[int],
+                     masked: Sequence[int], masked_tokens: int,
+                     input_waiting: Optional[Callable[[], bool]]) -> Optional[list[int]]:
+        """Greedy tokens of one sequence decoded in one native call (DecodeStep.burst); None where
+        the native step or its head does not apply (the caller then runs the model a token a step)."""
+        step = self.model.decode_step
+        if step is None:
+            return None
+        return step.burst(token, position, block_table, count, stops, masked, masked_tokens, input_waiting)
+
     def tie_blocks(self) -> None:
         """A tied lm_head runs on the embedding's blocks when the embedding has them."""
         if self.model.embed_tokens is None or self.lm_head is None:
@@ -461,6 +472,9 @@ class DecoderForCausalLM(nn.Module):
         # the native all-layer step knows nothing of the collectives
         step = DecodeStep(self.model) if decode_step_enabled() and self.world_size == 1 and self.stage.whole else None
         self.model.decode_step = step if step is not None and step.usable() else None
+        if (self.model.decode_step is not None and self.lm_head is not None and self.options.logits_scale == 1.0
+                and self.options.final_softcap is None and self.model.embed_scale == 1.0):
+            self.model.decode_step.set_head(self.model.embed_tokens, self.lm_head)
         if step is not None and self.model.decode_step is None:
             logger.info("single-request decode runs layer by layer: %s", "; ".join(decode_fallback_reasons(self.model))
                         or "no C kernels")

@@ -1,5 +1,5 @@
 """The native decode step's table as ctypes structures (decode_step.c's shm_part, shm_linear,
-shm_layer and shm_model), without torch: the torch model's step (decode_step.py) and the
+shm_layer, shm_model and shm_burst), without torch: the torch model's step (decode_step.py) and the
 engine's first requests before torch (first_requests.py) fill the same layout."""
 
 from __future__ import annotations
@@ -39,6 +39,21 @@ class ModelTable(ctypes.Structure):
         ("rms_norm", _ptr), ("rotary", _ptr), ("write_kv", _ptr), ("attention_task", _ptr),
         ("attention_combine", _ptr), ("glu", _ptr), ("linear_rows", _ptr),
         ("moe_slots", _i64), ("max_experts", _i64),
+    ]
+
+
+# shm_burst's input_waiting: non-zero when the engine has input waiting (a NULL one is never asked)
+WaitingFn = ctypes.CFUNCTYPE(ctypes.c_int)
+
+
+class BurstTable(ctypes.Structure):
+    """decode_step.c's shm_burst: the embedding and lm_head of a greedy decode burst and its stop rule."""
+
+    _fields_ = [
+        ("embedding", _ptr), ("embedding_type", _i64), ("embedding_row_bytes", _i64), ("lm_head", NativeLinear),
+        ("stops", ctypes.POINTER(_i64)), ("masked", ctypes.POINTER(_i64)),
+        ("num_stops", _i64), ("num_masked", _i64), ("masked_tokens", _i64),
+        ("input_waiting", WaitingFn),
     ]
 
 

@@ -5,9 +5,9 @@ flatten the scheduled tokens of all requests into one batch (numpy, vectorized),
 model, compute logits only on the rows that sample (the last scheduled token of a request
 whose scheduled tokens reach the end of its known tokens) and on prompt rows whose logprobs
 were asked, sample, and append each sampled token to its request's state. A step that gives a
-lone greedy decode a burst (SchedulerOutput.burst_tokens) then goes on decoding it here, one
-token a forward pass, until the burst's length, a stop token, or `interrupt()` (new input for
-the engine) says to return.
+lone greedy decode a burst (SchedulerOutput.burst_tokens) decodes up to its length in one call
+of the model's native burst (`decode_burst`), or else here, one token a forward pass, until the
+burst's length, a stop token, or `interrupt()` (new input for the engine) says to return.
 """
 
 from __future__ import annotations
@@ -175,16 +175,49 @@ class ModelRunner:
         step = self.begin_step(scheduler_output)
         if step is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        if scheduler_output.burst_tokens and self.burst_lookup is None:
+            output = self._native_burst(step, scheduler_output.burst_tokens)
+            if output is not None:
+                return output
         hidden = self.model(step.input_ids, step.positions, step.meta)
         output = self.finish_step(step, hidden, scheduler_output)
         if scheduler_output.burst_tokens:
             self._burst(scheduler_output.burst_tokens, output)
         return output
 
+    def _native_burst(self, step: StepInputs, bursts: dict[str, int]) -> Optional[ModelRunnerOutput]:
+        """The whole burst, the step's own token first, in one call of the model's native burst
+        (`decode_burst`: embedding, step, lm_head, argmax and the stop rule in C); None where the
+        model has none. The scheduler gives a burst only to a lone request decoding its one last
+        token whose argmax alone decides, so the step's token is the argmax as the sampler takes it."""
+        decode_burst = getattr(self.model, "decode_burst", None)
+        if decode_burst is None:
+            return None
+        batch = self.input_batch
+        (req_id, burst), = bursts.items()
+        row = batch.req_id_to_index[req_id]
+        state = batch.states[row]
+        computed = int(step.num_computed[row])
+        masked_tokens = state.sampling_params.min_tokens - len(state.output_token_ids) if state.stop_token_ids else 0
+        tokens = decode_burst(
+            int(batch.token_ids[row, computed]), computed, batch.block_table[row], burst,
+            sorted(_burst_stops(state.sampling_params)), state.stop_token_ids, masked_tokens,
+            None if self.interrupt is _never else self.interrupt,
+        )
+        if tokens is None:
+            return None
+        sampled: list[list[int]] = [[] for _ in range(batch.num_reqs)]
+        sampled[row] = tokens
+        for token in tokens:
+            batch.append_token(row, token)
+        state.output_token_ids.extend(tokens)
+        batch.num_computed_tokens[row] = state.num_computed_tokens = computed + len(tokens)
+        return ModelRunnerOutput(req_ids=list(batch.req_ids), sampled_token_ids=sampled)
+
     def _burst(self, bursts: dict[str, int], output: ModelRunnerOutput) -> None:
-        """Decodes the lone request's further tokens of its burst: each a forward pass of its
-        last token and the argmax of its logits (what the sampler takes for a greedy row with no
-        processors; before min_tokens outputs, with the stop tokens masked as the sampler masks
+        """Decodes the lone request's further tokens of its burst where the model has no native
+        burst, or with n-gram speculation: each a forward pass of its last token and the argmax
+        of its logits (what the sampler takes for a greedy row with no processors; before min_tokens outputs, with the stop tokens masked as the sampler masks
         them), until the burst's length, EOS (unless ignored) or a stop token id (the scheduler
         keeps a burst within max_tokens and max_model_len), new input for the engine, or, with
         n-gram speculation, a token after which the proposer has a proposal to verify."""
@@ -193,9 +226,7 @@ class ModelRunner:
         row = batch.req_id_to_index[req_id]
         state = batch.states[row]
         params = state.sampling_params
-        stops = set(params.stop_token_ids or ())
-        if params.eos_token_id is not None and not params.ignore_eos:
-            stops.add(params.eos_token_id)
+        stops = _burst_stops(params)
         tokens = output.sampled_token_ids[row]
         one = np.ones(1, dtype=np.int32)
         while tokens and len(tokens) < burst and tokens[-1] not in stops and not self.interrupt():
@@ -670,6 +701,14 @@ def _add_request_processors(
 
 def _never() -> bool:
     return False
+
+
+def _burst_stops(params: SamplingParams) -> set[int]:
+    """The token ids after which a burst ends: stop_token_ids, and EOS unless ignored."""
+    stops = set(params.stop_token_ids or ())
+    if params.eos_token_id is not None and not params.ignore_eos:
+        stops.add(params.eos_token_id)
+    return stops
 
 
 def _greedy_token(logits: torch.Tensor) -> int:

@@ -273,6 +273,8 @@ MOE_SOURCE = Path(__file__).with_name("moe.c")  # included by decode_step.c
 _QUANT_SIGNATURES = {
     "shm_decode_step": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]),
     "shm_decode_scratch_floats": (_i64, [_ptr, _i64]),
+    "shm_decode_burst": (_i64, [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr]),
+    "shm_decode_burst_floats": (_i64, [_ptr, _ptr]),
     "shm_read_probe": (ctypes.c_double, [_ptr, _i64, ctypes.c_int]),
     "shm_moe_experts": (ctypes.c_int, [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, ctypes.c_int]),
     "shm_moe_scratch_floats": (_i64, [_ptr, _i64]),

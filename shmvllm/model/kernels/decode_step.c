@@ -24,9 +24,15 @@
  * scale, one for the sum); each output value is computed by one thread in the same order
  * whatever the split, so the result is identical bit for bit.
  *
+ * A greedy decode burst (shm_decode_burst) runs several tokens of one sequence in one parallel
+ * region: per token the embedding row, the step, the lm_head (its rows in one chunk a thread,
+ * each chunk's argmax taken while its logits are in cache) and the argmax, so the tokens
+ * between two engine steps make no Python call and enter no further OpenMP region.
+ *
  * Built into each ISA build of quant_kernels.c (it includes that file), so the GEMVs are the
  * chosen ISA's. Nothing here allocates: buffers are the caller's scratch
- * (shm_decode_scratch_floats, sized for m->threads threads and contexts up to m->max_len).
+ * (shm_decode_scratch_floats, sized for m->threads threads and contexts up to m->max_len; a
+ * burst's own, shm_decode_burst_floats).
  */
 typedef float act_t;
 #include <math.h>
@@ -332,6 +338,165 @@ static int check_model(const shm_model *m) {
     return 0;
 }
 
+/* One call's buffers and inputs as every thread of the team sees them. `max_len` (the longest
+ * context of the call's rows) and the inputs may change between a burst's tokens. */
+typedef struct {
+    float *hidden, *out, *qkv, *attn, *gate_up, *block, *router_logits, *expert_out, *moe_act, *partials, *own_base;
+    int64_t *counters, *moe_sync;
+    int64_t rows, own, max_len;
+    const int64_t *positions, *slot_mapping;
+    shm_attention_args args;
+#ifdef SHM_STEP_PROFILE
+    int64_t forked; /* when the team was asked to start (ST_FORK) */
+#endif
+} step_state;
+
+/* Lays out `scratch` for `rows` rows at contexts up to `max_len` (counters zeroed). */
+static step_state step_state_at(const shm_model *m, float *scratch, float *hidden, float *out, int64_t rows,
+                                int64_t max_len, const int64_t *positions, const int64_t *slot_mapping,
+                                const int64_t *decode_rows, const int32_t *block_table, int64_t block_table_stride,
+                                const int32_t *seq_lens) {
+    const int64_t D = m->head_dim, q_size = m->num_heads * D, kv_size = m->kv_heads * D;
+    const int64_t I = m->intermediate, group = m->num_heads / m->kv_heads;
+    step_state s;
+    s.hidden = hidden;
+    s.out = out;
+    s.rows = rows;
+    s.max_len = max_len;
+    s.positions = positions;
+    s.slot_mapping = slot_mapping;
+    s.counters = (int64_t *)scratch;
+    memset(s.counters, 0, (size_t)counter_floats(m) * sizeof(float));
+    s.qkv = scratch + counter_floats(m);
+    s.attn = s.qkv + rows * (q_size + 2 * kv_size);
+    s.gate_up = s.attn + rows * q_size;
+    s.block = s.gate_up + rows * 2 * I; /* o's and down's outputs where the residual is not fused */
+    s.router_logits = s.block + rows * m->hidden;
+    s.expert_out = s.router_logits + rows * m->max_experts;
+    s.moe_act = s.expert_out + rows * m->moe_slots * m->hidden;
+    s.partials = s.moe_act + rows * I * (m->moe_slots > 0);
+    s.moe_sync = s.counters + PHASES_PER_LAYER * m->num_layers + 16; /* each MoE layer's moe_layer_words */
+    s.own_base = s.partials + attention_partial_floats(rows, m->kv_heads, attention_chunks(max_len), group, D);
+    s.own = own_floats(m, rows);
+    const shm_attention_args args = {s.attn, q_size, s.qkv, q_size + 2 * kv_size, decode_rows, rows, NULL, NULL,
+                                     m->num_slots, block_table, block_table_stride, seq_lens, m->block_size,
+                                     m->num_heads, m->kv_heads, D, 0.0f, 1, 0, 0.0f, NULL};
+    s.args = args;
+    return s;
+}
+
+/* This thread's part of one step over every layer, then (thread 0) the final norm into s->out.
+ * Every thread of the team calls it; the counters must be zero. */
+static void step_layers(const shm_model *m, const step_state *s, int tid, int team) {
+    const int64_t H = m->hidden, D = m->head_dim, rows = s->rows, max_len = s->max_len;
+    const int64_t I = m->intermediate, group = m->num_heads / m->kv_heads, pairs = rows * m->kv_heads;
+    float *hidden = s->hidden, *qkv = s->qkv, *attn = s->attn, *gate_up = s->gate_up, *block = s->block;
+    float *router_logits = s->router_logits, *expert_out = s->expert_out, *moe_act = s->moe_act;
+    float *partials = s->partials;
+    const int64_t *positions = s->positions, *slot_mapping = s->slot_mapping;
+#ifdef SHM_STEP_PROFILE
+    int64_t last_ = s->forked;
+    STAMP(ST_FORK);
+#endif
+    float *normed = s->own_base + tid * s->own, *act = normed + rows * H, *residual = act + rows * I;
+    float *block_normed = residual + rows * H, *work = block_normed + rows * H;
+    float *routing_base = work + attention_work_floats(group, D);
+    /* the residual stream: the shared `hidden` where the GEMVs add into it, else this thread's copy */
+    float *stream = hidden;
+    if (!m->fused_residual) {
+        memcpy(residual, hidden, (size_t)(rows * H) * sizeof(float));
+        stream = residual;
+    }
+    int64_t *counter = s->counters;
+    shm_attention_args a = s->args;
+    for (int64_t l = 0; l < m->num_layers; l++, counter += PHASES_PER_LAYER) {
+        const shm_layer *layer = &m->layers[l];
+        const int64_t span = layer->window > 0 && max_len > layer->window ? layer->window : max_len;
+        a.k_cache = layer->k_cache;
+        a.v_cache = layer->v_cache;
+        a.scale = layer->scale;
+        a.softcap = layer->softcap;
+        a.window = layer->window;
+        a.max_chunks = attention_chunks(span);
+        const int64_t tasks = pairs * a.max_chunks;
+        team_linear(m, &layer->qkv, qkv, norm_or_same(m, normed, stream, layer->attn_in_norm, rows), NULL, rows, team,
+                    &counter[0]);
+        STAMP(ST_QKV);
+#pragma omp barrier
+        STAMP(ST_QKV_WAIT);
+        if (layer->q_norm != NULL && m->qk_norm_width == 0) {
+            if (tid == 0) attention_inputs(m, layer, qkv, rows, positions, slot_mapping);
+        } else {
+            for (int64_t p; (p = __atomic_fetch_add(&counter[7], 1, __ATOMIC_RELAXED)) < pairs;)
+                attention_pair_inputs(m, layer, qkv, p, positions, slot_mapping);
+        }
+        STAMP(ST_ROPE);
+#pragma omp barrier
+        STAMP(ST_ROPE_WAIT);
+        for (int64_t t; (t = __atomic_fetch_add(&counter[1], 1, __ATOMIC_RELAXED)) < tasks;)
+            m->attention_task(&a, t, work, partials);
+        STAMP(ST_ATTN);
+        if (a.max_chunks > 1) {
+#pragma omp barrier
+            for (int64_t p; (p = __atomic_fetch_add(&counter[2], 1, __ATOMIC_RELAXED)) < pairs;)
+                m->attention_combine(&a, p, partials);
+        }
+#pragma omp barrier
+        STAMP(ST_ATTN_WAIT);
+        if (m->fused_residual) {
+            team_linear(m, &layer->o, hidden, attn, hidden, rows, team, &counter[3]);
+            STAMP(ST_O);
+#pragma omp barrier
+            STAMP(ST_O_WAIT);
+        } else {
+            team_linear(m, &layer->o, block, attn, NULL, rows, team, &counter[3]);
+#pragma omp barrier
+            add_block(m, stream, block, layer->attn_out_norm, block_normed, rows);
+        }
+        if (layer->num_experts > 0) {
+            const float *x = norm_or_same(m, normed, stream, layer->mlp_in_norm, rows);
+            const moe_experts experts = {layer->expert_gate_up, layer->expert_down, H, layer->expert_intermediate,
+                                         layer->top_k, m->glu};
+            moe_routing routing = moe_routing_at(m, layer, routing_base, rows);
+            team_linear(m, &layer->router, router_logits, x, NULL, rows, team, &counter[6]);
+#pragma omp barrier
+            moe_route(m, layer, router_logits, x, rows, &routing);
+            /* the weighted sums go into the residual stream (fused) or `block` */
+            moe_team(m, &experts, &routing.plan, routing.xs, gate_up, moe_act, expert_out,
+                     m->fused_residual ? hidden : block, m->fused_residual ? hidden : NULL, rows, team,
+                     s->moe_sync + l * moe_layer_words(m));
+#pragma omp barrier
+            if (!m->fused_residual) add_block(m, stream, block, layer->mlp_out_norm, block_normed, rows);
+            continue;
+        }
+        team_linear(m, &layer->gate_up, gate_up, norm_or_same(m, normed, stream, layer->mlp_in_norm, rows), NULL, rows,
+                    team, &counter[4]);
+        STAMP(ST_GATE_UP);
+#pragma omp barrier
+        STAMP(ST_GATE_UP_WAIT);
+        m->glu(act, gate_up, rows, I);
+        STAMP(ST_GLU);
+        if (m->fused_residual) {
+            team_linear(m, &layer->down, hidden, act, hidden, rows, team, &counter[5]);
+            STAMP(ST_DOWN);
+#pragma omp barrier
+            STAMP(ST_DOWN_WAIT);
+        } else {
+            team_linear(m, &layer->down, block, act, NULL, rows, team, &counter[5]);
+#pragma omp barrier
+            add_block(m, stream, block, layer->mlp_out_norm, block_normed, rows);
+        }
+    }
+    if (tid == 0) m->rms_norm(s->out, stream, m->final_norm, rows, H, m->eps);
+    STAMP(ST_FINAL);
+}
+
+/* The team's size for a call: OpenMP's, at most the table's. */
+static int step_threads(const shm_model *m) {
+    const int threads = omp_get_max_threads();
+    return threads < m->threads ? threads : (int)m->threads;
+}
+
 /* hidden [rows, hidden] in: the embedded tokens; out: the final-normed hidden states (written to
  * `out`; hidden is overwritten). Every row is a decode row (decode_rows[i] = i). Returns 0;
  * -1 / -3 for a weight the kernels cannot run; -4 for a context longer than m->max_len; -5 for
@@ -340,134 +505,143 @@ static int check_model(const shm_model *m) {
 int shm_decode_step(const shm_model *m, float *hidden, float *out, int64_t rows, const int64_t *positions,
                     const int64_t *slot_mapping, const int64_t *decode_rows, const int32_t *block_table,
                     int64_t block_table_stride, const int32_t *seq_lens, float *scratch) {
-    const int64_t H = m->hidden, D = m->head_dim, q_size = m->num_heads * D, kv_size = m->kv_heads * D;
-    const int64_t qkv_width = q_size + 2 * kv_size, I = m->intermediate, group = m->num_heads / m->kv_heads;
     int64_t max_len = 1;
     for (int64_t i = 0; i < rows; i++) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
     if (max_len > m->max_len) return -4;
     int rc = check_model(m);
     if (rc != 0) return rc;
     if (m->moe_slots > 0 && rows > FEW_ROWS) return -6; /* the MoE layers' synchronisation words */
-    const int64_t pairs = rows * m->kv_heads;
-    int64_t *counters = (int64_t *)scratch;
-    memset(counters, 0, (size_t)counter_floats(m) * sizeof(float));
-    float *qkv = scratch + counter_floats(m), *attn = qkv + rows * qkv_width, *gate_up = attn + rows * q_size;
-    float *block = gate_up + rows * 2 * I; /* o's and down's outputs where the residual is not fused */
-    float *router_logits = block + rows * H, *expert_out = router_logits + rows * m->max_experts;
-    float *moe_act = expert_out + rows * m->moe_slots * H, *partials = moe_act + rows * I * (m->moe_slots > 0);
-    int64_t *moe_sync = counters + PHASES_PER_LAYER * m->num_layers + 16; /* each MoE layer's moe_layer_words */
-    float *own_base = partials + attention_partial_floats(rows, m->kv_heads, attention_chunks(max_len), group, D);
-    const int64_t own = own_floats(m, rows);
-    const shm_attention_args args = {attn, q_size, qkv, qkv_width, decode_rows, rows, NULL, NULL, m->num_slots,
-                                     block_table, block_table_stride, seq_lens, m->block_size, m->num_heads,
-                                     m->kv_heads, D, 0.0f, 1, 0, 0.0f, NULL};
-    int threads = omp_get_max_threads();
-    threads = threads < m->threads ? threads : (int)m->threads;
+    step_state s = step_state_at(m, scratch, hidden, out, rows, max_len, positions, slot_mapping, decode_rows,
+                                 block_table, block_table_stride, seq_lens);
 #ifdef SHM_STEP_PROFILE
-    const int64_t forked = now_ns();
+    s.forked = now_ns();
 #endif
-#pragma omp parallel num_threads(threads)
-    {
-        const int tid = omp_get_thread_num(), team = omp_get_num_threads();
-#ifdef SHM_STEP_PROFILE
-        int64_t last_ = forked;
-        STAMP(ST_FORK);
-#endif
-        float *normed = own_base + tid * own, *act = normed + rows * H, *residual = act + rows * I;
-        float *block_normed = residual + rows * H, *work = block_normed + rows * H;
-        float *routing_base = work + attention_work_floats(group, D);
-        /* the residual stream: the shared `hidden` where the GEMVs add into it, else this thread's copy */
-        float *stream = hidden;
-        if (!m->fused_residual) {
-            memcpy(residual, hidden, (size_t)(rows * H) * sizeof(float));
-            stream = residual;
-        }
-        int64_t *counter = counters;
-        shm_attention_args a = args;
-        for (int64_t l = 0; l < m->num_layers; l++, counter += PHASES_PER_LAYER) {
-            const shm_layer *layer = &m->layers[l];
-            const int64_t span = layer->window > 0 && max_len > layer->window ? layer->window : max_len;
-            a.k_cache = layer->k_cache;
-            a.v_cache = layer->v_cache;
-            a.scale = layer->scale;
-            a.softcap = layer->softcap;
-            a.window = layer->window;
-            a.max_chunks = attention_chunks(span);
-            const int64_t tasks = pairs * a.max_chunks;
-            team_linear(m, &layer->qkv, qkv, norm_or_same(m, normed, stream, layer->attn_in_norm, rows), NULL, rows, team,
-                        &counter[0]);
-            STAMP(ST_QKV);
-#pragma omp barrier
-            STAMP(ST_QKV_WAIT);
-            if (layer->q_norm != NULL && m->qk_norm_width == 0) {
-                if (tid == 0) attention_inputs(m, layer, qkv, rows, positions, slot_mapping);
-            } else {
-                for (int64_t p; (p = __atomic_fetch_add(&counter[7], 1, __ATOMIC_RELAXED)) < pairs;)
-                    attention_pair_inputs(m, layer, qkv, p, positions, slot_mapping);
-            }
-            STAMP(ST_ROPE);
-#pragma omp barrier
-            STAMP(ST_ROPE_WAIT);
-            for (int64_t t; (t = __atomic_fetch_add(&counter[1], 1, __ATOMIC_RELAXED)) < tasks;)
-                m->attention_task(&a, t, work, partials);
-            STAMP(ST_ATTN);
-            if (a.max_chunks > 1) {
-#pragma omp barrier
-                for (int64_t p; (p = __atomic_fetch_add(&counter[2], 1, __ATOMIC_RELAXED)) < pairs;)
-                    m->attention_combine(&a, p, partials);
-            }
-#pragma omp barrier
-            STAMP(ST_ATTN_WAIT);
-            if (m->fused_residual) {
-                team_linear(m, &layer->o, hidden, attn, hidden, rows, team, &counter[3]);
-                STAMP(ST_O);
-#pragma omp barrier
-                STAMP(ST_O_WAIT);
-            } else {
-                team_linear(m, &layer->o, block, attn, NULL, rows, team, &counter[3]);
-#pragma omp barrier
-                add_block(m, stream, block, layer->attn_out_norm, block_normed, rows);
-            }
-            if (layer->num_experts > 0) {
-                const float *x = norm_or_same(m, normed, stream, layer->mlp_in_norm, rows);
-                const moe_experts experts = {layer->expert_gate_up, layer->expert_down, H, layer->expert_intermediate,
-                                             layer->top_k, m->glu};
-                moe_routing routing = moe_routing_at(m, layer, routing_base, rows);
-                team_linear(m, &layer->router, router_logits, x, NULL, rows, team, &counter[6]);
-#pragma omp barrier
-                moe_route(m, layer, router_logits, x, rows, &routing);
-                /* the weighted sums go into the residual stream (fused) or `block` */
-                moe_team(m, &experts, &routing.plan, routing.xs, gate_up, moe_act, expert_out,
-                         m->fused_residual ? hidden : block, m->fused_residual ? hidden : NULL, rows, team,
-                         moe_sync + l * moe_layer_words(m));
-#pragma omp barrier
-                if (!m->fused_residual) add_block(m, stream, block, layer->mlp_out_norm, block_normed, rows);
-                continue;
-            }
-            team_linear(m, &layer->gate_up, gate_up, norm_or_same(m, normed, stream, layer->mlp_in_norm, rows), NULL, rows,
-                        team, &counter[4]);
-            STAMP(ST_GATE_UP);
-#pragma omp barrier
-            STAMP(ST_GATE_UP_WAIT);
-            m->glu(act, gate_up, rows, I);
-            STAMP(ST_GLU);
-            if (m->fused_residual) {
-                team_linear(m, &layer->down, hidden, act, hidden, rows, team, &counter[5]);
-                STAMP(ST_DOWN);
-#pragma omp barrier
-                STAMP(ST_DOWN_WAIT);
-            } else {
-                team_linear(m, &layer->down, block, act, NULL, rows, team, &counter[5]);
-#pragma omp barrier
-                add_block(m, stream, block, layer->mlp_out_norm, block_normed, rows);
-            }
-        }
-        if (tid == 0) m->rms_norm(out, stream, m->final_norm, rows, H, m->eps);
-        STAMP(ST_FINAL);
-    }
+#pragma omp parallel num_threads(step_threads(m))
+    step_layers(m, &s, omp_get_thread_num(), omp_get_num_threads());
     return 0;
 }
 
+/* What a decode burst adds to the step: the embedding (GGML blocks of `embedding_type`, or fp32
+ * rows where it is -1), the lm_head, and the burst's stop rule: it ends after a token in
+ * stops[0, num_stops), or when input_waiting() (may be NULL) returns non-zero after a token;
+ * the vocabulary's masked[0, num_masked) are not picked for the first `masked_tokens` tokens
+ * (min_tokens). */
+typedef struct {
+    const uint8_t *embedding;
+    int64_t embedding_type, embedding_row_bytes;
+    shm_linear lm_head;
+    const int64_t *stops, *masked;
+    int64_t num_stops, num_masked, masked_tokens;
+    int (*input_waiting)(void);
+} shm_burst;
+
+/* Floats of a burst's own buffer beside the step's scratch: each lm_head chunk's argmax index and
+ * value (a chunk a thread), the hidden row, the normed row and the logits. */
+int64_t shm_decode_burst_floats(const shm_model *m, const shm_burst *b) {
+    return 3 * (m->threads + 1) + 2 * m->hidden + b->lm_head.n;
+}
+
+static int in_list(int64_t value, const int64_t *list, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (list[i] == value) return 1;
+    return 0;
+}
+
+/* The first index of the largest value of x[j0, j1) into *index, its value into *best; a NaN
+ * counts as the largest and the first NaN wins (numpy's argmax). */
+static void argmax_range(const float *x, int64_t j0, int64_t j1, float *best, int64_t *index) {
+    int64_t at = j0;
+    float top = x[j0];
+    for (int64_t j = j0 + 1; j < j1 && top == top; j++)
+        if (x[j] > top || x[j] != x[j]) top = x[at = j];
+    *best = top;
+    *index = at;
+}
+
+/* This thread's lm_head chunks: logits rows, the masked ids among them set to -inf, their argmax. */
+static void head_chunks(const shm_model *m, const shm_burst *b, float *logits, const float *x, int team,
+                        int64_t *counter, int masking, float *best, int64_t *index) {
+    const shm_linear *lin = &b->lm_head;
+    const int64_t step = chunk_rows(lin->n, team), chunks = (lin->n + step - 1) / step;
+    for (int64_t c; (c = __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED)) < chunks;) {
+        const int64_t j0 = c * step, j1 = (c + 1) * step < lin->n ? (c + 1) * step : lin->n;
+        linear_rows(m, lin, logits, x, NULL, 1, j0, j1);
+        if (masking)
+            for (int64_t i = 0; i < b->num_masked; i++)
+                if (b->masked[i] >= j0 && b->masked[i] < j1) logits[b->masked[i]] = -INFINITY;
+        argmax_range(logits, j0, j1, &best[c], &index[c]);
+    }
+}
+
+/* Greedy decoding of one sequence, 1 to `count` tokens, in one parallel region: from `token` at
+ * `position` (its KV not yet written), each token is embedded, run through the step, normed,
+ * multiplied by the lm_head and its argmax taken (the masked ids excluded while masked_tokens
+ * last), the next token's KV slot read from block_table (the sequence's blocks, which must hold
+ * position + count slots). Ends after `count` tokens, or after a token that is a stop token or
+ * after which input is waiting. Writes the tokens to tokens[0, n) and returns n >= 1 (0 for
+ * count <= 0); negative: shm_decode_step's errors, or -2 for a `token` outside the vocabulary.
+ * `work`: shm_decode_burst_floats floats. */
+int64_t shm_decode_burst(const shm_model *m, const shm_burst *b, int64_t token, int64_t position,
+                         const int32_t *block_table, int64_t count, int64_t *tokens, float *scratch, float *work) {
+    const int64_t H = m->hidden, vocab = b->lm_head.n;
+    if (count <= 0) return 0;
+    if (position + count > m->max_len) return -4;
+    int rc = check_model(m);
+    if (rc == 0) rc = check_linear(&b->lm_head);
+    if (rc != 0) return rc;
+    if (b->lm_head.k != H) return -1;
+    if (token < 0 || token >= vocab) return -2;
+    int64_t *index = (int64_t *)work; /* 8-byte aligned first, then the floats */
+    float *best = work + 2 * (m->threads + 1), *hidden = best + m->threads + 1, *normed = hidden + H, *logits = normed + H;
+    int64_t pos[1] = {position}, slot[1] = {0}, row[1] = {0}, done = 0;
+    int32_t seq_len[1] = {1};
+    int go = 1;
+    format_fns embed;
+    if (b->embedding_type >= 0 && lookup((int)b->embedding_type, &embed) != 0) return -1;
+    /* laid out for the burst's longest context: the threads' own buffers stay where they are */
+    step_state s = step_state_at(m, scratch, hidden, normed, 1, position + count, pos, slot, row, block_table, 0,
+                                 seq_len);
+#pragma omp parallel num_threads(step_threads(m))
+    {
+        const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+        for (;;) {
+            if (tid == 0) {
+                go = done == 0 || (done < count && !in_list(token, b->stops, b->num_stops) &&
+                                   (b->input_waiting == NULL || !b->input_waiting()));
+                if (go) {
+                    const int64_t p = position + done;
+                    if (b->embedding_type >= 0)
+                        embed.deq_row(b->embedding + token * b->embedding_row_bytes, hidden, H);
+                    else
+                        memcpy(hidden, b->embedding + token * b->embedding_row_bytes, (size_t)H * sizeof(float));
+                    pos[0] = p;
+                    slot[0] = (int64_t)block_table[p / m->block_size] * m->block_size + p % m->block_size;
+                    seq_len[0] = (int32_t)(p + 1);
+                    s.max_len = p + 1;
+                    memset(s.counters, 0, (size_t)counter_floats(m) * sizeof(float));
+#ifdef SHM_STEP_PROFILE
+                    s.forked = now_ns();
+#endif
+                }
+            }
+#pragma omp barrier
+            if (!go) break;
+            step_layers(m, &s, tid, team);
+#pragma omp barrier
+            head_chunks(m, b, logits, normed, team, &s.counters[PHASES_PER_LAYER * m->num_layers], done < b->masked_tokens,
+                        best, index);
+#pragma omp barrier
+            if (tid == 0) {
+                const int64_t chunks = (vocab + chunk_rows(vocab, team) - 1) / chunk_rows(vocab, team);
+                int64_t c = 0;
+                for (int64_t i = 1; i < chunks && best[c] == best[c]; i++)
+                    if (best[i] > best[c] || best[i] != best[i]) c = i;
+                tokens[done++] = token = index[c];
+            }
+        }
+    }
+    return done;
+}
 /* The streaming-read probe: `threads` threads each sum their contiguous share of buf[0, bytes)
  * with the build's widest loads (four independent accumulators, so the adds never limit the
  * loads); returns the sum, so the reads cannot be optimized away. `bytes`: a multiple of four

@@ -166,12 +166,12 @@ def test_gemv_row_is_the_same_alone_or_among_rows(isa, name):
 
 @pytest.mark.parametrize("int8_isa", [pytest.param(isa, marks=pytest.mark.skipif(isa not in ISAS, reason=f"the CPU lacks {isa}"))
                                       for isa in ("avx512vnni", "avx2")])
-@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 4])
 def test_int8_rows_error_is_the_split_of_x(int8_isa, name, rows):
-    """The VNNI and AVX2 builds' Q2_K / Q3_K / Q4_1 GEMV (and AVX2's Q5_0 / Q5_1) holds x per block (256 / 32
-    values) in three int8 pieces, to within max |x| / 127 / 32768: with outliers 1000x the rest, the
-    error stays within sum |w| times that (plus fp32 rounding)."""
+    """The VNNI and AVX2 builds' Q2_K / Q3_K / Q4_1 GEMV (AVX2's Q5_0 / Q5_1, VNNI's Q8_0) holds x per block
+    (256 / 32 values) in three int8 pieces, to within max |x| / 127 / 32768: with outliers 1000x the
+    rest, the error stays within sum |w| times that (plus fp32 rounding; the fp32 rows are within it too)."""
     rng = np.random.default_rng(11)
     n, k = 37, 1024
     weight = random_weight(name, n, k, rng)

@@ -57,7 +57,7 @@ def load_encoder(
     model = model.to_empty(device="cpu")
     model.load_weights(weights)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    if hasattr(model, "pack_linears"):  # BERT's linears may run on the AVX2 GEMM (model/encoder_gemm.py)
+    if hasattr(model, "pack_linears"):  # BERT's linears run on the AVX2 GEMM on x86 (model/encoder_gemm.py)
         model.pack_linears()
     if head is not None:
         head = head.to(device=device, dtype=dtype).eval().requires_grad_(False)

@@ -18,6 +18,13 @@ Measured, each as the median over interleaved repetitions:
 -DSHM_STEP_PROFILE: each thread's time in each stage of a layer, qkv GEMV, the wait at the barrier
 after it, rotary + KV write, attention, o GEMV, ...) instead, and prints ms a token per thread.
 
+`--engine` times a whole token instead, as `benchmarks/latency.py` decodes it (its prompt, 128
+greedy tokens, prefix caching off): the engine in this process (`multiprocess=False`), with
+timers on the pieces the model runner calls (ms per decoded token: the native burst, the native
+step and lm_head of a token decoded outside a burst, the sampler, input preparation, the KV
+blocks' zeroing, the rest of `execute_model`, the engine loop around it), then the same request
+with the engine in its own process (the difference: the rings and the frontend).
+
 `--cpu-time` times with the calling thread's CPU time instead of the wall clock: with
 OMP_NUM_THREADS=1 (the step's team is then the calling thread alone) that is the work a token
 costs, whatever else the machine runs; the probe stays on the wall clock.
@@ -46,6 +53,7 @@ from shmvllm.model.registry import resolve_model_dir
 
 BLOCK = 16
 CONTEXTS = (150, 4096)
+ENGINE_TOKENS = 128  # latency.py's request
 CLOCK = time.perf_counter
 WALL = time.perf_counter
 
@@ -227,12 +235,86 @@ def kernels(setup: Setup, calls: int) -> dict[str, dict[str, float]]:
     return result
 
 
+def engine_token(rounds: int) -> dict[str, dict[str, float]]:
+    """ms per decoded token of latency.py's request, by piece (in-process), and end to end with
+    the engine in-process and in its own process; medians over `rounds` (1-token and 128-token
+    requests alternating, a 128-token request's time less its 1-token one's, over 127 tokens)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import latency
+    from shmvllm import LLM, SamplingParams
+    from shmvllm.model import decode_step, decoder, sampler
+    from shmvllm.worker import model_runner
+
+    spent: dict[str, float] = {}
+
+    def timed(owner: Any, name: str, key: str) -> Callable[[], None]:
+        original = getattr(owner, name, None)
+        if original is None:  # a tree without that piece (a baseline run)
+            return lambda: None
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent[key] = spent.get(key, 0.0) + time.perf_counter() - started
+
+        setattr(owner, name, wrapper)
+        return lambda: setattr(owner, name, original)
+
+    prompt = latency.prompt_token_ids(latency.shipped_gguf("smollm2-135m-instruct"), True)
+    result: dict[str, dict[str, float]] = {}
+    for mode in ("in-process", "two processes"):
+        undo = [] if mode == "two processes" else [
+            timed(decoder.DecoderForCausalLM, "decode_burst", "native burst (step + lm_head + argmax a token)"),
+            timed(decode_step.DecodeStep, "run", "native step outside a burst"),
+            timed(decoder.DecoderForCausalLM, "compute_logits", "lm_head outside a burst"),
+            timed(sampler.Sampler, "__call__", "sampler"),
+            timed(model_runner.ModelRunner, "_prepare_inputs", "input preparation"),
+            timed(model_runner.ModelRunner, "_zero_new_blocks", "KV blocks' zeroing"),
+            timed(model_runner.ModelRunner, "execute_model", "execute_model"),
+        ]
+        samples: dict[str, list[float]] = {}
+        with LLM(model="smollm2-135m-instruct", multiprocess=mode != "in-process", enable_prefix_caching=False) as llm:
+
+            def one(n: int) -> float:
+                params = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
+                started = time.perf_counter()
+                llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+                return time.perf_counter() - started
+
+            one(4)
+            for _ in range(rounds):
+                spent.clear()
+                short = one(1)
+                before = dict(spent)
+                long = one(ENGINE_TOKENS)
+                per = {k: (v - 2 * before.get(k, 0.0)) / (ENGINE_TOKENS - 1) for k, v in spent.items()}
+                per["token"] = (long - short) / (ENGINE_TOKENS - 1)
+                for k, v in per.items():
+                    samples.setdefault(k, []).append(v * 1e3)
+        for restore in undo:
+            restore()
+        medians = {k: statistics.median(v) for k, v in samples.items()}
+        if "execute_model" in medians:
+            inside = sum(v for k, v in medians.items() if k not in ("token", "execute_model"))
+            medians["rest of execute_model"] = medians["execute_model"] - inside
+            medians["engine loop around execute_model"] = medians["token"] - medians.pop("execute_model")
+        result[mode] = medians
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=200, help="decode steps per context (default 200)")
     parser.add_argument("--calls", type=int, default=30, help="repetitions of each kernel pass (default 30)")
     parser.add_argument("--cpu-time", action="store_true", help="time with the calling thread's CPU time")
     parser.add_argument("--step-stages", action="store_true", help="only the step's stages per thread (profiling build)")
+    parser.add_argument("--engine", action="store_true", help="only a whole token in the engine, by piece")
+    parser.add_argument("--rounds", type=int, default=5, help="--engine: request pairs per mode (default 5)")
     parser.add_argument("--json", help="write the figures to this JSON file")
     args = parser.parse_args()
     if args.cpu_time:
@@ -240,8 +322,17 @@ def main() -> None:
         CLOCK = time.thread_time
     isa = envs.SHMVLLM_QUANT_ISA() or quant_isas_supported()[0]
     threads = torch.get_num_threads()
-    setup = Setup(max(CONTEXTS))
     report: dict[str, Any] = {"isa": isa, "threads": threads, "cpu": _cpu_model(), "clock": "cpu" if args.cpu_time else "wall"}
+    if args.engine:
+        report["engine_ms_per_token"] = engine_token(args.rounds)
+        print(f"{report['cpu']}, quantized kernels: {isa}, {threads} threads; ms per decoded token, median of {args.rounds}")
+        for mode, pieces in report["engine_ms_per_token"].items():
+            print(f"{mode}: " + ", ".join(f"{k} {v:.3f}" for k, v in pieces.items()))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2)
+        return
+    setup = Setup(max(CONTEXTS))
     if args.step_stages:
         report["step_stages"] = {str(c): step_stages(setup, isa, c, args.tokens) for c in CONTEXTS}
         print(f"{report['cpu']}, quantized kernels: {isa}, {threads} threads; ms a token per stage, per thread")

@@ -235,3 +235,12 @@ def test_embed_token_budget_covers_the_longest_prompt():
     assert _scheduler_limits(100, 3, "embed", 32768, False) == (100, 3)  # what the user set stays
     assert _scheduler_limits(None, None, "generate", 4096, True) == (2048, 128)
     assert _scheduler_limits(None, None, "generate", 4096, False) == (4096, 128)
+
+
+def test_warm_up_keeps_the_outputs(tiny_bert_dir):
+    """The engine's warm-up (glibc's heap kept and faulted in) leaves every output as it was."""
+    texts = [[1, 5, 6, 2], [1, 7, 8, 9, 10, 2]]
+    cold = _embed(_runner(tiny_bert_dir), texts)
+    warm = _runner(tiny_bert_dir)
+    warm.warm_up(max_num_batched_tokens=512)
+    np.testing.assert_array_equal(_embed(warm, texts), cold)

@@ -14,6 +14,7 @@ uses; EmbeddingGemma's Gemma 3 attends both ways and mean-pools).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 from typing import Any, Optional
 
@@ -81,6 +82,18 @@ class PoolingModelRunner:
             self.model, self.head = load_encoder(
                 self.model_config.model_dir, self.model_config.hf_config, self.dtype, self.device
             )
+
+    def warm_up(self, max_num_batched_tokens: int) -> None:
+        """Before the first request (the engine calls it after load_model): keeps glibc's heap
+        (keep_heap) and faults in what a step's pieces use of it, HEAP_ROWS_PER_TOKEN
+        hidden-sized rows per token of the largest piece (at most HEAP_RESERVE_MAX_BYTES), so
+        that the first large call's activations land on mapped pages instead of growing the heap."""
+        keep_heap()
+        element = torch.empty((), dtype=self.dtype).element_size()
+        total = min(SUB_BATCH_TOKENS, max_num_batched_tokens) * HEAP_ROWS_PER_TOKEN * self.hidden_size * element
+        # blocks under the mmap threshold come from the heap; zeroing them maps their pages
+        blocks = [torch.zeros(_HEAP_BLOCK_BYTES, dtype=torch.uint8) for _ in range(-(-min(total, HEAP_RESERVE_MAX_BYTES) // _HEAP_BLOCK_BYTES))]
+        del blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Embeds every request of the step; each must be a whole prompt scheduled at once."""
@@ -255,6 +268,34 @@ glibc's 32 MB mmap threshold and so are reused between pieces, where a 16,384-to
 mapped and page-faulted afresh each time (8-12x the engine's minor faults): MiniLM's embed and
 reranker ran 7% faster with one engine alive, 30-40% with six (benchmarks/results/embed.md,
 "Encoder choices"); 4,096 beat 2,048."""
+
+
+HEAP_ROWS_PER_TOKEN = 24
+"""What warm_up faults in, in hidden-sized rows per token of a piece: MiniLM's activations and
+the holes between them grew the engine's heap by ~100 MB (~16 such rows a token) in its first
+1,000-pair score call; with 24 that call took ~1k minor faults instead of 30-44k
+(benchmarks/results/embed.md, "The first large call")."""
+
+HEAP_RESERVE_MAX_BYTES = 256 << 20
+"""warm_up's cap: a larger model's activations of a piece pass glibc's 32 MB mmap threshold and
+are mapped per call whatever the heap holds."""
+
+_HEAP_BLOCK_BYTES = 8 << 20  # under glibc's mmap threshold (keep_heap), so from the heap
+
+
+def keep_heap() -> None:
+    """glibc's malloc keeps activations in its heap (mmap threshold fixed at its 32 MB maximum)
+    and the freed top of the heap mapped (no trim), so that every step reuses the pages the
+    warm-up faulted in instead of mapping and faulting them afresh. No-op without glibc."""
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+    mallopt(_M_TRIM_THRESHOLD, 1 << 30)
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 
 
 def _sub_batches(reqs: list[NewRequestData], max_tokens: int) -> list[list[NewRequestData]]:

@@ -46,6 +46,8 @@ class Worker:
 
     def load_model(self) -> None:
         self.model_runner.load_model()
+        if self.is_pooling:  # the first request's activations find their pages mapped
+            self.model_runner.warm_up(self.config.scheduler_config.max_num_batched_tokens)
 
     def determine_num_kv_blocks(self) -> int:
         """The KV cache's block count: the num_kv_blocks override, else the memory budget

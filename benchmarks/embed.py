@@ -5,7 +5,10 @@
 
 10,000 deterministic generated sentences of 8-63 tokens (35 on average, [CLS] and [SEP]
 included) for all-MiniLM-L6-v2. Both engines are timed end to end from text (tokenization
-included) to float32 vectors, after a warm-up; with --rounds N they alternate N times and each
+included) to float32 vectors, after a warm-up and a full garbage collection (as timeit and
+pyperf keep the collector out of the timed window: the peers' models and earlier rounds' outputs
+live in this process, so a collection that falls inside one engine's call would bill it for
+all of them); with --rounds N they alternate N times and each
 reports its median round (other processes on a shared machine then hit both alike).
 sentence-transformers runs `encode` at its best batch size (32; it sorts by length and pads
 per batch), with its torch backend in this process and, with `--st-onnx-python PY`, its ONNX
@@ -31,6 +34,7 @@ the runner takes each step through the model in pieces of at most 4,096 tokens) 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -184,6 +188,7 @@ def embed_with_llm(model_dir: Path, max_num_batched_tokens: int, max_num_seqs: i
 
 def timed(embed: Callable[[list], np.ndarray], items: list) -> tuple[float, np.ndarray]:
     embed(items[:64])  # warm-up
+    gc.collect()
     started = time.perf_counter()
     vectors = embed(items)
     wall = time.perf_counter() - started

@@ -210,7 +210,8 @@ _ENCODER_GEMM_SIGNATURES = {
         [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, ctypes.c_int, _ptr, _ptr, _ptr, ctypes.c_float, _ptr, _i64],
     ),
 }
-# AVX2 + FMA code whatever the build machine (-mtune only): it is the kernel for CPUs without AVX-512.
+# AVX2 + FMA code whatever the build machine (-mtune only): the encoders' kernel on every x86 build but
+# `portable` (512-bit FMAs gave no more FLOPs on Zen 4: benchmarks/results/embed.md).
 _ENCODER_GEMM_FLAGS = ["-O3", "-mavx2", "-mfma", "-mtune=native", "-fopenmp", "-fPIC", "-std=gnu11", "-c"]
 
 

@@ -50,7 +50,7 @@ class PackedLinear:
         self._lib.shm_encoder_gemm(
             x.data_ptr(), x.shape[0], self.in_features, x.stride(0), self.packed.data_ptr(), self.out_features,
             None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
-            out.data_ptr(), out.stride(0), GELU_CODES[gelu], None, None, 0.0,
+            out.data_ptr(), out.stride(0), GELU_CODES[gelu],
         )
         return out
 

@@ -208,10 +208,7 @@ class ModelRunner:
             return None
         sampled: list[list[int]] = [[] for _ in range(batch.num_reqs)]
         sampled[row] = tokens
-        for token in tokens:
-            batch.append_token(row, token)
-        state.output_token_ids.extend(tokens)
-        batch.num_computed_tokens[row] = state.num_computed_tokens = computed + len(tokens)
+        self._decoded(row, tokens, computed)
         return ModelRunnerOutput(req_ids=list(batch.req_ids), sampled_token_ids=sampled)
 
     def _burst(self, bursts: dict[str, int], output: ModelRunnerOutput) -> None:
@@ -237,11 +234,18 @@ class ModelRunner:
                 apply_min_tokens(logits, [(0, state.stop_token_ids)])
             token = _greedy_token(logits[0])
             tokens.append(token)
-            batch.append_token(row, token)
-            state.output_token_ids.append(token)
-            batch.num_computed_tokens[row] = state.num_computed_tokens = computed + 1
+            self._decoded(row, [token], computed)
             if self.burst_lookup is not None and self.burst_lookup.propose(batch.token_ids[row, : batch.num_tokens[row]], 1):
                 break
+
+    def _decoded(self, row: int, tokens: list[int], computed: int) -> None:
+        """Records a burst's decoded tokens of `row`, whose first `computed` tokens had their KV."""
+        batch = self.input_batch
+        state = batch.states[row]
+        for token in tokens:
+            batch.append_token(row, token)
+        state.output_token_ids.extend(tokens)
+        batch.num_computed_tokens[row] = state.num_computed_tokens = computed + len(tokens)
 
     def begin_step(self, scheduler_output: SchedulerOutput) -> Optional[StepInputs]:
         """Applies the scheduler's changes and lays out the step's inputs (None: no request runs)."""

@@ -202,9 +202,7 @@ ENCODER_GEMM_SOURCE = Path(__file__).with_name("encoder_gemm.c")
 _ENCODER_GEMM_SIGNATURES = {
     "shm_encoder_packed_floats": (_i64, [_i64, _i64]),
     "shm_encoder_pack": (None, [_ptr, _ptr, _i64, _i64, _ptr]),
-    "shm_encoder_gemm": (
-        None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, ctypes.c_int, _ptr, _ptr, ctypes.c_float],
-    ),
+    "shm_encoder_gemm": (None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, ctypes.c_int]),
     "shm_encoder_token_wise": (
         ctypes.c_int,
         [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, ctypes.c_int, _ptr, _ptr, _ptr, ctypes.c_float, _ptr, _i64],

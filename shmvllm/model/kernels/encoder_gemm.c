@@ -1,6 +1,6 @@
 /* The encoders' fp32 GEMM for AVX2 + FMA CPUs: out = x . W^T + bias, then optionally + residual
- * or GELU, in one pass over the output, and optionally a LayerNorm of each block of whole rows
- * while it is in cache (model/encoder_gemm.py packs W and picks this kernel).
+ * or GELU, in one pass over the output; and a post-LayerNorm layer's token-wise half (three GEMMs,
+ * two LayerNorms) a block of rows at a time (model/encoder_gemm.py packs W and picks this kernel).
  *
  * W is packed once at load time into panels of 16 output columns, each [k][16] contiguous,
  * zero-padded to a whole panel, followed by the bias (padded the same way). A 6x16 register tile
@@ -186,44 +186,43 @@ static void block(const float *x, int64_t k, int64_t ldx, const float *packed, i
     }
 }
 
+/* This thread's rows [*r0, *r1) of m: an equal share of whole MR-row tiles (whole MC-row blocks
+ * dealt out left one thread a block behind: 22 against 21 of 2,048 rows); call inside the team. */
+static void thread_rows(int64_t m, int64_t *r0, int64_t *r1) {
+    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num(), tiles = (m + MR - 1) / MR;
+    *r0 = tiles * t / threads * MR;
+    *r1 = t + 1 == threads ? m : tiles * (t + 1) / threads * MR;
+}
+
 /* out[m, n] (row stride ldo) = x[m, k] (row stride ldx) . W^T + bias, then + residual[m, n] (row
- * stride ldr; NULL for none) or GELU (0 none, 1 erf, 2 tanh), then LayerNorm over each row where
- * norm_w is not NULL (weight norm_w, bias norm_b, epsilon eps). packed: shm_encoder_pack's.
+ * stride ldr; NULL for none) or GELU (0 none, 1 erf, 2 tanh). packed: shm_encoder_pack's.
  * out must not overlap x or residual (k > KC passes store partial sums into out). */
 void shm_encoder_gemm(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n, const float *res,
-                      int64_t ldr, float *out, int64_t ldo, int gelu, const float *norm_w, const float *norm_b, float eps) {
+                      int64_t ldr, float *out, int64_t ldo, int gelu) {
     const int64_t panels = (n + NR - 1) / NR, blocks = (m + MC - 1) / MC;
     if (blocks >= 8) {
-        /* Each thread an equal share of whole tiles, in blocks of MC rows (whole blocks dealt out
-         * left one thread a block behind: 22 against 21 of 2,048 rows), each block LayerNormed
-         * while it is in cache. */
 #pragma omp parallel
         {
-            const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num(), tiles = (m + MR - 1) / MR;
-            const int64_t r0 = tiles * t / threads * MR, r1 = t + 1 == threads ? m : tiles * (t + 1) / threads * MR;
-            for (int64_t m0 = r0; m0 < r1; m0 += MC) {
-                const int64_t m1 = m0 + MC < r1 ? m0 + MC : r1;
-                block(x, k, ldx, packed, n, res, ldr, out, ldo, gelu, m0, m1, 0, panels);
-                if (norm_w != NULL) layer_norm_rows(out + m0 * ldo, m1 - m0, n, ldo, norm_w, norm_b, eps);
-            }
+            int64_t r0, r1;
+            thread_rows(m, &r0, &r1);
+            for (int64_t m0 = r0; m0 < r1; m0 += MC)
+                block(x, k, ldx, packed, n, res, ldr, out, ldo, gelu, m0, m0 + MC < r1 ? m0 + MC : r1, 0, panels);
         }
         return;
     }
-    /* Few row blocks (a short batch): the panels are split too, so that every thread has work;
-     * the LayerNorm is then a pass of its own. */
+    /* Few row blocks (a short batch): the panels are split too, so that every thread has work. */
     const int64_t groups = panels < 8 ? panels : 8;
-#pragma omp parallel
-    {
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < blocks * groups; item++) {
-            const int64_t m0 = item / groups * MC, m1 = m0 + MC < m ? m0 + MC : m, g = item % groups;
-            block(x, k, ldx, packed, n, res, ldr, out, ldo, gelu, m0, m1, panels * g / groups, panels * (g + 1) / groups);
-        }
-        if (norm_w != NULL) {
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < m; i++) layer_norm_rows(out + i * ldo, 1, n, ldo, norm_w, norm_b, eps);
-        }
+#pragma omp parallel for schedule(static)
+    for (int64_t item = 0; item < blocks * groups; item++) {
+        const int64_t m0 = item / groups * MC, m1 = m0 + MC < m ? m0 + MC : m, g = item % groups;
+        block(x, k, ldx, packed, n, res, ldr, out, ldo, gelu, m0, m1, panels * g / groups, panels * (g + 1) / groups);
     }
+}
+
+/* LayerNorm of m rows (row stride ldc) in place, the rows shared out by the threads. */
+static void layer_norm_team(float *c, int64_t m, int64_t n, int64_t ldc, const float *w, const float *b, float eps) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < m; i++) layer_norm_rows(c + i * ldc, 1, n, ldc, w, b, eps);
 }
 
 /* The token-wise half of a post-LayerNorm encoder layer (BERT's), over m rows:
@@ -240,9 +239,11 @@ int shm_encoder_token_wise(const float *attn, int64_t lda, const float *x, int64
     if ((m + MC - 1) / MC < 8) { /* a short batch: three GEMMs, each splitting its panels between the threads */
         float *y = malloc((size_t)m * (hidden + inter) * sizeof(float)), *h = y + m * hidden;
         if (y == NULL) return -1;
-        shm_encoder_gemm(attn, m, hidden, lda, packed_o, hidden, x, ldx, y, hidden, GELU_NONE, n1w, n1b, eps);
-        shm_encoder_gemm(y, m, hidden, hidden, packed_up, inter, NULL, 0, h, inter, gelu, NULL, NULL, 0.0f);
-        shm_encoder_gemm(h, m, inter, inter, packed_down, hidden, y, hidden, out, ldo, GELU_NONE, n2w, n2b, eps);
+        shm_encoder_gemm(attn, m, hidden, lda, packed_o, hidden, x, ldx, y, hidden, GELU_NONE);
+        layer_norm_team(y, m, hidden, hidden, n1w, n1b, eps);
+        shm_encoder_gemm(y, m, hidden, hidden, packed_up, inter, NULL, 0, h, inter, gelu);
+        shm_encoder_gemm(h, m, inter, inter, packed_down, hidden, y, hidden, out, ldo, GELU_NONE);
+        layer_norm_team(out, m, hidden, ldo, n2w, n2b, eps);
         free(y);
         return 0;
     }
@@ -251,9 +252,9 @@ int shm_encoder_token_wise(const float *attn, int64_t lda, const float *x, int64
     if (buffers == NULL) return -1;
 #pragma omp parallel
     {
-        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num(), tiles = (m + MR - 1) / MR;
-        const int64_t r0 = tiles * t / threads * MR, r1 = t + 1 == threads ? m : tiles * (t + 1) / threads * MR;
-        float *y = buffers + t * per_thread, *h = y + MC * hidden;
+        int64_t r0, r1;
+        thread_rows(m, &r0, &r1);
+        float *y = buffers + omp_get_thread_num() * per_thread, *h = y + MC * hidden;
         for (int64_t m0 = r0; m0 < r1; m0 += MC) {
             const int64_t rows = m0 + MC < r1 ? MC : r1 - m0;
             block(attn + m0 * lda, hidden, lda, packed_o, hidden, x + m0 * ldx, ldx, y, hidden, GELU_NONE, 0, rows, 0, (hidden + NR - 1) / NR);

@@ -239,6 +239,11 @@ def load_weights(model: nn.Module, tensors: Checkpoint) -> None:
         tie = getattr(model, "tie_blocks", None)
         if tie is not None:
             tie()
+    # a tied lm_head keeps the embedding's rows (their lookups read rows): one copy of the table
+    embedded = {m.blocks.data.data_ptr() for m in model.modules() if isinstance(m, VocabEmbedding) and m.blocks is not None}
+    for module in model.modules():
+        if isinstance(module, Linear) and module.blocks and all(w.data.data_ptr() not in embedded for _, w in module.blocks):
+            module.repack()
 
 
 def _quantize_linears(model: nn.Module, qtype: int) -> None:

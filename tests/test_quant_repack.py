@@ -16,7 +16,7 @@ import torch
 from shmvllm.model.kernels import quant_isas_supported, quant_kernels
 from shmvllm.model.linear import Linear, block_linear, repacked
 from shmvllm.model.quant import FORMAT_IDS, Q4_1_R8, QuantizedWeight
-from tests.test_quant_kernels import random_weight
+from test_quant_kernels import random_weight
 
 ISAS = quant_isas_supported()
 REPACKING = [isa for isa in ("avx512vnni", "avx2") if isa in ISAS]

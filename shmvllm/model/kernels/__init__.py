@@ -282,6 +282,8 @@ _QUANT_SIGNATURES = {
     "shm_moe_scratch_floats": (_i64, [_ptr, _i64]),
     "shm_qgemm": (ctypes.c_int, [_ptr, _i64, _ptr, _i64, _ptr, _i64, ctypes.c_int, _ptr, _ptr, _i64, _i64, _i64, _i64]),
     "shm_qdequant_rows": (ctypes.c_int, [_ptr, _ptr, _i64, ctypes.c_int, _ptr, _i64, _i64, _i64]),
+    "shm_qrepack_type": (ctypes.c_int, [ctypes.c_int, _i64]),
+    "shm_qrepack": (ctypes.c_int, [_ptr, _ptr, _i64, ctypes.c_int, _i64, _i64]),
     "shm_qblock_bytes": (ctypes.c_int, [ctypes.c_int]),
     "shm_qblock_values": (ctypes.c_int, [ctypes.c_int]),
     "shm_qvector_width": (ctypes.c_int, []),

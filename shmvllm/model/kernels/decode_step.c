@@ -604,7 +604,7 @@ int64_t shm_decode_burst(const shm_model *m, const shm_burst *b, int64_t token, 
     int32_t seq_len[1] = {1};
     int go = 1;
     format_fns embed;
-    if (b->embedding_type >= 0 && lookup((int)b->embedding_type, &embed) != 0) return -1;
+    if (b->embedding_type >= 0 && (lookup((int)b->embedding_type, &embed) != 0 || embed.deq_row == NULL)) return -1;
     /* laid out for the burst's longest context: the threads' own buffers stay where they are */
     step_state s = step_state_at(m, scratch, hidden, normed, 1, position + count, pos, slot, row, block_table, 0,
                                  seq_len);

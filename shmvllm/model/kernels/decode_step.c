@@ -13,9 +13,9 @@
  *
  * One OpenMP team runs the whole step (one parallel region a token, not one per GEMV): a GEMV's
  * output rows are handed out in chunks through an atomic counter per phase (so a thread the
- * machine delays takes fewer chunks), attention in the (request, kv head, run of positions)
- * tasks of attention.h, and `omp barrier` separates the dependent phases. What is cheap and
- * read by every thread (the rms norms, the activation, and where the residual add is not fused
+ * machine delays takes fewer chunks), attention in the (request, query heads, kv head, run
+ * of positions) tasks of attention.h, and `omp barrier` separates the dependent phases. What is
+ * cheap and read by every thread (the rms norms, the activation, and where the residual add is not fused
  * into a GEMV, the residual stream itself) each thread computes into its own buffer instead of
  * waiting for one thread to do it. The arithmetic is the layer-by-layer path's own: the same
  * GEMV row kernels (quant_kernels.c's NAME##_range), and cpu_kernels.c's norm, rotary, KV
@@ -381,7 +381,7 @@ static step_state step_state_at(const shm_model *m, float *scratch, float *hidde
     s.own = own_floats(m, rows);
     const shm_attention_args args = {s.attn, q_size, s.qkv, q_size + 2 * kv_size, decode_rows, rows, NULL, NULL,
                                      m->num_slots, block_table, block_table_stride, seq_lens, m->block_size,
-                                     m->num_heads, m->kv_heads, D, 0.0f, 1, 0, 0.0f, NULL};
+                                     m->num_heads, m->kv_heads, D, 0.0f, 1, 1, 0, 0.0f, NULL};
     s.args = args;
     return s;
 }
@@ -419,7 +419,8 @@ static void step_layers(const shm_model *m, const step_state *s, int tid, int te
         a.softcap = layer->softcap;
         a.window = layer->window;
         a.max_chunks = attention_chunks(span);
-        const int64_t tasks = pairs * a.max_chunks;
+        a.head_splits = attention_head_splits(pairs * a.max_chunks, group, team);
+        const int64_t tasks = attention_tasks(&a);
         team_linear(m, &layer->qkv, qkv, norm_or_same(m, normed, stream, layer->attn_in_norm, rows), NULL, rows, team,
                     &counter[0]);
         STAMP(ST_QKV);

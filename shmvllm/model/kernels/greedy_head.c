@@ -2,18 +2,18 @@
  *
  * Only the argmax of the logits is needed. A cheap pass computes every row's approximate logit A_j
  * from x in ONE int8 piece per block of 32 (x ~ dx_b a_i, dx_b = max |x| / 127 over the block: one
- * integer dot product a block, memory-bound, where the exact rows take three pieces or fp32); with
- * it a bound B_j >= |E_j - A_j| on the distance to the exact kernel's logit E_j:
+ * integer dot product a block, memory-bound, where the exact rows take fp32 FMAs); with it a bound
+ * B_j >= |E_j - A_j| on the distance to the exact kernel's logit E_j:
  *
- *   |E_j - A_j| <= |sum_i w_ji r_i| + |E_j - T_j| + |A_j - A~_j|  (T_j the real dot product, r = x - dx a,
- *                                                                  A~_j the approximation in real arithmetic)
- *              <= ||w_j|| (||r|| + ||x|| / 4096)                   (Cauchy-Schwarz; the rounding of both kernels)
+ *   |E_j - A_j| <= |sum_i w_ji r_i| + |E_j - T_j| + |A_j - A~_j|   (T_j the real dot product, r = x - dx a,
+ *                                                                   A~_j the approximation in real arithmetic)
+ *              <= ||w_j|| (||r|| + (k + 64) 2^-21 ||x||)           (Cauchy-Schwarz; the rounding of both kernels)
  *
- * The rounding terms are below 5e-6 ||w_j|| ||x|| for any summation order of the 576-1,024 products
- * of a row (fp32's unit roundoff 6e-8 times the products' count), 2^-12 holds them fifty times
- * over; ||w_j|| is the row's norm, computed at load in double and rounded up (one float a row:
- * 0.6% of the rows' bytes); ||r|| and ||x|| are summed in double per token, exactly as the pieces
- * hold x. Every row with A_j + B_j >= L = max_k (A_k - B_k) is a candidate: a row outside cannot
+ * Each kernel's fp32 rounding is at most (k + 2) 2^-24 sum_i |w_ji x_i| <= (k + 2) 2^-24 ||w_j|| ||x||
+ * whatever its summation order (the approximate pass's integers are exact), so the second term holds
+ * both four times over; ||w_j|| is the row's norm, computed in double and rounded up (one float a row:
+ * 0.6% of the rows' bytes); ||r|| and ||x|| are summed in double per token, exactly as the piece
+ * holds x. Every row with A_j + B_j >= L = max_k (A_k - B_k) is a candidate: a row outside cannot
  * reach the exact logit of the row that gave L, so the first largest exact logit is among them,
  * and the candidates are recomputed with the exact rows the non-burst path runs (the build's
  * q8_0_range: the same bits) and the first of the largest taken. Masked ids (min_tokens) are -inf
@@ -21,7 +21,6 @@
  * Measured on SmolLM2's hidden states: 2 candidates a token median, 26 at most, of 49,152.
  */
 
-#define HEAD_MARGIN (1.0f / 4096.0f)
 #define HEAD_GATHER 8 /* candidate rows recomputed together (one split of x for the exact rows) */
 
 /* The first index of the largest of x[j0, j1) into *index, its value into *best; a NaN counts as the
@@ -36,7 +35,7 @@ static void argmax_range(const float *x, int64_t j0, int64_t j1, float *best, in
 }
 
 /* x's one piece per block: xa[i] = round(x[i] / dx[b]), dx[b] = max |x| / 127 over block b; returns the
- * bound's factor ||x - dx a|| + HEAD_MARGIN ||x|| (rounded up), or -1 where x has a NaN or infinity */
+ * bound's factor ||x - dx a|| + (k + 64) 2^-21 ||x|| (rounded up), or -1 where x has a NaN or infinity */
 static float head_split(const float *x, int64_t k, int8_t *xa, float *dx) {
     double rr = 0.0, xx = 0.0;
     for (int64_t b = 0; b < k / 32; b++) {
@@ -59,7 +58,7 @@ static float head_split(const float *x, int64_t k, int8_t *xa, float *dx) {
         }
         dx[b] = d;
     }
-    return (float)((sqrt(rr) + HEAD_MARGIN * sqrt(xx)) * (1.0 + 1e-6));
+    return (float)((sqrt(rr) + ldexp((double)(k + 64), -21) * sqrt(xx)) * (1.0 + 1e-6));
 }
 
 #if defined(__AVX2__) && !defined(INT8_Q8_ROWS)

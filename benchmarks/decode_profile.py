@@ -25,6 +25,10 @@ step and lm_head of a token decoded outside a burst, the sampler, input preparat
 blocks' zeroing, the rest of `execute_model`, the engine loop around it), then the same request
 with the engine in its own process (the difference: the rings and the frontend).
 
+`--layouts` times the native step (150-token context) on the layers' Q4_1 blocks as the file's
+rows and as the loader repacks them (quant.Q4_1_R8, the 8-row GEMV pass's interleave), the two
+alternating in rounds in this process, and checks that the two give the same bits.
+
 `--cpu-time` times with the calling thread's CPU time instead of the wall clock: with
 OMP_NUM_THREADS=1 (the step's team is then the calling thread alone) that is the work a token
 costs, whatever else the machine runs; the probe stays on the wall clock.
@@ -48,6 +52,7 @@ from shmvllm.engine.arg_utils import EngineArgs
 from shmvllm.model.attention import build_attention_metadata
 from shmvllm.model import kernels as kernel_builds
 from shmvllm.model.kernels import cpu_kernels, quant_isas_supported, quant_kernels
+from shmvllm.model.linear import Linear
 from shmvllm.model.loader import get_model
 from shmvllm.model.registry import resolve_model_dir
 
@@ -124,6 +129,30 @@ def phases(setup: Setup, context: int, tokens: int) -> dict[str, float]:
             for key, value in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
                 times[key].append(value)
     return {key: statistics.median(values) for key, values in times.items()}
+
+
+def layouts(setup: Setup, rounds: int, tokens: int) -> dict[str, list[float]]:
+    """ms a step (median of `tokens` steps) per round on the file's rows and on the repacked
+    blocks, alternating; the step's output must be the same bits on both."""
+    model = setup.model
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.blocks and m is not model.lm_head]
+    tables = {"rows": {id(m): [(o, w.plain()) for o, w in m.blocks] for m in linears},
+              "repacked": {id(m): m.blocks for m in linears}}
+    ids, positions, meta = setup.inputs(CONTEXTS[0])
+    times: dict[str, list[float]] = {name: [] for name in tables}
+    with torch.inference_mode():
+        hidden = model.model.embed_tokens(ids)
+        outputs = {}
+        for _ in range(rounds):
+            for name, table in tables.items():
+                for m in linears:
+                    m.blocks = table[id(m)]
+                setup.step._table = None  # laid out again on these blocks
+                outputs[name] = setup.step.run(hidden.clone(), positions, meta)  # the step adds into its input
+                times[name].append(_median_time(lambda: setup.step.run(hidden.clone(), positions, meta), tokens) * 1e3)
+            if not torch.equal(outputs["rows"], outputs["repacked"]):
+                raise AssertionError("the step's output differs between the rows and the repacked blocks")
+    return times
 
 
 STAGES = ("fork", "qkv", "qkv_wait", "rope_kv", "rope_kv_wait", "attention", "attention_wait", "o", "o_wait",
@@ -314,7 +343,8 @@ def main() -> None:
     parser.add_argument("--cpu-time", action="store_true", help="time with the calling thread's CPU time")
     parser.add_argument("--step-stages", action="store_true", help="only the step's stages per thread (profiling build)")
     parser.add_argument("--engine", action="store_true", help="only a whole token in the engine, by piece")
-    parser.add_argument("--rounds", type=int, default=5, help="--engine: request pairs per mode (default 5)")
+    parser.add_argument("--layouts", action="store_true", help="only the step on the Q4_1 rows against the repacked blocks")
+    parser.add_argument("--rounds", type=int, default=5, help="--engine / --layouts: rounds (default 5)")
     parser.add_argument("--json", help="write the figures to this JSON file")
     args = parser.parse_args()
     if args.cpu_time:
@@ -333,6 +363,18 @@ def main() -> None:
                 json.dump(report, f, indent=2)
         return
     setup = Setup(max(CONTEXTS))
+    if args.layouts:
+        report["layouts_step_ms"] = layouts(setup, args.rounds, args.tokens)
+        print(f"{report['cpu']}, quantized kernels: {isa}, {threads} threads; the step at {CONTEXTS[0]} positions, "
+              f"ms (median of {args.tokens} steps) per round, same bits on both")
+        for name, values in report["layouts_step_ms"].items():
+            print(f"{name:>9}: " + " ".join(f"{v:.3f}" for v in values) + f"  median {statistics.median(values):.3f}")
+        rows, repacked = (statistics.median(report["layouts_step_ms"][n]) for n in ("rows", "repacked"))
+        print(f"rows / repacked: {rows / repacked:.2f}x")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2)
+        return
     if args.step_stages:
         report["step_stages"] = {str(c): step_stages(setup, isa, c, args.tokens) for c in CONTEXTS}
         print(f"{report['cpu']}, quantized kernels: {isa}, {threads} threads; ms a token per stage, per thread")

@@ -174,6 +174,27 @@ def test_kernel_on_long_contexts(kernels, monkeypatch) -> None:
     assert torch.equal(native[1], reference[1])
 
 
+@pytest.mark.parametrize("heads, kv_heads, context", [(8, 1, 700), (6, 2, 300), (9, 3, 200)])
+def test_attention_cut_by_query_head_equals_uncut(kernels, monkeypatch, heads, kv_heads, context) -> None:
+    """A lone decode whose (kv head, run) tasks are fewer than two a thread is cut by query head
+    (one slice a thread): the output is the one thread's, uncut, bit for bit, with sinks, over one
+    run and over several."""
+    block_size, num_blocks = 16, 128
+    layer = _with_sinks(_layer(heads, kv_heads, 128, num_blocks, block_size), seed=4)
+    meta = _step([1], [context], block_size, num_blocks, seed=8)
+    qkv = torch.randn(1, heads + 2 * kv_heads, 128, generator=torch.Generator().manual_seed(9))
+    threads = torch.get_num_threads()
+    try:
+        outputs = []
+        for team in (1, 2, 3):
+            torch.set_num_threads(team)
+            outputs.append(_run(layer, meta, qkv, True, monkeypatch)[0])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+    torch.testing.assert_close(outputs[0], _run(layer, meta, qkv, False, monkeypatch)[0], rtol=1e-5, atol=1e-5)
+
+
 def test_kernels_stay_off_where_they_do_not_apply(kernels) -> None:
     layer = _layer(4, 2, 16, 8, 4)
     q = torch.zeros(3, 8, 16)

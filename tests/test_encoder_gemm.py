@@ -77,6 +77,34 @@ def test_token_wise_matches_torch(rows, in_place):
             encoder_gemm.token_wise(attn, x, packed[0], norms[0], packed[1], "none", packed[2], torch.nn.LayerNorm(8), out)
 
 
+@pytest.mark.parametrize("rows", [385, 2047])  # the row deal: shares of whole tiles, an edge tile last
+def test_every_row_once_whatever_the_team(rows):
+    """Rows are dealt to the threads and taken over by those done first: with 1 to 5 threads
+    (more than the cores, so that threads are preempted mid-share) every row is written, and
+    bit-equal to one thread's."""
+    g = torch.Generator().manual_seed(rows)
+    hidden, inter = 40, 96
+    linears = [torch.nn.Linear(hidden, hidden), torch.nn.Linear(hidden, inter), torch.nn.Linear(inter, hidden)]
+    norms = [torch.nn.LayerNorm(hidden) for _ in range(2)]
+    packed = [encoder_gemm.PackedLinear(lin.weight.detach(), lin.bias.detach()) for lin in linears]
+    attn, x = torch.randn(rows, hidden, generator=g), torch.randn(rows, hidden, generator=g)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        with torch.inference_mode():
+            for team in (1, 2, 3, 5):
+                torch.set_num_threads(team)
+                gemm = packed[1](attn, out=torch.full((rows, inter), float("nan")))
+                wise = encoder_gemm.token_wise(attn, x, packed[0], norms[0], packed[1], "none", packed[2], norms[1],
+                                               torch.full((rows, hidden), float("nan")))
+                assert not gemm.isnan().any() and not wise.isnan().any()
+                results.append((gemm, wise))
+    finally:
+        torch.set_num_threads(threads)
+    for gemm, wise in results[1:]:
+        assert torch.equal(gemm, results[0][0]) and torch.equal(wise, results[0][1])
+
+
 def test_bad_input_is_a_value_error():
     packed = encoder_gemm.PackedLinear(torch.randn(16, 8), torch.randn(16))
     with pytest.raises(ValueError, match=r"x must be a float32 \[tokens, 8\]"):

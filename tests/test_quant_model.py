@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from shmvllm.engine.arg_utils import EngineArgs
-from shmvllm.model.kernels import quant_isas_supported
+from shmvllm.model.kernels import quant_isas_supported, quant_kernels
 from shmvllm.model.linear import Linear, VocabEmbedding
 from shmvllm.model.loader import get_model
-from shmvllm.model.quant import FORMAT_IDS, quantize
+from shmvllm.model.quant import FORMAT_IDS, Q4_1_R8, quantize
 from shmvllm.model.registry import gguf_source
 
 from test_engine_core import assert_greedy_matches_hf, make_engine, random_prompts
@@ -68,6 +68,10 @@ def test_gguf_model_keeps_no_fp32_weights(smollm2_dir):
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     file_bytes = gguf_source(smollm2_dir).stat().st_size
     assert 0.95 * file_bytes < block_bytes + param_bytes <= file_bytes
+    # the layers' Q4_1 rows are repacked into the 8-row pass's interleave where the build has it
+    repacks = quant_kernels().shm_qrepack_type(FORMAT_IDS["Q4_1"], 8) == Q4_1_R8
+    layer_types = {part.qtype for m in linears if m is not model.lm_head for _, part in m.blocks}
+    assert layer_types == ({Q4_1_R8} if repacks else {FORMAT_IDS["Q4_1"]})
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4])

@@ -57,11 +57,14 @@ def test_gguf_block_sizes_are_ggmls():
 
 def test_gguf_tensors_are_views_of_the_mapped_file(smollm2_gguf, smollm2_dir):
     """No weight is read and copied at load: each block tensor lies in the file's mapping, except
-    the q/k rows llama files permute; neighbours in the file (gate, up) stack into one view."""
+    the q/k rows llama files permute; neighbours in the file (gate, up) stack into one view. The
+    builds with the 8-row GEMV pass repack the layers' Q4_1 rows once into copies of their own."""
     import torch
 
     from shmvllm.engine.arg_utils import EngineArgs
+    from shmvllm.model.kernels import quant_kernels
     from shmvllm.model.loader import get_model
+    from shmvllm.model.quant import FORMAT_IDS, Q4_1_R8
 
     model = get_model(EngineArgs(model=str(smollm2_dir), max_model_len=64).create_engine_config().model_config)
     mapped = [line.split()[0] for line in Path("/proc/self/maps").read_text().splitlines() if str(smollm2_gguf.resolve()) in line]
@@ -69,9 +72,10 @@ def test_gguf_tensors_are_views_of_the_mapped_file(smollm2_gguf, smollm2_dir):
     in_file = lambda t: any(lo <= t.data_ptr() < hi for lo, hi in spans)  # noqa: E731
     layer = model.model.layers[2]
     assert in_file(model.model.embed_tokens.blocks.data)
-    assert in_file(layer.self_attn.o_proj.blocks[0][1].data) and in_file(layer.mlp.down_proj.blocks[0][1].data)
+    viewed = quant_kernels().shm_qrepack_type(FORMAT_IDS["Q4_1"], 8) != Q4_1_R8
+    assert in_file(layer.self_attn.o_proj.blocks[0][1].data) == in_file(layer.mlp.down_proj.blocks[0][1].data) == viewed
     (_, gate_up), = layer.mlp.gate_up_proj.blocks
-    assert in_file(gate_up.data) and gate_up.n == 2 * layer.mlp.intermediate_size
+    assert in_file(gate_up.data) == viewed and gate_up.n == 2 * layer.mlp.intermediate_size
     assert not in_file(layer.self_attn.qkv_proj.blocks[0][1].data)  # q and k are unpermuted copies
     assert isinstance(layer.input_layernorm.weight, torch.nn.Parameter)
 

@@ -32,6 +32,7 @@ from shmvllm.model.kernels import cpu_kernels, quant_kernels
 from shmvllm.model.linear import FEW_ROWS, Linear
 from shmvllm.model.moe import GLU_KERNELS, MoEMLP, native_options
 from shmvllm.model.native_linear import NativeLinear, linear_table, linear_tables
+from shmvllm.model.quant import FORMAT_IDS
 from shmvllm.model.step_table import BurstTable, WaitingFn
 from shmvllm.model.step_table import LayerTable as _Layer, ModelTable as _Model, function_address as _fn
 
@@ -197,10 +198,23 @@ class DecodeStep:
             if not weight.is_contiguous() or weight.dtype != torch.float32:
                 raise ValueError("the native decode burst needs a contiguous fp32 embedding or GGML blocks.")
             source = (weight.data_ptr(), -1, weight.shape[1] * 4)
-        table = BurstTable(*source, linear_table(lm_head, self._keep))
+        head = linear_table(lm_head, self._keep)
+        table = BurstTable(*source, head, self._head_norms(head))
         floats = self.quant.shm_decode_burst_floats(ctypes.addressof(self._table), ctypes.addressof(table))
         self._burst_work = np.empty(floats, dtype=np.float32)
         return table
+
+    def _head_norms(self, head: NativeLinear) -> Optional[int]:
+        """The row norms of a lm_head that is one Q8_0 part without bias (kept alive here), for the
+        burst's exact greedy head (kernels/greedy_head.c); None where the build or the weight has none."""
+        part = head.parts[0]
+        if head.num_parts != 1 or part.type != FORMAT_IDS["Q8_0"] or part.n != head.n or head.bias:
+            return None
+        norms = np.empty(head.n, dtype=np.float32)
+        if self.quant.shm_q8_0_row_norms(part.w, part.row_bytes, head.n, head.k, norms.ctypes.data) != 0:
+            return None
+        self._keep.append(norms)
+        return norms.ctypes.data
 
     def burst(self, token: int, position: int, block_table: np.ndarray, count: int, stops: Sequence[int],
               masked: Sequence[int], masked_tokens: int,

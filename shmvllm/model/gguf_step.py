@@ -8,7 +8,8 @@ whole rows of blocks) and stacked with v in one copy, gate and up as two parts o
 the fp32 norms as mapped, the RoPE tables computed in numpy as rotary.py computes them, the KV
 cache the reserved memory the torch runner takes later (kv_memory). The embedding rows and
 the lm_head (the embedding's blocks where tied) run through the quantized kernels by pointer:
-the same calls the torch modules make.
+the same calls the torch modules make. The Q4_1 blocks run as the file's rows here, not repacked
+(Linear.repack): a repack of the layers (~40-50 ms) would sit on the first token's path.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ weights, and the C kernel `shm_linear_few_rows` streams them faster than oneDNN'
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +70,15 @@ class Linear(nn.Linear):
         self.blocks = merge_parts(parts, self.out_features, self.in_features)
         self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
         self.packed_weight = None
+
+    def repack(self) -> None:
+        """Moves the block parts this kernel build reads faster in another layout into it, once,
+        as a copy (the old parts' pages are then not read): Q4_1 parts of a multiple of 8 rows into
+        quant.Q4_1_R8 on the builds with the 8-row GEMV pass (AVX2, AVX-512 VNNI)."""
+        kernels = quant_kernels()
+        if self.blocks is None or kernels is None:
+            return
+        self.blocks = [(offset, repacked(weight, kernels)) for offset, weight in self.blocks]
 
     def pack(self) -> bool:
         """Packs the weight for oneDNN where that pays (CPU, float32 or bfloat16); True if it did."""
@@ -131,6 +140,19 @@ def merge_parts(parts: list[tuple[int, QuantizedWeight]], n: int, k: int) -> lis
     if row != n:
         raise ValueError(f"block parts cover {row} of the weight's {n} rows.")
     return [(offset, run[0] if len(run) == 1 else concat(run)) for offset, run in runs]
+
+
+def repacked(weight: QuantizedWeight, kernels: Any) -> QuantizedWeight:
+    """`weight` in the layout `kernels` (a quant_kernels build) repacks its type into, or itself."""
+    qtype = kernels.shm_qrepack_type(weight.qtype, weight.n)
+    if qtype < 0:
+        return weight
+    source = weight.data.contiguous()
+    data = torch.empty_like(source)  # 64-byte aligned, its own pages
+    rc = kernels.shm_qrepack(data.data_ptr(), source.data_ptr(), source.shape[1], weight.qtype, weight.n, weight.k)
+    if rc != qtype:
+        raise RuntimeError(f"shm_qrepack failed ({rc}) on {weight.name} [{weight.n}, {weight.k}].")
+    return QuantizedWeight(data, qtype, weight.k)
 
 
 def _ptr(t: Optional[torch.Tensor], offset: int = 0) -> Optional[int]:

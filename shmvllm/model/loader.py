@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import mmap
 import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
@@ -37,7 +38,7 @@ from shmvllm.model.models import ARCHITECTURES, decoder_architecture, family
 from shmvllm.model.parallel.group import TPGroup
 from shmvllm.model.parallel.layers import Placement, default_weight_loader, report
 from shmvllm.model.parallel.pipeline import PipelineStage
-from shmvllm.model.quant import FORMAT_IDS, QuantizedWeight, quantize, read_gguf
+from shmvllm.model.quant import FORMAT_IDS, GGUFTensorRef, QuantizedWeight, quantize, read_gguf
 from shmvllm.model.registry import gguf_source, weight_files
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ def get_model(
             model = builder.build(hf_config, max_position, placement)
         model = _materialize(model, device, dtype)
         load_weights(model, tensors)
+        _repack(model, next((t.mapped for _, t in tensors if isinstance(t, GGUFTensorRef)), None) if source else None)
         del tensors  # the GGUF handles' mapping stays only where blocks still view it
         if q8_0:
             _quantize_linears(model, FORMAT_IDS["Q8_0"])
@@ -239,6 +241,33 @@ def load_weights(model: nn.Module, tensors: Checkpoint) -> None:
         tie = getattr(model, "tie_blocks", None)
         if tie is not None:
             tie()
+
+
+def _repack(model: nn.Module, mapping: Optional[torch.Tensor]) -> None:
+    """Every Linear's blocks in the layout this kernel build reads fastest (Linear.repack), but a
+    tied lm_head's (the embedding's rows, which its lookups read: one copy of the table). The
+    pages of `mapping` (the GGUF file) that only the replaced parts viewed leave this process's
+    resident memory: read once by the repack, never again (the page cache keeps them)."""
+    embedded = {m.blocks.data.data_ptr() for m in model.modules() if isinstance(m, VocabEmbedding) and m.blocks is not None}
+    replaced = []
+    for module in model.modules():
+        if isinstance(module, Linear) and module.blocks and all(w.data.data_ptr() not in embedded for _, w in module.blocks):
+            before = [w for _, w in module.blocks]
+            module.repack()
+            replaced += [w for w, (_, now) in zip(before, module.blocks) if now is not w]
+    if mapping is None or not replaced:
+        return
+    start, end, page = mapping.data_ptr(), mapping.data_ptr() + mapping.numel(), mmap.PAGESIZE
+    madvise = ctypes.CDLL(None).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    for weight in replaced:
+        lo, hi = weight.data.data_ptr(), weight.data.data_ptr() + weight.data.numel()
+        lo, hi = -(-lo // page) * page, hi // page * page  # whole pages: the edges may hold a neighbour's bytes
+        if start <= lo < hi <= end:
+            madvise(lo, hi - lo, _MADV_DONTNEED)
+
+
+_MADV_DONTNEED = 4  # Linux: drop the pages from this mapping; a file mapping's next read faults them in again
 
 
 def _quantize_linears(model: nn.Module, qtype: int) -> None:

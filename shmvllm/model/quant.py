@@ -48,9 +48,17 @@ FORMATS: dict[int, tuple[str, int, int]] = {
 }
 FORMAT_IDS = {name: ident for ident, (name, _, _) in FORMATS.items()}
 
+Q4_1_R8 = 1003
+"""Not a GGML type: Q4_1 rows repacked at load in groups of 8 (quant_kernels.c's T_Q4_1_R8, the
+8-row GEMV pass's interleave: per group and block the 8 rows' nibble dwords side by side, then
+their d, then their m). The same bytes as the rows, [n, row_bytes] with n a multiple of 8; the
+builds with that pass repack a Linear's Q4_1 parts once loaded (Linear.repack)."""
+_LAYOUTS: dict[int, tuple[str, int, int]] = {Q4_1_R8: ("Q4_1 in groups of 8", 32, 20)}
+
 
 def format_name(qtype: int) -> str:
-    return FORMATS[qtype][0] if qtype in FORMATS else _GGML_NAMES.get(qtype, f"ggml type {qtype}")
+    known = FORMATS.get(qtype) or _LAYOUTS.get(qtype)
+    return known[0] if known else _GGML_NAMES.get(qtype, f"ggml type {qtype}")
 
 
 # The names of GGML types shmvllm does not run, for messages (ggml.h; without importing gguf).
@@ -170,9 +178,11 @@ class QuantizedWeight:
     k: int
 
     def __post_init__(self) -> None:
-        if self.qtype not in FORMATS:
+        if self.qtype not in FORMATS and self.qtype not in _LAYOUTS:
             raise ValueError(f"GGML format {format_name(self.qtype)} is not supported; supported: {sorted(FORMAT_IDS)}.")
-        _, values, nbytes = FORMATS[self.qtype]
+        _, values, nbytes = FORMATS.get(self.qtype) or _LAYOUTS[self.qtype]
+        if self.qtype == Q4_1_R8 and self.data.shape[0] % 8:
+            raise ValueError(f"{format_name(Q4_1_R8)} holds whole groups of 8 rows, got {self.data.shape[0]} rows.")
         if self.data.dtype != torch.uint8 or self.data.dim() != 2:
             raise ValueError(f"quantized weight data must be a 2-D uint8 tensor, got {self.data.dtype} {tuple(self.data.shape)}.")
         if self.k % values != 0 or self.data.shape[1] != self.k // values * nbytes:
@@ -194,13 +204,29 @@ class QuantizedWeight:
         return format_name(self.qtype)
 
     def rows(self, start: int, count: int) -> "QuantizedWeight":
+        if self.qtype == Q4_1_R8 and (start % 8 or count % 8):
+            raise ValueError(f"rows [{start}, {start + count}) of {format_name(Q4_1_R8)} do not fall on groups of 8 rows.")
         return QuantizedWeight(self.data[start : start + count], self.qtype, self.k)
+
+    def plain(self) -> "QuantizedWeight":
+        """The weight as GGML rows: itself, or a repacked one's rows gathered back (a copy)."""
+        if self.qtype != Q4_1_R8:
+            return self
+        # [groups, blocks, 160] -> per row r: d at 128 + 2r, m at 144 + 2r, nibble dword t at 32t + 4r
+        groups = self.data.numpy().reshape(self.n // 8, -1, 160)
+        nibbles = groups[:, :, :128].reshape(self.n // 8, -1, 4, 8, 4).transpose(0, 3, 1, 2, 4)
+        d = groups[:, :, 128:144].reshape(self.n // 8, -1, 8, 2).transpose(0, 2, 1, 3)
+        m = groups[:, :, 144:160].reshape(self.n // 8, -1, 8, 2).transpose(0, 2, 1, 3)
+        nibbles = nibbles.reshape(self.n // 8, 8, -1, 16)
+        rows = np.concatenate((d, m, nibbles), axis=3).reshape(self.n, -1)
+        return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(rows)), FORMAT_IDS["Q4_1"], self.k)
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [n, k]: gguf.quants.dequantize, the reference arithmetic."""
         from gguf.quants import dequantize
 
-        values = dequantize(self.data.numpy(), self.qtype)
+        plain = self.plain()
+        values = dequantize(plain.data.numpy(), plain.qtype)
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.n, self.k)
 
 

@@ -51,6 +51,7 @@ class BurstTable(ctypes.Structure):
 
     _fields_ = [
         ("embedding", _ptr), ("embedding_type", _i64), ("embedding_row_bytes", _i64), ("lm_head", NativeLinear),
+        ("head_norms", _ptr),
         ("stops", ctypes.POINTER(_i64)), ("masked", ctypes.POINTER(_i64)),
         ("num_stops", _i64), ("num_masked", _i64), ("masked_tokens", _i64),
         ("input_waiting", WaitingFn),

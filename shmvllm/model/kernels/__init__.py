@@ -269,16 +269,21 @@ QUANT_GEMM_INT8_SOURCE = Path(__file__).with_name("quant_gemm_int8.h")
 # decode_step.c includes quant_kernels.c: one library per ISA holds both.
 STEP_SOURCE = Path(__file__).with_name("decode_step.c")
 MOE_SOURCE = Path(__file__).with_name("moe.c")  # included by decode_step.c
+GREEDY_HEAD_SOURCE = Path(__file__).with_name("greedy_head.c")  # included by decode_step.c
 _QUANT_SIGNATURES = {
     "shm_decode_step": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]),
     "shm_decode_scratch_floats": (_i64, [_ptr, _i64]),
     "shm_decode_burst": (_i64, [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr]),
     "shm_decode_burst_floats": (_i64, [_ptr, _ptr]),
+    "shm_q8_0_row_norms": (ctypes.c_int, [_ptr, _i64, _i64, _i64, _ptr]),
+    "shm_greedy_head": (_i64, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, ctypes.c_int, _ptr]),
     "shm_read_probe": (ctypes.c_double, [_ptr, _i64, ctypes.c_int]),
     "shm_moe_experts": (ctypes.c_int, [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, ctypes.c_int]),
     "shm_moe_scratch_floats": (_i64, [_ptr, _i64]),
     "shm_qgemm": (ctypes.c_int, [_ptr, _i64, _ptr, _i64, _ptr, _i64, ctypes.c_int, _ptr, _ptr, _i64, _i64, _i64, _i64]),
     "shm_qdequant_rows": (ctypes.c_int, [_ptr, _ptr, _i64, ctypes.c_int, _ptr, _i64, _i64, _i64]),
+    "shm_qrepack_type": (ctypes.c_int, [ctypes.c_int, _i64]),
+    "shm_qrepack": (ctypes.c_int, [_ptr, _ptr, _i64, ctypes.c_int, _i64, _i64]),
     "shm_qblock_bytes": (ctypes.c_int, [ctypes.c_int]),
     "shm_qblock_values": (ctypes.c_int, [ctypes.c_int]),
     "shm_qvector_width": (ctypes.c_int, []),
@@ -302,7 +307,7 @@ def _quant_build(isa: str) -> Optional[ctypes.CDLL]:
     flags = next(f for name, _, f in QUANT_ISAS if name == isa)
     return _build(f"quant_kernels-{isa}", STEP_SOURCE, _QUANT_BASE_FLAGS + flags, _QUANT_SIGNATURES,
                   (QUANT_SOURCE, QUANT_FORMATS_SOURCE, QUANT_INT8_SOURCE, QUANT_GEMM_INT8_SOURCE, ATTENTION_HEADER,
-                   MOE_SOURCE))
+                   MOE_SOURCE, GREEDY_HEAD_SOURCE))
 
 
 def quant_isas_supported() -> list[str]:

@@ -20,13 +20,27 @@ typedef struct {
     const int32_t *seq_lens;
     int64_t block_size, num_heads, kv_heads, head_dim;
     float scale;
-    int64_t max_chunks; /* runs of the longest context: tasks = num_decodes * kv_heads * max_chunks */
+    int64_t max_chunks; /* runs of the longest context */
+    int64_t head_splits; /* slices each kv head's query heads are cut into (attention_head_splits) */
     int64_t window;     /* > 0: a sliding-window layer attends to the last `window` positions only */
     float softcap;      /* > 0: scores become softcap * tanh(score / softcap) (Gemma 2) */
     const float *sinks; /* non-NULL: each query head's sink logit joins its softmax's denominator (gpt-oss) */
 } shm_attention_args;
 
 static inline int64_t attention_chunks(int64_t seq_len) { return (seq_len + ATTN_CHUNK - 1) / ATTN_CHUNK; }
+
+/* Tasks are (request, slice of the query heads, kv head, run of positions), the runs fastest.
+ * Fewer (request, kv head, run) tasks than two a thread (a short context's 3 kv heads on 2 threads:
+ * one thread would take two) are cut by query head into `threads` slices (at most one head each),
+ * so that the threads share the work evenly; slices outermost, so that the tasks the threads start
+ * together read different kv heads. Each head's arithmetic is the same whichever slice computes
+ * it: any split gives the same values. */
+static inline int64_t attention_head_splits(int64_t pair_runs, int64_t group, int64_t threads) {
+    return pair_runs >= 2 * threads ? 1 : (threads < group ? threads : group);
+}
+static inline int64_t attention_tasks(const shm_attention_args *a) {
+    return a->num_decodes * a->head_splits * a->kv_heads * a->max_chunks;
+}
 
 /* The first position a query at the end of a seq_len context attends to. */
 static inline int64_t attention_first(int64_t seq_len, int64_t window) {

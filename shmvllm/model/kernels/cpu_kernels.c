@@ -106,7 +106,7 @@ static inline const act_t *block_rows(const act_t *head, const int32_t *blocks, 
 
 /* Decode attention is cut into tasks of (request, kv head, run of ATTN_CHUNK positions), so that
  * a long context spreads over every thread, not one thread per kv head (SmolLM2 has 3 kv heads
- * for 2 threads); a request whose context fits one run is one task that writes its output
+ * for 2 threads); a short context's few such tasks are cut by query head (attention.h); a request whose context fits one run is one task that writes its output
  * directly, with the arithmetic of a plain softmax-then-weighted-sum. Longer ones leave each
  * run's (max, sum, unnormalized weighted sum) and a combine step scales and adds them. The same
  * tasks serve the layer path (shm_paged_decode_attention) and the native decode step
@@ -272,30 +272,33 @@ static inline void weigh_values(const act_t *v_head, const int32_t *blocks, int6
  * `partials`: shared by the step's tasks. A task past its request's last run does nothing. */
 void shm_attention_task(const shm_attention_args *a, int64_t task, float *work, float *partials) {
     const int64_t chunk = task % a->max_chunks, h = (task / a->max_chunks) % a->kv_heads;
-    const int64_t i = task / (a->max_chunks * a->kv_heads);
+    const int64_t slice = (task / (a->max_chunks * a->kv_heads)) % a->head_splits;
+    const int64_t i = task / (a->max_chunks * a->kv_heads * a->head_splits);
     const int64_t seq_len = a->seq_lens[i], first = attention_first(seq_len, a->window);
     const int64_t chunks = attention_chunks(seq_len - first);
     if (chunk >= chunks) return;
     const int64_t group = a->num_heads / a->kv_heads, D = a->head_dim, row = a->decode_rows[i];
+    /* this task's query heads: [g0, g0 + heads) of kv head h's group */
+    const int64_t g0 = slice * group / a->head_splits, heads = (slice + 1) * group / a->head_splits - g0;
     const int64_t start = first + chunk * ATTN_CHUNK, end = start + ATTN_CHUNK < seq_len ? start + ATTN_CHUNK : seq_len;
     const int64_t len = end - start;
-    const act_t *q = a->q + row * a->q_row_stride + h * group * D;
+    const act_t *q = a->q + row * a->q_row_stride + (h * group + g0) * D;
     const act_t *k_head = a->k_cache + h * a->num_slots * D, *v_head = a->v_cache + h * a->num_slots * D;
     const int32_t *blocks = a->block_table + i * a->block_table_stride;
-    float *s = work, *acc = work + group * len, maxes[group], sums[group];
+    float *s = work, *acc = work + heads * len, maxes[heads], sums[heads];
 #ifndef SHM_BF16
     if (fast_head(D))
-        attention_scores_fast(q, k_head, v_head, blocks, start, end, a->block_size, group, D, a->scale, a->softcap, s);
+        attention_scores_fast(q, k_head, v_head, blocks, start, end, a->block_size, heads, D, a->scale, a->softcap, s);
     else
 #endif
-        attention_scores(q, k_head, blocks, start, end, a->block_size, group, D, a->scale, a->softcap, s);
-    attention_exp(s, group, len, maxes, sums);
+        attention_scores(q, k_head, blocks, start, end, a->block_size, heads, D, a->scale, a->softcap, s);
+    attention_exp(s, heads, len, maxes, sums);
     if (chunks == 1) {
         /* the whole context: normalize the probabilities, then weigh the values with them */
-        for (int64_t g = 0; g < group; g++) {
+        for (int64_t g = 0; g < heads; g++) {
             float total = sums[g], scale = 1.0f;
             if (a->sinks != NULL) { /* exp(sink - max), the max taken over the sink too */
-                const float sink = a->sinks[h * group + g];
+                const float sink = a->sinks[h * group + g0 + g];
                 if (sink > maxes[g]) {
                     scale = expf(maxes[g] - sink);
                     total = total * scale + 1.0f;
@@ -307,16 +310,17 @@ void shm_attention_task(const shm_attention_args *a, int64_t task, float *work, 
 #pragma omp simd
             for (int64_t pos = 0; pos < len; pos++) s[g * len + pos] *= inv;
         }
-        weigh_values(v_head, blocks, start, end, a->block_size, group, D, s, acc);
-        act_t *out = a->out + row * a->out_row_stride + h * group * D;
-        for (int64_t e = 0; e < group * D; e++) out[e] = ST(acc[e]);
+        weigh_values(v_head, blocks, start, end, a->block_size, heads, D, s, acc);
+        act_t *out = a->out + row * a->out_row_stride + (h * group + g0) * D;
+        for (int64_t e = 0; e < heads * D; e++) out[e] = ST(acc[e]);
         return;
     }
+    /* the run's record: the group's maxes, sums and weighted sums, of which this slice fills its heads' */
     float *part = partials + ((i * a->kv_heads + h) * a->max_chunks + chunk) * group * (D + 2);
-    weigh_values(v_head, blocks, start, end, a->block_size, group, D, s, part + 2 * group);
-    for (int64_t g = 0; g < group; g++) {
-        part[g] = maxes[g];
-        part[group + g] = sums[g];
+    weigh_values(v_head, blocks, start, end, a->block_size, heads, D, s, part + 2 * group + g0 * D);
+    for (int64_t g = 0; g < heads; g++) {
+        part[g0 + g] = maxes[g];
+        part[group + g0 + g] = sums[g];
     }
 }
 
@@ -371,18 +375,21 @@ int shm_paged_decode_attention_ex(act_t *out, int64_t out_row_stride, const act_
         max_len = len > max_len ? len : max_len;
         total_len += len;
     }
+    const int threads = omp_get_max_threads(), parallel = 2 * total_len * kv_heads * head_dim >= PARALLEL_MIN_FLOATS;
+    const int64_t chunks = attention_chunks(max_len);
     const shm_attention_args a = {out, out_row_stride, q, q_row_stride, decode_rows, num_decodes, k_cache, v_cache,
                                   num_slots, block_table, block_table_stride, seq_lens, block_size, num_heads,
-                                  kv_heads, head_dim, scale, attention_chunks(max_len), window, softcap, sinks};
+                                  kv_heads, head_dim, scale, chunks,
+                                  parallel ? attention_head_splits(num_decodes * kv_heads * chunks, group, threads) : 1,
+                                  window, softcap, sinks};
     const int64_t work_floats = attention_work_floats(group, head_dim);
     const int64_t partial_floats =
         a.max_chunks > 1 ? attention_partial_floats(num_decodes, kv_heads, a.max_chunks, group, head_dim) : 0;
-    const int threads = omp_get_max_threads();
     float *work = malloc((size_t)(threads * work_floats + partial_floats) * sizeof(float));
     if (work == NULL) return -1;
     float *partials = work + threads * work_floats;
-    const int64_t tasks = num_decodes * kv_heads * a.max_chunks;
-#pragma omp parallel if (2 * total_len * kv_heads * head_dim >= PARALLEL_MIN_FLOATS)
+    const int64_t tasks = attention_tasks(&a);
+#pragma omp parallel if (parallel)
     {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; t++) shm_attention_task(&a, t, work + omp_get_thread_num() * work_floats, partials);

@@ -13,9 +13,9 @@
  *
  * One OpenMP team runs the whole step (one parallel region a token, not one per GEMV): a GEMV's
  * output rows are handed out in chunks through an atomic counter per phase (so a thread the
- * machine delays takes fewer chunks), attention in the (request, kv head, run of positions)
- * tasks of attention.h, and `omp barrier` separates the dependent phases. What is cheap and
- * read by every thread (the rms norms, the activation, and where the residual add is not fused
+ * machine delays takes fewer chunks), attention in the (request, query heads, kv head, run
+ * of positions) tasks of attention.h, and `omp barrier` separates the dependent phases. What is
+ * cheap and read by every thread (the rms norms, the activation, and where the residual add is not fused
  * into a GEMV, the residual stream itself) each thread computes into its own buffer instead of
  * waiting for one thread to do it. The arithmetic is the layer-by-layer path's own: the same
  * GEMV row kernels (quant_kernels.c's NAME##_range), and cpu_kernels.c's norm, rotary, KV
@@ -177,6 +177,7 @@ static int check_linear(const shm_linear *lin) {
 }
 
 #include "moe.c"
+#include "greedy_head.c"
 
 /* A MoE layer's moe_team synchronisation words (its runs: at most FEW_ROWS rows x moe_slots). */
 static int64_t moe_layer_words(const shm_model *m) {
@@ -380,7 +381,7 @@ static step_state step_state_at(const shm_model *m, float *scratch, float *hidde
     s.own = own_floats(m, rows);
     const shm_attention_args args = {s.attn, q_size, s.qkv, q_size + 2 * kv_size, decode_rows, rows, NULL, NULL,
                                      m->num_slots, block_table, block_table_stride, seq_lens, m->block_size,
-                                     m->num_heads, m->kv_heads, D, 0.0f, 1, 0, 0.0f, NULL};
+                                     m->num_heads, m->kv_heads, D, 0.0f, 1, 1, 0, 0.0f, NULL};
     s.args = args;
     return s;
 }
@@ -418,7 +419,8 @@ static void step_layers(const shm_model *m, const step_state *s, int tid, int te
         a.softcap = layer->softcap;
         a.window = layer->window;
         a.max_chunks = attention_chunks(span);
-        const int64_t tasks = pairs * a.max_chunks;
+        a.head_splits = attention_head_splits(pairs * a.max_chunks, group, team);
+        const int64_t tasks = attention_tasks(&a);
         team_linear(m, &layer->qkv, qkv, norm_or_same(m, normed, stream, layer->attn_in_norm, rows), NULL, rows, team,
                     &counter[0]);
         STAMP(ST_QKV);
@@ -525,20 +527,22 @@ int shm_decode_step(const shm_model *m, float *hidden, float *out, int64_t rows,
  * rows where it is -1), the lm_head, and the burst's stop rule: it ends after a token in
  * stops[0, num_stops), or when input_waiting() (may be NULL) returns non-zero after a token;
  * the vocabulary's masked[0, num_masked) are not picked for the first `masked_tokens` tokens
- * (min_tokens). */
+ * (min_tokens). head_norms (shm_q8_0_row_norms of a lm_head that is one Q8_0 part without bias, or
+ * NULL): the argmax through greedy_head.c's approximate pass and exact recheck. */
 typedef struct {
     const uint8_t *embedding;
     int64_t embedding_type, embedding_row_bytes;
     shm_linear lm_head;
+    const float *head_norms;
     const int64_t *stops, *masked;
     int64_t num_stops, num_masked, masked_tokens;
     int (*input_waiting)(void);
 } shm_burst;
 
-/* Floats of a burst's own buffer beside the step's scratch: each lm_head chunk's argmax index and
- * value (a chunk a thread), the hidden row, the normed row and the logits. */
+/* Floats of a burst's own buffer beside the step's scratch: each lm_head chunk's argmax index, value
+ * and floor (a chunk a thread), the hidden row, the normed row and the logits. */
 int64_t shm_decode_burst_floats(const shm_model *m, const shm_burst *b) {
-    return 3 * (m->threads + 1) + 2 * m->hidden + b->lm_head.n;
+    return 4 * (m->threads + 1) + 2 * m->hidden + b->lm_head.n;
 }
 
 static int in_list(int64_t value, const int64_t *list, int64_t n) {
@@ -547,22 +551,22 @@ static int in_list(int64_t value, const int64_t *list, int64_t n) {
     return 0;
 }
 
-/* The first index of the largest value of x[j0, j1) into *index, its value into *best; a NaN
- * counts as the largest and the first NaN wins (numpy's argmax). */
-static void argmax_range(const float *x, int64_t j0, int64_t j1, float *best, int64_t *index) {
-    int64_t at = j0;
-    float top = x[j0];
-    for (int64_t j = j0 + 1; j < j1 && top == top; j++)
-        if (x[j] > top || x[j] != x[j]) top = x[at = j];
-    *best = top;
-    *index = at;
-}
-
-/* This thread's lm_head chunks: logits rows, the masked ids among them set to -inf, their argmax. */
+/* This thread's lm_head chunks: logits rows, the masked ids among them set to -inf, their argmax
+ * (with head_norms: greedy_head.c's pass, which holds a barrier, so every thread calls it). */
 static void head_chunks(const shm_model *m, const shm_burst *b, float *logits, const float *x, int team,
-                        int64_t *counter, int masking, float *best, int64_t *index) {
+                        int64_t *counter, int masking, float *best, int64_t *index, float *floors) {
     const shm_linear *lin = &b->lm_head;
     const int64_t step = chunk_rows(lin->n, team), chunks = (lin->n + step - 1) / step;
+#ifdef HEAD_APPROX
+    if (b->head_norms != NULL) {
+        const shm_part *part = &lin->parts[0];
+        greedy_head_team(part->w, part->row_bytes, lin->n, lin->k, b->head_norms, x, b->masked,
+                         masking ? b->num_masked : 0, logits, step, chunks, counter, floors, best, index);
+        return;
+    }
+#else
+    (void)floors;
+#endif
     for (int64_t c; (c = __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED)) < chunks;) {
         const int64_t j0 = c * step, j1 = (c + 1) * step < lin->n ? (c + 1) * step : lin->n;
         linear_rows(m, lin, logits, x, NULL, 1, j0, j1);
@@ -590,14 +594,18 @@ int64_t shm_decode_burst(const shm_model *m, const shm_burst *b, int64_t token, 
     if (rc == 0) rc = check_linear(&b->lm_head);
     if (rc != 0) return rc;
     if (b->lm_head.k != H) return -1;
+    if (b->head_norms != NULL && (b->lm_head.num_parts != 1 || b->lm_head.parts[0].type != T_Q8_0 ||
+                                  b->lm_head.parts[0].n != vocab || b->lm_head.bias != NULL))
+        return -1;
     if (token < 0 || token >= vocab) return -2;
     int64_t *index = (int64_t *)work; /* 8-byte aligned first, then the floats */
-    float *best = work + 2 * (m->threads + 1), *hidden = best + m->threads + 1, *normed = hidden + H, *logits = normed + H;
+    float *best = work + 2 * (m->threads + 1), *floors = best + m->threads + 1, *hidden = floors + m->threads + 1;
+    float *normed = hidden + H, *logits = normed + H;
     int64_t pos[1] = {position}, slot[1] = {0}, row[1] = {0}, done = 0;
     int32_t seq_len[1] = {1};
     int go = 1;
     format_fns embed;
-    if (b->embedding_type >= 0 && lookup((int)b->embedding_type, &embed) != 0) return -1;
+    if (b->embedding_type >= 0 && (lookup((int)b->embedding_type, &embed) != 0 || embed.deq_row == NULL)) return -1;
     /* laid out for the burst's longest context: the threads' own buffers stay where they are */
     step_state s = step_state_at(m, scratch, hidden, normed, 1, position + count, pos, slot, row, block_table, 0,
                                  seq_len);
@@ -629,7 +637,7 @@ int64_t shm_decode_burst(const shm_model *m, const shm_burst *b, int64_t token, 
             step_layers(m, &s, tid, team);
 #pragma omp barrier
             head_chunks(m, b, logits, normed, team, &s.counters[PHASES_PER_LAYER * m->num_layers], done < b->masked_tokens,
-                        best, index);
+                        best, index, floors);
 #pragma omp barrier
             if (tid == 0) {
                 const int64_t chunks = (vocab + chunk_rows(vocab, team) - 1) / chunk_rows(vocab, team);

@@ -6,8 +6,8 @@
  * zero-padded to a whole panel, followed by the bias (padded the same way). A 6x16 register tile
  * (12 ymm accumulators, the 6 rows of x broadcast, two W vectors per k) is swept down a block of
  * MC rows while its W panel (KC x 16 floats) stays in L1 and the block of x (MC x KC) in L2.
- * Rows of x are read in place (no packing): 6 sequential streams per tile. Threads split the
- * (row block, panel group) grid. Built with -mavx2 -mfma only, never -march=native, so the
+ * Rows of x are read in place (no packing): 6 sequential streams per tile. Threads share out the
+ * rows (RowDeal below) or, for a short batch, the (row block, panel group) grid. Built with -mavx2 -mfma only, never -march=native, so the
  * code is the AVX2 code whatever the build machine. */
 
 #include <immintrin.h>
@@ -21,6 +21,7 @@
 #define NR 16
 #define MC 48  /* rows per block: 48 x 384 floats of x stay in L2 (benchmarks/results/embed.md) */
 #define KC 384 /* the W panel's depth per pass: 384 x 16 floats = 24 KiB, within L1 */
+#define STEAL 12 /* rows a thread takes from another's share at a time: two tiles */
 
 /* glibc's libmvec (>= 2.35): 8-wide tanhf, the function gcc itself calls for vectorized loops */
 __m256 _ZGVdN8v_tanhf(__m256);
@@ -79,9 +80,12 @@ static inline __m256 gelu8(__m256 x, int gelu) {
 }
 
 /* One 6x16 tile over kc steps of k: starts from the bias (first pass over k) or from c (later
- * passes); the last pass adds the residual / applies GELU before the store. */
+ * passes); the last pass adds the residual / applies GELU before the store. Each k step also
+ * prefetches into L2 the line at the same offset of `next`, a panel of the same shape: block()
+ * passes the next panel to a panel's last tile (its own, already in L1, to the others), so the
+ * next panel's first tile finds it in L2 instead of L3 (the token-wise half 2-3% faster). */
 static inline void tile(const float *a, int64_t lda, const float *w, int64_t kc, float *c, int64_t ldc, const float *bias,
-                        int first, int last, const float *res, int64_t ldr, int gelu) {
+                        int first, int last, const float *res, int64_t ldr, int gelu, const float *next) {
     __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
     if (first) {
         c00 = c10 = c20 = c30 = c40 = c50 = _mm256_loadu_ps(bias);
@@ -97,6 +101,7 @@ static inline void tile(const float *a, int64_t lda, const float *w, int64_t kc,
     const float *a0 = a, *a1 = a + lda, *a2 = a + 2 * lda, *a3 = a + 3 * lda, *a4 = a + 4 * lda, *a5 = a + 5 * lda;
     for (int64_t kk = 0; kk < kc; kk++) {
         const __m256 w0 = _mm256_load_ps(w + kk * NR), w1 = _mm256_load_ps(w + kk * NR + 8);
+        _mm_prefetch((const char *)(next + kk * NR), _MM_HINT_T1);
         __m256 x = _mm256_broadcast_ss(a0 + kk);
         c00 = _mm256_fmadd_ps(x, w0, c00), c01 = _mm256_fmadd_ps(x, w1, c01);
         x = _mm256_broadcast_ss(a1 + kk);
@@ -122,7 +127,8 @@ static inline void tile(const float *a, int64_t lda, const float *w, int64_t kc,
 
 /* A tile at the edge (fewer than 6 rows or 16 columns left): through zero-padded copies. */
 static void edge_tile(const float *a, int64_t lda, int64_t rows, int64_t cols, const float *w, int64_t kc, float *c,
-                      int64_t ldc, const float *bias, int first, int last, const float *res, int64_t ldr, int gelu) {
+                      int64_t ldc, const float *bias, int first, int last, const float *res, int64_t ldr, int gelu,
+                      const float *next) {
     float ta[MR * KC] __attribute__((aligned(32))), tc[MR * NR], tr[MR * NR];
     memset(ta, 0, sizeof ta);
     memset(tc, 0, sizeof tc);
@@ -132,7 +138,7 @@ static void edge_tile(const float *a, int64_t lda, int64_t rows, int64_t cols, c
         memcpy(tc + r * NR, c + r * ldc, cols * sizeof(float));
         if (res != NULL) memcpy(tr + r * NR, res + r * ldr, cols * sizeof(float));
     }
-    tile(ta, kc, w, kc, tc, NR, bias, first, last, res != NULL ? tr : NULL, NR, gelu);
+    tile(ta, kc, w, kc, tc, NR, bias, first, last, res != NULL ? tr : NULL, NR, gelu, next);
     for (int64_t r = 0; r < rows; r++) memcpy(c + r * ldc, tc + r * NR, cols * sizeof(float));
 }
 
@@ -177,21 +183,61 @@ static void block(const float *x, int64_t k, int64_t ldx, const float *packed, i
             for (int64_t i = m0; i < m1; i += MR) {
                 const float *a = x + i * ldx + k0, *r = res != NULL ? res + i * ldr + p * NR : NULL;
                 float *c = out + i * ldo + p * NR;
+                const float *next = i + 2 * MR > m1 && p + 1 < p1 ? w + k * NR : w;
                 if (i + MR <= m1 && cols == NR)
-                    tile(a, ldx, w, kc, c, ldo, bias, first, last, r, ldr, gelu);
+                    tile(a, ldx, w, kc, c, ldo, bias, first, last, r, ldr, gelu, next);
                 else
-                    edge_tile(a, ldx, m1 - i < MR ? m1 - i : MR, cols, w, kc, c, ldo, bias, first, last, r, ldr, gelu);
+                    edge_tile(a, ldx, m1 - i < MR ? m1 - i : MR, cols, w, kc, c, ldo, bias, first, last, r, ldr, gelu, next);
             }
         }
     }
 }
 
-/* This thread's rows [*r0, *r1) of m: an equal share of whole MR-row tiles (whole MC-row blocks
- * dealt out left one thread a block behind: 22 against 21 of 2,048 rows); call inside the team. */
-static void thread_rows(int64_t m, int64_t *r0, int64_t *r1) {
-    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num(), tiles = (m + MR - 1) / MR;
-    *r0 = tiles * t / threads * MR;
-    *r1 = t + 1 == threads ? m : tiles * (t + 1) / threads * MR;
+/* Rows dealt to a team: each thread owns an equal share of whole MR-row tiles, which it works
+ * through front to back MC rows at a time; a thread done with its own share takes STEAL-row
+ * chunks from the back of another's, so that a thread slowed by another process hands its last
+ * rows over instead of holding up the team at the region's end (a static split waits for its
+ * slowest thread). A share is one word, front << 32 | back (rows < 2^32), changed by
+ * compare-and-swap. */
+typedef struct {
+    uint64_t *shares;
+    int64_t threads;
+} RowDeal;
+
+/* Inside the team: every thread's share set up, visible to all after the single's barrier. */
+static void deal_rows(RowDeal *deal, uint64_t *shares, int64_t m) {
+#pragma omp single
+    {
+        const int64_t threads = omp_get_num_threads(), tiles = (m + MR - 1) / MR;
+        for (int64_t t = 0; t < threads; t++) {
+            const uint64_t r0 = tiles * t / threads * MR, r1 = t + 1 == threads ? m : tiles * (t + 1) / threads * MR;
+            shares[t] = r0 << 32 | r1;
+        }
+        deal->shares = shares, deal->threads = threads;
+    }
+}
+
+/* The calling thread's next rows [*r0, *r1): from the front of its own share, else from the back
+ * of another's; false when every share is done. */
+static int next_rows(RowDeal *deal, int64_t *r0, int64_t *r1) {
+    const int64_t self = omp_get_thread_num();
+    for (int64_t i = 0; i < deal->threads; i++) {
+        uint64_t *share = deal->shares + (self + i) % deal->threads, cur = __atomic_load_n(share, __ATOMIC_RELAXED), next;
+        int64_t front, back, cut;
+        do {
+            front = (int64_t)(cur >> 32), back = (int64_t)(cur & 0xffffffffu);
+            if (front >= back) break;
+            if (i == 0) /* own share: from the front */
+                cut = back - front <= MC ? back : front + MC;
+            else /* another's: a few tiles from its back, cut on a tile boundary */
+                cut = back - front <= STEAL ? front : (back - STEAL) / MR * MR;
+            next = i == 0 ? (uint64_t)cut << 32 | (uint64_t)back : (uint64_t)front << 32 | (uint64_t)cut;
+        } while (!__atomic_compare_exchange_n(share, &cur, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+        if (front >= back) continue;
+        *r0 = i == 0 ? front : cut, *r1 = i == 0 ? cut : back;
+        return 1;
+    }
+    return 0;
 }
 
 /* out[m, n] (row stride ldo) = x[m, k] (row stride ldx) . W^T + bias, then + residual[m, n] (row
@@ -201,12 +247,13 @@ void shm_encoder_gemm(const float *x, int64_t m, int64_t k, int64_t ldx, const f
                       int64_t ldr, float *out, int64_t ldo, int gelu) {
     const int64_t panels = (n + NR - 1) / NR, blocks = (m + MC - 1) / MC;
     if (blocks >= 8) {
+        RowDeal deal;
+        uint64_t shares[omp_get_max_threads()];
 #pragma omp parallel
         {
             int64_t r0, r1;
-            thread_rows(m, &r0, &r1);
-            for (int64_t m0 = r0; m0 < r1; m0 += MC)
-                block(x, k, ldx, packed, n, res, ldr, out, ldo, gelu, m0, m0 + MC < r1 ? m0 + MC : r1, 0, panels);
+            deal_rows(&deal, shares, m);
+            while (next_rows(&deal, &r0, &r1)) block(x, k, ldx, packed, n, res, ldr, out, ldo, gelu, r0, r1, 0, panels);
         }
         return;
     }
@@ -250,13 +297,15 @@ int shm_encoder_token_wise(const float *attn, int64_t lda, const float *x, int64
     const int64_t per_thread = MC * (hidden + inter);
     float *buffers = aligned_alloc(32, (size_t)omp_get_max_threads() * per_thread * sizeof(float));
     if (buffers == NULL) return -1;
+    RowDeal deal;
+    uint64_t shares[omp_get_max_threads()];
 #pragma omp parallel
     {
-        int64_t r0, r1;
-        thread_rows(m, &r0, &r1);
+        int64_t m0, r1;
         float *y = buffers + omp_get_thread_num() * per_thread, *h = y + MC * hidden;
-        for (int64_t m0 = r0; m0 < r1; m0 += MC) {
-            const int64_t rows = m0 + MC < r1 ? MC : r1 - m0;
+        deal_rows(&deal, shares, m);
+        while (next_rows(&deal, &m0, &r1)) {
+            const int64_t rows = r1 - m0;
             block(attn + m0 * lda, hidden, lda, packed_o, hidden, x + m0 * ldx, ldx, y, hidden, GELU_NONE, 0, rows, 0, (hidden + NR - 1) / NR);
             layer_norm_rows(y, rows, hidden, hidden, n1w, n1b, eps);
             block(y, hidden, hidden, packed_up, inter, NULL, 0, h, inter, gelu, 0, rows, 0, (inter + NR - 1) / NR);

@@ -501,6 +501,73 @@ static void q4_1_range(int M, float *out, int64_t ldo, const float *x, int64_t l
     ROWS8_RANGE_LOOP(q4_1_rows8, xs)
 }
 
+/* The same pass over Q4_1 repacked at load (quant_kernels.c's T_Q4_1_R8): the 8 rows' nibble dwords
+ * are 4 loads and their d / m two conversions a block, without the loads, unpacks and scale words'
+ * packing above; the hardware prefetcher follows the one stream (a software prefetch measured
+ * slower). Lanes [lo, hi) of the group are stored; each lane's arithmetic is q4_1_rows8's. */
+#define Q4_1_R8_ROWS 1
+static inline __attribute__((always_inline)) void q4_1_r8_rows8(const int M, float *out, int64_t ldo, const int8_t *xq,
+                                                                const float *xd, const float *xs, int64_t blocks,
+                                                                const uint8_t *g, int lo, int hi, const float *bias,
+                                                                const float *residual, int64_t ldr, int64_t j) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    __m256 acc[FEW_ROWS], macc[FEW_ROWS];
+    for (int m = 0; m < M; m++) acc[m] = macc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *blk = g + 160 * b;
+        __m256i lo4[4], hi4[4];
+        for (int t = 0; t < 4; t++) {
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(blk + 32 * t));
+            lo4[t] = _mm256_and_si256(c, low4), hi4[t] = _mm256_and_si256(_mm256_srli_epi16(c, 4), low4);
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 128)));
+        const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 144)));
+        for (int m = 0; m < M; m++) {
+            const int8_t *q = xq + (m * blocks + b) * 96;
+#if IW == 64
+            const __m256i total = _mm256_add_epi32(
+                _mm256_slli_epi32(_mm256_add_epi32(_mm256_slli_epi32(q4_piece(lo4, hi4, q), 7), q4_piece(lo4, hi4, q + 32)), 7),
+                q4_piece(lo4, hi4, q + 64));
+#else
+            const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q4_piece(lo4, hi4, q, 16384), q4_piece(lo4, hi4, q + 32, 128)),
+                                                   q4_piece(lo4, hi4, q + 64, 1));
+#endif
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(xd[m * blocks + b])), acc[m]);
+            macc[m] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[m * blocks + b]), macc[m]);
+        }
+    }
+    const __m256i live = _mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(hi), lanes),
+                                          _mm256_cmpgt_epi32(lanes, _mm256_set1_epi32(lo - 1)));
+    const __m256 add = bias != NULL ? _mm256_maskload_ps(bias + j, live) : _mm256_setzero_ps();
+    for (int m = 0; m < M; m++) {
+        const __m256 res = residual != NULL ? _mm256_maskload_ps(residual + m * ldr + j, live) : _mm256_setzero_ps();
+        const __m256 v = _mm256_add_ps(_mm256_mul_ps(acc[m], _mm256_set1_ps(1.0f / 16384.0f)), macc[m]);
+        _mm256_maskstore_ps(out + m * ldo + j, live, _mm256_add_ps(_mm256_add_ps(v, add), res));
+    }
+}
+
+/* rows [j0, j1) of a repacked Q4_1 weight (w: its first group; row_bytes: a plain row's), x split as q4_1_range's */
+static void q4_1_r8_range(int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *w,
+                          int64_t row_bytes, const float *bias, const float *residual, int64_t ldr, int64_t j0,
+                          int64_t j1, int64_t k) {
+    const int64_t blocks = k / 32;
+    int8_t xq[M * blocks * 96];
+    float xd[M * blocks], xs[M * (k / 16)];
+    split_x(M, x, ldx, k, 32, xq, xd, xs);
+    for (int64_t b = 0; b < M * blocks; b++) xs[b] = xs[2 * b] + xs[2 * b + 1];
+    for (int64_t j = j0 / 8 * 8; j < j1; j += 8) {
+        const int lo = j0 > j ? (int)(j0 - j) : 0, hi = j1 - j < 8 ? (int)(j1 - j) : 8;
+        const uint8_t *g = w + j * row_bytes;
+        switch (M) {
+        case 1: q4_1_r8_rows8(1, out, ldo, xq, xd, xs, blocks, g, lo, hi, bias, residual, ldr, j); break;
+        case 2: q4_1_r8_rows8(2, out, ldo, xq, xd, xs, blocks, g, lo, hi, bias, residual, ldr, j); break;
+        case 3: q4_1_r8_rows8(3, out, ldo, xq, xd, xs, blocks, g, lo, hi, bias, residual, ldr, j); break;
+        default: q4_1_r8_rows8(4, out, ldo, xq, xd, xs, blocks, g, lo, hi, bias, residual, ldr, j); break;
+        }
+    }
+}
+
 #if IW == 64
 /* Q8_0 (the VNNI build; the default model's lm_head): w = d q per block of 32 (q signed 8 bits), x
  * split per 32 values, 8 output rows a pass as Q4_1's. vpdpbusd takes unsigned by signed bytes, so

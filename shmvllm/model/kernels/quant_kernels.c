@@ -49,6 +49,8 @@ typedef uint16_t vh __attribute__((vector_size(VW * 2)));
 /* GGML type ids (ggml.h). */
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
 enum { T_Q5_0 = 6, T_Q5_1 = 7, T_Q2_K = 10, T_Q3_K = 11, T_IQ4_NL = 20, T_IQ4_XS = 23, T_MXFP4 = 39 };
+/* Not a GGML type: Q4_1 repacked at load in groups of 8 rows (q4_1_r8_block below says the layout). */
+enum { T_Q4_1_R8 = 1003 };
 
 #define FEW_ROWS 4
 #define PARALLEL_MIN_WORK (1 << 16)
@@ -176,7 +178,7 @@ static int block_bytes(int type) {
     case T_F32: return 128;
     case T_F16: case T_BF16: return 64;
     case T_Q4_0: return 18;
-    case T_Q4_1: return 20;
+    case T_Q4_1: case T_Q4_1_R8: return 20;
     case T_Q8_0: return 34;
     case T_Q4_K: return 144;
     case T_Q5_K: return 176;
@@ -936,11 +938,12 @@ static inline __attribute__((always_inline)) void q6_k_row(const int M, float *o
             memcpy(dst + b * QK, wv, sizeof wv);                                                                \
         }                                                                                                       \
     }                                                                                                           \
-    static void NAME##_panel(const uint8_t *w, int64_t row_bytes, int64_t cols, int64_t k, float *panel) {       \
+    static void NAME##_panel(const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t cols, int64_t k,         \
+                             float *panel) {                                                                    \
         for (int64_t c = 0; c < cols; c++)                                                                      \
             for (int64_t b = 0; b < k / QK; b++) {                                                              \
                 vf wv[QK / VW];                                                                                 \
-                DEQ(w + c * row_bytes + b * BB, wv);                                                            \
+                DEQ(w + (j0 + c) * row_bytes + b * BB, wv);                                                     \
                 for (int s = 0; s < QK / PANEL_K; s++)                                                          \
                     memcpy(panel + ((b * (QK / PANEL_K) + s) * NR + c) * PANEL_K, wv + s * (PANEL_K / VW),        \
                            PANEL_K * sizeof(float));                                                            \
@@ -1028,12 +1031,90 @@ DEFINE_FORMAT(iq4_nl, deq_iq4_nl, 32, 18, 0)
 DEFINE_FORMAT(iq4_xs, deq_iq4_xs, 256, 136, 0)
 DEFINE_FORMAT(mxfp4, deq_mxfp4, 32, 17, 0)
 
+/* ---- Q4_1 repacked at load in groups of 8 rows (T_Q4_1_R8) ----
+ * The interleave the 8-row pass (quant_int8.h) otherwise builds in registers from 8 rows, laid out
+ * once: per group of 8 rows and per block, 160 bytes: dword t (t < 4) of the 8 rows' nibbles side
+ * by side (row r at 32 t + 4 r), then the 8 rows' d, then their m (fp16). The groups follow one
+ * another, so a GEMV reads one sequential stream, with no transposes and no scale words to
+ * gather. The same bytes as the rows; a weight's rows are a multiple of 8. Only the builds with
+ * the 8-row pass repack (shm_qrepack_type); every build runs a repacked weight. */
+static inline void q4_1_r8_block(const uint8_t *w, int64_t row_bytes, int64_t j, int64_t b, uint8_t blk[20]) {
+    const uint8_t *g = w + (j / 8) * 8 * row_bytes + 160 * b; /* row j's block b, as its plain 20 bytes */
+    const int r = (int)(j % 8);
+    memcpy(blk, g + 128 + 2 * r, 2);
+    memcpy(blk + 2, g + 144 + 2 * r, 2);
+    for (int t = 0; t < 4; t++) memcpy(blk + 4 + 4 * t, g + 32 * t + 4 * r, 4);
+}
+
+#ifndef Q4_1_R8_ROWS
+/* builds without the 8-row pass: each row gathered back into its plain blocks and run as Q4_1 */
+static void q4_1_r8_range(int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *w,
+                          int64_t row_bytes, const float *bias, const float *residual, int64_t ldr, int64_t j0,
+                          int64_t j1, int64_t k) {
+    uint8_t row[row_bytes];
+    for (int64_t j = j0; j < j1; j++) {
+        for (int64_t b = 0; b < k / 32; b++) q4_1_r8_block(w, row_bytes, j, b, row + 20 * b);
+        q4_1_range(M, out + j, ldo, x, ldx, row, row_bytes, bias != NULL ? bias + j : NULL,
+                   residual != NULL ? residual + j : NULL, ldr, 0, 1, k);
+    }
+}
+#endif
+
+static void q4_1_r8_few(int M, float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
+                        const float *bias, const float *residual, int64_t ldr, int64_t n, int64_t k) {
+#pragma omp parallel if (n * k * M >= PARALLEL_MIN_WORK)
+    {
+        const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
+        q4_1_r8_range(M, out, ldo, x, ldx, w, row_bytes, bias, residual, ldr, n * t / threads, n * (t + 1) / threads, k);
+    }
+}
+
+static void q4_1_r8_panel(const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t cols, int64_t k, float *panel) {
+    for (int64_t c = 0; c < cols; c++)
+        for (int64_t b = 0; b < k / 32; b++) {
+            uint8_t blk[20];
+            vf wv[32 / VW];
+            q4_1_r8_block(w, row_bytes, j0 + c, b, blk);
+            deq_q4_1(blk, wv);
+            memcpy(panel + (b * NR + c) * PANEL_K, wv, sizeof wv);
+        }
+    for (int64_t g = 0; g < k / PANEL_K; g++) memset(panel + (g * NR + cols) * PANEL_K, 0, (NR - cols) * PANEL_K * sizeof(float));
+}
+
+/* The repacked type rows of `type` take in this build (T_Q4_1_R8 for Q4_1 where the 8-row pass is
+ * built and n is a multiple of 8), or -1: they stay as they are. */
+int shm_qrepack_type(int type, int64_t n) {
+#ifdef Q4_1_R8_ROWS
+    if (type == T_Q4_1 && n > 0 && n % 8 == 0) return T_Q4_1_R8;
+#endif
+    (void)type, (void)n;
+    return -1;
+}
+
+/* dst (n * row_bytes bytes) = W [n, k] of `type`, rows `row_bytes` apart, in its repacked type's
+ * layout. Returns that type, or -1 (nothing written) where shm_qrepack_type says none. */
+int shm_qrepack(uint8_t *dst, const uint8_t *w, int64_t row_bytes, int type, int64_t n, int64_t k) {
+    const int repacked = shm_qrepack_type(type, n);
+    if (repacked < 0 || k % 32 != 0 || row_bytes != k / 32 * 20) return -1;
+    for (int64_t g = 0; g < n / 8; g++)
+        for (int64_t b = 0; b < k / 32; b++) {
+            uint8_t *out = dst + g * 8 * row_bytes + 160 * b;
+            for (int r = 0; r < 8; r++) {
+                const uint8_t *blk = w + (8 * g + r) * row_bytes + 20 * b;
+                memcpy(out + 128 + 2 * r, blk, 2);
+                memcpy(out + 144 + 2 * r, blk + 2, 2);
+                for (int t = 0; t < 4; t++) memcpy(out + 32 * t + 4 * r, blk + 4 + 4 * t, 4);
+            }
+        }
+    return repacked;
+}
+
 typedef void (*few_fn)(int, float *, int64_t, const float *, int64_t, const uint8_t *, int64_t, const float *,
                        const float *, int64_t, int64_t, int64_t);
 typedef void (*range_fn)(int, float *, int64_t, const float *, int64_t, const uint8_t *, int64_t, const float *,
                          const float *, int64_t, int64_t, int64_t, int64_t);
 typedef void (*deq_row_fn)(const uint8_t *, float *, int64_t);
-typedef void (*panel_fn)(const uint8_t *, int64_t, int64_t, int64_t, float *);
+typedef void (*panel_fn)(const uint8_t *, int64_t, int64_t, int64_t, int64_t, float *);
 typedef struct {
     few_fn few;
     range_fn range;
@@ -1046,6 +1127,7 @@ static int lookup(int type, format_fns *fns) {
     switch (type) {
     case T_Q4_0: *fns = FNS(q4_0); return 0;
     case T_Q4_1: *fns = FNS(q4_1); return 0;
+    case T_Q4_1_R8: *fns = (format_fns){q4_1_r8_few, q4_1_r8_range, NULL, q4_1_r8_panel}; return 0; /* no row lookup */
     case T_Q8_0: *fns = FNS(q8_0); return 0;
     case T_Q4_K: *fns = FNS(q4_k); return 0;
     case T_Q5_K: *fns = FNS(q5_k); return 0;
@@ -1094,7 +1176,7 @@ static int gemm_blocked(panel_fn panel_of, float *out, int64_t ldo, const float 
         for (int64_t c = 0; c < col_tiles; c++) {
             if (panel == NULL) continue;
             const int64_t j0 = c * NR, cols = n - j0 < NR ? n - j0 : NR;
-            panel_of(w + j0 * row_bytes, row_bytes, cols, k, panel);
+            panel_of(w, row_bytes, j0, cols, k, panel);
             /* the next panel's blocks (this thread's next tile: static schedule) come from memory
              * while this one computes; in bursts as they are read, the hardware fetches them late */
             if (c + 1 < col_tiles) {
@@ -1161,7 +1243,7 @@ int shm_qgemm(float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_
 int shm_qdequant_rows(float *out, const uint8_t *w, int64_t row_bytes, int type, const int64_t *ids, int64_t count,
                       int64_t n, int64_t k) {
     format_fns fns;
-    if (lookup(type, &fns) != 0 || k % block_values(type) != 0) return -1;
+    if (lookup(type, &fns) != 0 || fns.deq_row == NULL || k % block_values(type) != 0) return -1;
     if (ids != NULL)
         for (int64_t i = 0; i < count; i++)
             if (ids[i] < 0 || ids[i] >= n) return -2;

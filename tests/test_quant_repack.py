@@ -16,20 +16,12 @@ import torch
 from shmvllm.model.kernels import quant_isas_supported, quant_kernels
 from shmvllm.model.linear import Linear, block_linear, repacked
 from shmvllm.model.quant import FORMAT_IDS, Q4_1_R8, QuantizedWeight
-from test_quant_kernels import random_weight
+from test_quant_kernels import isa, random_weight  # noqa: F401 (isa: the fixture running a test on each build)
 
 ISAS = quant_isas_supported()
 REPACKING = [isa for isa in ("avx512vnni", "avx2") if isa in ISAS]
 pytestmark = pytest.mark.skipif(not REPACKING, reason="no kernel build with the 8-row pass runs on this CPU")
 Q4_1 = FORMAT_IDS["Q4_1"]
-
-
-@pytest.fixture(params=ISAS)
-def isa(request, monkeypatch):
-    monkeypatch.setenv("SHMVLLM_QUANT_ISA", request.param)
-    quant_kernels.cache_clear()
-    yield request.param
-    quant_kernels.cache_clear()
 
 
 def pair(n: int, k: int, seed: int) -> tuple[QuantizedWeight, QuantizedWeight]:

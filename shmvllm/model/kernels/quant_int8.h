@@ -414,6 +414,17 @@ static inline __m256i q4_piece(const __m256i lo[4], const __m256i hi[4], const i
     return _mm256_madd_epi16(s, _mm256_set1_epi16(weight));
 }
 #endif
+/* a block's 8 lane sums against x's three pieces at q, each piece weighted by its place (2^14, 2^7, 1) */
+static inline __attribute__((always_inline)) __m256i q4_total(const __m256i lo[4], const __m256i hi[4], const int8_t *q) {
+#if IW == 64
+    return _mm256_add_epi32(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_slli_epi32(q4_piece(lo, hi, q), 7), q4_piece(lo, hi, q + 32)), 7),
+        q4_piece(lo, hi, q + 64));
+#else
+    return _mm256_add_epi32(_mm256_add_epi32(q4_piece(lo, hi, q, 16384), q4_piece(lo, hi, q + 32, 128)),
+                            q4_piece(lo, hi, q + 64, 1));
+#endif
+}
 static inline __attribute__((always_inline)) void q4_1_rows8(const int M, float *out, int64_t ldo, const int8_t *xq,
                                                              const float *xd, const float *xs, int64_t blocks,
                                                              const uint8_t *w, int64_t row_bytes, int rows,
@@ -447,14 +458,7 @@ static inline __attribute__((always_inline)) void q4_1_rows8(const int M, float 
         const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves)), mv = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
         for (int m = 0; m < M; m++) {
             const int8_t *q = xq + (m * blocks + b) * 96;
-#if IW == 64
-            const __m256i total = _mm256_add_epi32(
-                _mm256_slli_epi32(_mm256_add_epi32(_mm256_slli_epi32(q4_piece(lo, hi, q), 7), q4_piece(lo, hi, q + 32)), 7),
-                q4_piece(lo, hi, q + 64));
-#else
-            const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q4_piece(lo, hi, q, 16384), q4_piece(lo, hi, q + 32, 128)),
-                                                   q4_piece(lo, hi, q + 64, 1));
-#endif
+            const __m256i total = q4_total(lo, hi, q);
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(xd[m * blocks + b])), acc[m]);
             macc[m] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[m * blocks + b]), macc[m]);
         }
@@ -525,14 +529,7 @@ static inline __attribute__((always_inline)) void q4_1_r8_rows8(const int M, flo
         const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 144)));
         for (int m = 0; m < M; m++) {
             const int8_t *q = xq + (m * blocks + b) * 96;
-#if IW == 64
-            const __m256i total = _mm256_add_epi32(
-                _mm256_slli_epi32(_mm256_add_epi32(_mm256_slli_epi32(q4_piece(lo4, hi4, q), 7), q4_piece(lo4, hi4, q + 32)), 7),
-                q4_piece(lo4, hi4, q + 64));
-#else
-            const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q4_piece(lo4, hi4, q, 16384), q4_piece(lo4, hi4, q + 32, 128)),
-                                                   q4_piece(lo4, hi4, q + 64, 1));
-#endif
+            const __m256i total = q4_total(lo4, hi4, q);
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(xd[m * blocks + b])), acc[m]);
             macc[m] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[m * blocks + b]), macc[m]);
         }

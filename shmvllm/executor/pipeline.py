@@ -14,7 +14,8 @@ stages) micro-batches in flight, each stage working on a different one. `handoff
 what the hand-offs cost per step (the command, the edges, the output; timed in the stages).
 
 A stage that dies is found while this process waits for an output or writes a command (each
-stage's exit status is looked at every 0.05 s, with no collective to block on): WorkerDeadError,
+stage's exit status is looked at every 0.05 s, with no collective to block on), or when a step
+comes back failed (its ranks' collectives saw a killed peer's sockets close): WorkerDeadError,
 which ends the engine. `shutdown` asks the stages to stop (or kills them at once when one is
 dead), closes the rings and unlinks the ones a killed stage could not.
 """
@@ -166,6 +167,8 @@ class PipelineExecutor(WorkerProcs):
         """The output of the oldest step in flight (blocks until the last stage sends it)."""
         waiting_since = time.monotonic_ns()
         output, command_ns, edges_ns, sent = self._receive()
+        if output.errors:
+            self._raise_if_a_stage_died()
         handoff = self._handoff_ns
         handoff["steps"] += 1
         handoff["command"] += command_ns
@@ -175,6 +178,17 @@ class PipelineExecutor(WorkerProcs):
             if tokens:
                 self._sampled.setdefault(req_id, []).extend(tokens)
         return output
+
+    def _raise_if_a_stage_died(self) -> None:
+        """A step that failed because a rank was killed (its peers' collectives see the reset
+        sockets) is WorkerDeadError, not the requests' error: a killed rank closes its sockets a
+        moment before it can be reaped, hence the second look."""
+        dead = self._dead()
+        if not dead:
+            time.sleep(_POLL_S)
+            dead = self._dead()
+        if dead:
+            raise WorkerDeadError(f"pipeline stages died: {', '.join(dead)}")
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.submit(scheduler_output)

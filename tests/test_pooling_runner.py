@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -244,3 +246,29 @@ def test_warm_up_keeps_the_outputs(tiny_bert_dir):
     warm = _runner(tiny_bert_dir)
     warm.warm_up(max_num_batched_tokens=512)
     np.testing.assert_array_equal(_embed(warm, texts), cold)
+
+
+_FIRST_CALL_FAULTS = """
+import resource, sys, torch
+from shmvllm.engine.arg_utils import EngineArgs
+from shmvllm.worker.pooling_runner import PoolingModelRunner
+runner = PoolingModelRunner(EngineArgs(model=sys.argv[1], task="embed").create_engine_config().model_config)
+runner.load_model()
+if sys.argv[2] == "warm":
+    runner.warm_up(max_num_batched_tokens=512)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+activation = torch.ones(4 << 20, dtype=torch.uint8)  # a step's activations: 4 MB
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_warm_up_maps_the_first_calls_activations(tiny_bert_dir):
+    """After warm_up a fresh engine process's first activations land on pages already mapped
+    (glibc's heap kept, not trimmed, and faulted in); without it they fault page by page."""
+    faults = {
+        mode: int(subprocess.run([sys.executable, "-c", _FIRST_CALL_FAULTS, str(tiny_bert_dir), mode],
+                                 capture_output=True, text=True, check=True, timeout=120).stdout.split()[-1])
+        for mode in ("cold", "warm")
+    }
+    pages = (4 << 20) // 4096
+    assert faults["cold"] > pages // 2 and faults["warm"] < pages // 8, faults

@@ -641,10 +641,7 @@ int64_t shm_decode_burst(const shm_model *m, const shm_burst *b, int64_t token, 
 #pragma omp barrier
             if (tid == 0) {
                 const int64_t chunks = (vocab + chunk_rows(vocab, team) - 1) / chunk_rows(vocab, team);
-                int64_t c = 0;
-                for (int64_t i = 1; i < chunks && best[c] == best[c]; i++)
-                    if (best[i] > best[c] || best[i] != best[i]) c = i;
-                tokens[done++] = token = index[c];
+                tokens[done++] = token = index[chunks_argmax(best, chunks)];
             }
         }
     }

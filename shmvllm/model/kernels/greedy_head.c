@@ -34,6 +34,14 @@ static void argmax_range(const float *x, int64_t j0, int64_t j1, float *best, in
     *index = at;
 }
 
+/* The chunk whose argmax is the whole range's: the first of the chunks' largest (or first NaN) best[c]. */
+static int64_t chunks_argmax(const float *best, int64_t chunks) {
+    float top;
+    int64_t c;
+    argmax_range(best, 0, chunks, &top, &c);
+    return c;
+}
+
 /* x's one piece per block: xa[i] = round(x[i] / dx[b]), dx[b] = max |x| / 127 over block b; returns the
  * bound's factor ||x - dx a|| + (k + 64) 2^-21 ||x|| (rounded up), or -1 where x has a NaN or infinity */
 static float head_split(const float *x, int64_t k, int8_t *xa, float *dx) {
@@ -206,10 +214,7 @@ int64_t shm_greedy_head(const uint8_t *w, int64_t row_bytes, int64_t n, int64_t 
 #pragma omp parallel num_threads(threads)
     greedy_head_team(w, row_bytes, n, k, norms, x, masked, num_masked, logits, step, chunks, &counter, floors, best,
                      index);
-    int64_t c = 0;
-    for (int64_t i = 1; i < chunks && best[c] == best[c]; i++)
-        if (best[i] > best[c] || best[i] != best[i]) c = i;
-    return index[c];
+    return index[chunks_argmax(best, chunks)];
 #else
     (void)w, (void)row_bytes, (void)n, (void)k, (void)norms, (void)x, (void)masked, (void)num_masked, (void)threads,
         (void)work;

@@ -16,7 +16,9 @@ Measured, each as the median over interleaved repetitions:
 
 `--step-stages` runs the profiling build of the step (decode_step.c compiled with
 -DSHM_STEP_PROFILE: each thread's time in each stage of a layer, qkv GEMV, the wait at the barrier
-after it, rotary + KV write, attention, o GEMV, ...) instead, and prints ms a token per thread.
+after it, rotary + KV write, attention, o GEMV, ...) instead, and prints ms a token per thread: the
+step alone at each context, then latency.py's decode as greedy bursts (row "burst": the step's
+stages plus the embedding, the greedy lm_head and the pick).
 
 `--engine` times a whole token instead, as `benchmarks/latency.py` decodes it (its prompt, 128
 greedy tokens, prefix caching off): the engine in this process (`multiprocess=False`), with
@@ -51,7 +53,7 @@ import json
 import os
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -165,38 +167,56 @@ def layouts(setup: Setup, rounds: int, tokens: int) -> dict[str, list[float]]:
 
 
 STAGES = ("fork", "qkv", "qkv_wait", "rope_kv", "rope_kv_wait", "attention", "attention_wait", "o", "o_wait",
-          "gate_up", "gate_up_wait", "glu", "down", "down_wait", "final")
+          "gate_up", "gate_up_wait", "glu", "down", "down_wait", "final", "final_wait", "head", "head_wait", "pick")
+BURST = 8  # the engine's default SHMVLLM_DECODE_BURST
+PROMPT = 85  # latency.py's prompt
 
 
-def step_stages(setup: Setup, isa: str, context: int, tokens: int) -> list[dict[str, float]]:
+def step_stages(setup: Setup, isa: str, context: Optional[int], tokens: int) -> list[dict[str, float]]:
     """Each thread's ms a token in each stage of the native step (the profiling build), and the
-    step's wall time a token as the caller sees it ("call")."""
+    step's wall time a token as the caller sees it ("call"). context None: latency.py's decode
+    instead, greedy bursts of BURST tokens from position PROMPT on (fork: the embedding and the
+    team's start; head: the greedy lm_head; pick: the argmax over its chunks)."""
     flags = next(f for name, _, f in kernel_builds.QUANT_ISAS if name == isa)
     signatures = {**kernel_builds._QUANT_SIGNATURES, "shm_step_profile": (ctypes.c_int, [ctypes.c_void_p])}
     lib = kernel_builds._build(f"quant_kernels-{isa}-profile", kernel_builds.STEP_SOURCE,
                                kernel_builds._QUANT_BASE_FLAGS + flags + ["-DSHM_STEP_PROFILE"], signatures,
                                (kernel_builds.QUANT_SOURCE, kernel_builds.QUANT_FORMATS_SOURCE,
                                 kernel_builds.QUANT_INT8_SOURCE, kernel_builds.QUANT_GEMM_INT8_SOURCE,
-                                kernel_builds.ATTENTION_HEADER, kernel_builds.MOE_SOURCE))
+                                kernel_builds.ATTENTION_HEADER, kernel_builds.MOE_SOURCE,
+                                kernel_builds.GREEDY_HEAD_SOURCE))
     step = setup.step
-    shipped, step.quant, step._table = step.quant, lib, None
-    ids, positions, meta = setup.inputs(context)
+    shipped, step.quant, step._table, step._burst = step.quant, lib, None, None
     sums = np.zeros((8, len(STAGES)), dtype=np.int64)
     calls = []
     try:
         with torch.inference_mode():
-            hidden = setup.model.model.embed_tokens(ids)
-            for warm in (True, False):
-                lib.shm_step_profile(sums.ctypes.data)
-                for _ in range(tokens):
-                    started = WALL()
-                    step.run(hidden.clone(), positions, meta)
-                    calls.append(WALL() - started)
-                if warm:
-                    calls.clear()
+            if context is None:
+                table = np.arange(setup.blocks, dtype=np.int32)
+                tokens = tokens // BURST * BURST
+                for warm in (True, False):
+                    lib.shm_step_profile(sums.ctypes.data)
+                    token = 17
+                    for position in range(PROMPT, PROMPT + tokens, BURST):
+                        started = WALL()
+                        token = setup.model.decode_burst(token, position, table, BURST, [], [], 0, None)[-1]
+                        calls.append((WALL() - started) / BURST)
+                    if warm:
+                        calls.clear()
+            else:
+                ids, positions, meta = setup.inputs(context)
+                hidden = setup.model.model.embed_tokens(ids)
+                for warm in (True, False):
+                    lib.shm_step_profile(sums.ctypes.data)
+                    for _ in range(tokens):
+                        started = WALL()
+                        step.run(hidden.clone(), positions, meta)
+                        calls.append(WALL() - started)
+                    if warm:
+                        calls.clear()
             lib.shm_step_profile(sums.ctypes.data)
     finally:
-        step.quant, step._table = shipped, None
+        step.quant, step._table, step._burst = shipped, None, None
     threads = torch.get_num_threads()
     rows = [dict(zip(STAGES, (sums[t] / tokens / 1e6).tolist())) for t in range(threads)]
     for row in rows:
@@ -493,6 +513,7 @@ def main() -> None:
         return
     if args.step_stages:
         report["step_stages"] = {str(c): step_stages(setup, isa, c, args.tokens) for c in CONTEXTS}
+        report["step_stages"]["burst"] = step_stages(setup, isa, None, args.tokens)
         print(f"{report['cpu']}, quantized kernels: {isa}, {threads} threads; ms a token per stage, per thread")
         print("context thread " + " ".join(f"{name:>8.8}" for name in STAGES) + "  sum  call")
         for context, rows in report["step_stages"].items():

@@ -56,11 +56,14 @@ def test_gguf_block_sizes_are_ggmls():
 
 
 def test_gguf_tensors_are_views_of_the_mapped_file(smollm2_gguf, smollm2_dir):
-    """No weight is read and copied at load: each block tensor lies in the file's mapping, except
-    the q/k rows llama files permute; neighbours in the file (gate, up) stack into one view. The
-    builds with the 8-row GEMV pass repack the layers' Q4_1 rows once into copies of their own."""
+    """Each block tensor lies in the file's mapping, except the q/k rows llama files permute;
+    neighbours in the file (gate, up) stack into one view. The builds with the 8-row GEMV pass
+    repack the layers' Q4_1 rows once into copies of their own, and the weights a decode token
+    streams (those copies, the tied lm_head with its embedding) lie in one buffer advised huge
+    pages."""
     import torch
 
+    from shmvllm import envs
     from shmvllm.engine.arg_utils import EngineArgs
     from shmvllm.model.kernels import quant_kernels
     from shmvllm.model.loader import get_model
@@ -71,13 +74,29 @@ def test_gguf_tensors_are_views_of_the_mapped_file(smollm2_gguf, smollm2_dir):
     spans = [tuple(int(x, 16) for x in span.split("-")) for span in mapped]
     in_file = lambda t: any(lo <= t.data_ptr() < hi for lo, hi in spans)  # noqa: E731
     layer = model.model.layers[2]
-    assert in_file(model.model.embed_tokens.blocks.data)
+    embedding = model.model.embed_tokens.blocks
+    assert not in_file(embedding.data) and model.lm_head.blocks == [(0, embedding)]
+    flags = next(line for line in _smaps_of(embedding.data.data_ptr()) if line.startswith("VmFlags:"))
+    assert ("hg" in flags.split()) == envs.SHMVLLM_HUGE_PAGES()  # MADV_HUGEPAGE
     viewed = quant_kernels().shm_qrepack_type(FORMAT_IDS["Q4_1"], 8) != Q4_1_R8
     assert in_file(layer.self_attn.o_proj.blocks[0][1].data) == in_file(layer.mlp.down_proj.blocks[0][1].data) == viewed
     (_, gate_up), = layer.mlp.gate_up_proj.blocks
     assert in_file(gate_up.data) == viewed and gate_up.n == 2 * layer.mlp.intermediate_size
     assert not in_file(layer.self_attn.qkv_proj.blocks[0][1].data)  # q and k are unpermuted copies
     assert isinstance(layer.input_layernorm.weight, torch.nn.Parameter)
+
+
+def _smaps_of(address: int) -> list[str]:
+    """The lines of /proc/self/smaps for the mapping that holds `address`."""
+    lines, inside = [], False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        if inside:
+            lines.append(line)
+    return lines
 
 
 def test_unsupported_gguf_is_refused_before_anything_is_written(tmp_path, monkeypatch):

@@ -26,7 +26,7 @@ weights, and the C kernel `shm_linear_few_rows` streams them faster than oneDNN'
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -71,14 +71,15 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
         self.packed_weight = None
 
-    def repack(self) -> None:
+    def repack(self, buffer: Optional[Callable[[int], torch.Tensor]] = None) -> None:
         """Moves the block parts this kernel build reads faster in another layout into it, once,
         as a copy (the old parts' pages are then not read): Q4_1 parts of a multiple of 8 rows into
-        quant.Q4_1_R8 on the builds with the 8-row GEMV pass (AVX2, AVX-512 VNNI)."""
+        quant.Q4_1_R8 on the builds with the 8-row GEMV pass (AVX2, AVX-512 VNNI). Each copy goes
+        into buffer(bytes) (a uint8 tensor) where given, else into a tensor of its own."""
         kernels = quant_kernels()
         if self.blocks is None or kernels is None:
             return
-        self.blocks = [(offset, repacked(weight, kernels)) for offset, weight in self.blocks]
+        self.blocks = [(offset, repacked(weight, kernels, buffer)) for offset, weight in self.blocks]
 
     def pack(self) -> bool:
         """Packs the weight for oneDNN where that pays (CPU, float32 or bfloat16); True if it did."""
@@ -142,13 +143,20 @@ def merge_parts(parts: list[tuple[int, QuantizedWeight]], n: int, k: int) -> lis
     return [(offset, run[0] if len(run) == 1 else concat(run)) for offset, run in runs]
 
 
-def repacked(weight: QuantizedWeight, kernels: Any) -> QuantizedWeight:
-    """`weight` in the layout `kernels` (a quant_kernels build) repacks its type into, or itself."""
+def repacks(weight: QuantizedWeight, kernels: Any) -> bool:
+    """Whether `kernels` (a quant_kernels build) repacks `weight` into another layout."""
+    return kernels.shm_qrepack_type(weight.qtype, weight.n) >= 0
+
+
+def repacked(weight: QuantizedWeight, kernels: Any,
+             buffer: Optional[Callable[[int], torch.Tensor]] = None) -> QuantizedWeight:
+    """`weight` in the layout `kernels` (a quant_kernels build) repacks its type into (written to
+    buffer(bytes) where given), or itself."""
     qtype = kernels.shm_qrepack_type(weight.qtype, weight.n)
     if qtype < 0:
         return weight
     source = weight.data.contiguous()
-    data = torch.empty_like(source)  # 64-byte aligned, its own pages
+    data = buffer(source.numel()).view(source.shape) if buffer is not None else torch.empty_like(source)  # 64-byte aligned
     rc = kernels.shm_qrepack(data.data_ptr(), source.data_ptr(), source.shape[1], weight.qtype, weight.n, weight.k)
     if rc != qtype:
         raise RuntimeError(f"shm_qrepack failed ({rc}) on {weight.name} [{weight.n}, {weight.k}].")

@@ -1,4 +1,4 @@
-"""Transparent huge pages for the KV cache on the CPU.
+"""Transparent huge pages for the KV cache and the streamed weights on the CPU.
 
 Decode attention reads, per request, every KV-cache block it has; one block of one head (16
 tokens x 64 dims x 4 bytes) is one 4 KiB page, and a request's blocks are scattered. With 4 KiB
@@ -10,12 +10,17 @@ is first touched: `advise_huge_pages` asks, with MADV_HUGEPAGE (the cache is map
 are first written). ``SHMVLLM_HUGE_PAGES=0`` turns it off. It is advice: elsewhere (another OS,
 THP off, CUDA tensors) it does nothing and the cache works the same. Only the 2 MiB-aligned
 interior of the tensor is advised: the pages at its ends may hold other allocations.
+
+The weights a decode token streams (the repacked layers, the lm_head: ~96 MB a token for SmolLM2)
+cross a 4 KiB page every 4 KiB too: `huge_page_buffer` gives the loader one fresh anonymous
+mapping for them, advised before it is written.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 import sys
 from typing import Callable, Optional
 
@@ -52,3 +57,16 @@ def advise_huge_pages(tensor: torch.Tensor) -> int:
         return 0
     return last - first
 
+
+
+def huge_page_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor of `nbytes` in a fresh private anonymous mapping starting on a 2 MiB boundary,
+    advised MADV_HUGEPAGE before anything touches it (unadvised where SHMVLLM_HUGE_PAGES=0 or
+    elsewhere than Linux); the tensor keeps the mapping alive."""
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=flags) if flags else mmap.mmap(-1, nbytes + HUGE_PAGE)
+    whole = torch.frombuffer(region, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE_PAGE
+    if _madvise() is not None and hasattr(mmap, "MADV_HUGEPAGE") and nbytes >= HUGE_PAGE:
+        region.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
+    return whole[start:start + nbytes]

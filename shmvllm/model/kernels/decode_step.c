@@ -45,9 +45,11 @@ typedef float act_t;
  * each stage of the step, summed over calls; the shipped build compiles STAMP to nothing. */
 #include <time.h>
 enum { ST_FORK, ST_QKV, ST_QKV_WAIT, ST_ROPE, ST_ROPE_WAIT, ST_ATTN, ST_ATTN_WAIT, ST_O, ST_O_WAIT, ST_GATE_UP,
-       ST_GATE_UP_WAIT, ST_GLU, ST_DOWN, ST_DOWN_WAIT, ST_FINAL, ST_STAGES };
+       ST_GATE_UP_WAIT, ST_GLU, ST_DOWN, ST_DOWN_WAIT, ST_FINAL, ST_FINAL_WAIT, ST_HEAD, ST_HEAD_WAIT, ST_PICK,
+       ST_STAGES };
 #define PROFILE_THREADS 8
 static int64_t step_profile[PROFILE_THREADS][ST_STAGES];
+static __thread int64_t last_; /* when this thread's last stage ended */
 static inline int64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -348,7 +350,7 @@ typedef struct {
     const int64_t *positions, *slot_mapping;
     shm_attention_args args;
 #ifdef SHM_STEP_PROFILE
-    int64_t forked; /* when the team was asked to start (ST_FORK) */
+    int64_t forked; /* when the team was asked to start (ST_FORK); 0 in a burst */
 #endif
 } step_state;
 
@@ -360,6 +362,9 @@ static step_state step_state_at(const shm_model *m, float *scratch, float *hidde
     const int64_t D = m->head_dim, q_size = m->num_heads * D, kv_size = m->kv_heads * D;
     const int64_t I = m->intermediate, group = m->num_heads / m->kv_heads;
     step_state s;
+#ifdef SHM_STEP_PROFILE
+    s.forked = 0;
+#endif
     s.hidden = hidden;
     s.out = out;
     s.rows = rows;
@@ -396,7 +401,7 @@ static void step_layers(const shm_model *m, const step_state *s, int tid, int te
     float *partials = s->partials;
     const int64_t *positions = s->positions, *slot_mapping = s->slot_mapping;
 #ifdef SHM_STEP_PROFILE
-    int64_t last_ = s->forked;
+    if (s->forked != 0) last_ = s->forked; /* a burst's stages run on from its previous token's */
     STAMP(ST_FORK);
 #endif
     float *normed = s->own_base + tid * s->own, *act = normed + rows * H, *residual = act + rows * I;
@@ -612,6 +617,9 @@ int64_t shm_decode_burst(const shm_model *m, const shm_burst *b, int64_t token, 
 #pragma omp parallel num_threads(step_threads(m))
     {
         const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+#ifdef SHM_STEP_PROFILE
+        last_ = now_ns();
+#endif
         for (;;) {
             if (tid == 0) {
                 go = done == 0 || (done < count && !in_list(token, b->stops, b->num_stops) &&
@@ -627,22 +635,23 @@ int64_t shm_decode_burst(const shm_model *m, const shm_burst *b, int64_t token, 
                     seq_len[0] = (int32_t)(p + 1);
                     s.max_len = p + 1;
                     memset(s.counters, 0, (size_t)counter_floats(m) * sizeof(float));
-#ifdef SHM_STEP_PROFILE
-                    s.forked = now_ns();
-#endif
                 }
             }
 #pragma omp barrier
             if (!go) break;
             step_layers(m, &s, tid, team);
 #pragma omp barrier
+            STAMP(ST_FINAL_WAIT);
             head_chunks(m, b, logits, normed, team, &s.counters[PHASES_PER_LAYER * m->num_layers], done < b->masked_tokens,
                         best, index, floors);
+            STAMP(ST_HEAD);
 #pragma omp barrier
+            STAMP(ST_HEAD_WAIT);
             if (tid == 0) {
                 const int64_t chunks = (vocab + chunk_rows(vocab, team) - 1) / chunk_rows(vocab, team);
                 tokens[done++] = token = index[chunks_argmax(best, chunks)];
             }
+            STAMP(ST_PICK);
         }
     }
     return done;

@@ -31,6 +31,15 @@ with the engine in its own process (the difference: the rings and the frontend).
 rows and as the loader repacks them (quant.Q4_1_R8, the 8-row GEMV pass's interleave), the two
 alternating in rounds in this process, and checks that the two give the same bits.
 
+`--prefill` times latency.py's time to first token instead (its 85-token prompt, a 1-token
+request, prefix caching off), by piece: the engine in this process with timers on what the model
+runner calls (each layer's four GEMMs by shape, attention, rotary, the norms, the rest of a layer's
+Python, the embedding, the lm_head row, the sampler, input preparation, the KV blocks' zeroing, the
+engine around execute_model, the frontend around the engine), then the same request with the
+engine in its own process; each round's request follows `--gap` seconds of idle or of the read
+probe (`--gap-probe`: what latency.py's other workers do between two of ours), and every round's
+figure is printed so that modes show.
+
 `--cpu-time` times with the calling thread's CPU time instead of the wall clock: with
 OMP_NUM_THREADS=1 (the step's team is then the calling thread alone) that is the work a token
 costs, whatever else the machine runs; the probe stays on the wall clock.
@@ -356,6 +365,97 @@ def engine_token(rounds: int) -> dict[str, dict[str, float]]:
     return result
 
 
+GEMM_SHAPES = {(960, 576): "qkv GEMM", (576, 576): "o GEMM", (3072, 576): "gate-up GEMM", (576, 1536): "down GEMM"}
+
+
+def prefill_pieces(rounds: int, gap: float, gap_probe: bool) -> dict[str, Any]:
+    """ms of latency.py's 1-token request by piece (in-process, each piece's own time, nested
+    pieces taken out of their callers), then its wall time with the engine in its own process;
+    medians over `rounds`, and each round's request time."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import latency
+    from shmvllm import LLM, SamplingParams
+    from shmvllm.model import attention, decoder, linear, rotary, sampler
+    from shmvllm.worker import model_runner
+
+    spent: dict[str, float] = {}
+    stack: list[float] = []  # per open timer: the time its nested timers took
+
+    def timed(owner: Any, name: str, key: Callable[..., str] | str) -> Callable[[], None]:
+        original = getattr(owner, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            stack.append(0.0)
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                took = time.perf_counter() - started
+                inner = stack.pop()
+                label = key(*args) if callable(key) else key
+                spent[label] = spent.get(label, 0.0) + took - inner
+                if stack:
+                    stack[-1] += took
+
+        setattr(owner, name, wrapper)
+        return lambda: setattr(owner, name, original)
+
+    def gemm_name(x: torch.Tensor, parts: Any, n: int, *rest: Any) -> str:
+        return GEMM_SHAPES.get((n, x.shape[-1]), "lm_head" if n > 10000 else f"GEMM {n}x{x.shape[-1]}")
+
+    prompt = latency.prompt_token_ids(latency.shipped_gguf("smollm2-135m-instruct"), True)
+    probe = torch.ones(256 << 20, dtype=torch.uint8) if gap_probe else None
+    result: dict[str, Any] = {}
+    for mode in ("in-process", "two processes"):
+        undo = [] if mode == "two processes" else [
+            timed(linear, "block_linear", gemm_name),
+            timed(attention.PagedAttention, "forward", "attention (KV write + prefill attention)"),
+            timed(rotary.RotaryStep, "apply_", "rotary"),
+            timed(decoder.RMSNorm, "forward", "rms norms"),
+            timed(decoder.MLP, "forward", "silu-mul and MLP glue"),
+            timed(decoder.Attention, "forward", "attention block glue"),
+            timed(decoder.DecoderLayer, "forward", "layer glue"),
+            timed(decoder.DecoderModel, "forward", "embedding, rotary tables, model glue"),
+            timed(decoder.DecoderForCausalLM, "compute_logits", "compute_logits glue"),
+            timed(sampler.Sampler, "__call__", "sampler"),
+            timed(model_runner.ModelRunner, "_prepare_inputs", "input preparation"),
+            timed(model_runner.ModelRunner, "_zero_new_blocks", "KV blocks' zeroing"),
+            timed(model_runner.ModelRunner, "execute_model", "rest of execute_model"),
+        ]
+        samples: dict[str, list[float]] = {}
+        with LLM(model="smollm2-135m-instruct", multiprocess=mode != "in-process", enable_prefix_caching=False) as llm:
+            params = SamplingParams(temperature=0.0, max_tokens=1, min_tokens=1, ignore_eos=True)
+
+            def one() -> float:
+                started = time.perf_counter()
+                llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+                return time.perf_counter() - started
+
+            one()
+            one()
+            for _ in range(rounds):
+                if probe is not None:
+                    for _ in range(3):
+                        quant_kernels().shm_read_probe(probe.data_ptr(), probe.numel(), torch.get_num_threads())
+                time.sleep(gap)
+                spent.clear()
+                total = one()
+                pieces = dict(spent)
+                pieces["engine loop and frontend"] = total - sum(pieces.values())
+                pieces["TTFT"] = total
+                for k, v in pieces.items():
+                    samples.setdefault(k, []).append(v * 1e3)
+        for restore in undo:
+            restore()
+        gemms = [sum(samples[k][i] for k in samples if k.endswith("GEMM")) for i in range(rounds)] if undo else []
+        result[mode] = {"median_ms": {k: statistics.median(v) for k, v in samples.items()},
+                        "ttft_ms_each": samples["TTFT"], "gemms_ms_each": gemms}
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=200, help="decode steps per context (default 200)")
@@ -364,7 +464,10 @@ def main() -> None:
     parser.add_argument("--step-stages", action="store_true", help="only the step's stages per thread (profiling build)")
     parser.add_argument("--engine", action="store_true", help="only a whole token in the engine, by piece")
     parser.add_argument("--layouts", action="store_true", help="only the step on the Q4_1 rows against the repacked blocks")
-    parser.add_argument("--rounds", type=int, default=5, help="--engine / --layouts: rounds (default 5)")
+    parser.add_argument("--prefill", action="store_true", help="only latency.py's time to first token, by piece")
+    parser.add_argument("--gap", type=float, default=0.5, help="--prefill: idle seconds before each request (default 0.5)")
+    parser.add_argument("--gap-probe", action="store_true", help="--prefill: the read probe runs before each request")
+    parser.add_argument("--rounds", type=int, default=5, help="--engine / --layouts / --prefill: rounds (default 5)")
     parser.add_argument("--json", help="write the figures to this JSON file")
     args = parser.parse_args()
     if args.cpu_time:
@@ -373,6 +476,19 @@ def main() -> None:
     isa = envs.SHMVLLM_QUANT_ISA() or quant_isas_supported()[0]
     threads = torch.get_num_threads()
     report: dict[str, Any] = {"isa": isa, "threads": threads, "cpu": _cpu_model(), "clock": "cpu" if args.cpu_time else "wall"}
+    if args.prefill:
+        report["prefill"] = prefill_pieces(args.rounds, args.gap, args.gap_probe)
+        print(f"{report['cpu']}, quantized kernels: {isa}, {threads} threads; TTFT of latency.py's request, ms, "
+              f"median of {args.rounds}, each after {args.gap} s{' and the read probe' if args.gap_probe else ''}")
+        for mode, r in report["prefill"].items():
+            print(f"{mode}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["median_ms"].items()))
+            print(f"{mode}: each TTFT " + " ".join(f"{v:.1f}" for v in r["ttft_ms_each"]))
+            if r["gemms_ms_each"]:
+                print(f"{mode}: each round's layer GEMMs " + " ".join(f"{v:.1f}" for v in r["gemms_ms_each"]))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2)
+        return
     if args.engine:
         report["engine_ms_per_token"] = engine_token(args.rounds)
         print(f"{report['cpu']}, quantized kernels: {isa}, {threads} threads; ms per decoded token, median of {args.rounds}")

@@ -60,6 +60,9 @@ typedef float act_t;
 
 /* Threads pay off above about this many floats of work. */
 #define PARALLEL_MIN_FLOATS (1 << 17)
+/* A gated activation's element costs about this many floats' work (an expf / tanhf each): a
+ * prefill's 85 x 1536 SiLU-and-mul (~0.1 ms on one thread) then runs on every thread. */
+#define TRANSCENDENTAL_FLOATS 8
 
 /* Runs `call` for each row t_ in [0, rows): across the threads where `big`, else inline. A region
  * entered with if (false) still has libgomp set up a team of one (~1 us a call), which the decode
@@ -440,7 +443,7 @@ static inline void silu_and_mul_row(act_t *dst, const act_t *gate, int64_t width
 }
 
 void shm_silu_and_mul(act_t *out, const act_t *x, int64_t rows, int64_t width) {
-    EACH_ROW(rows, rows * width >= PARALLEL_MIN_FLOATS, silu_and_mul_row(out + t_ * width, x + t_ * 2 * width, width));
+    EACH_ROW(rows, rows * width * TRANSCENDENTAL_FLOATS >= PARALLEL_MIN_FLOATS, silu_and_mul_row(out + t_ * width, x + t_ * 2 * width, width));
 }
 
 /* out[t] = gelu_tanh(gate) * up, where x[t] = [gate | up], each `width` wide: GeGLU with
@@ -456,7 +459,7 @@ static inline void gelu_tanh_and_mul_row(act_t *dst, const act_t *gate, int64_t 
 }
 
 void shm_gelu_tanh_and_mul(act_t *out, const act_t *x, int64_t rows, int64_t width) {
-    EACH_ROW(rows, rows * width >= PARALLEL_MIN_FLOATS, gelu_tanh_and_mul_row(out + t_ * width, x + t_ * 2 * width, width));
+    EACH_ROW(rows, rows * width * TRANSCENDENTAL_FLOATS >= PARALLEL_MIN_FLOATS, gelu_tanh_and_mul_row(out + t_ * width, x + t_ * 2 * width, width));
 }
 
 /* Neox rotary embedding in place on `heads` heads of each row of x (rows `row_stride` apart):

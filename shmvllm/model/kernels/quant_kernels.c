@@ -45,6 +45,7 @@ typedef uint32_t vu __attribute__((vector_size(VW * 4)));
 typedef uint8_t vb __attribute__((vector_size(VW)));
 typedef int8_t vsb __attribute__((vector_size(VW)));
 typedef uint16_t vh __attribute__((vector_size(VW * 2)));
+typedef uint64_t vq __attribute__((vector_size(VW)));
 
 /* GGML type ids (ggml.h). */
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
@@ -1069,15 +1070,36 @@ static void q4_1_r8_few(int M, float *out, int64_t ldo, const float *x, int64_t 
     }
 }
 
+/* deq_q4_1's arithmetic, each row's nibbles read in place from the group (no plain block built) */
 static void q4_1_r8_panel(const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t cols, int64_t k, float *panel) {
-    for (int64_t c = 0; c < cols; c++)
+    for (int64_t c = 0; c < cols; c++) {
+        const int64_t j = j0 + c;
+        const uint8_t *row = w + (j / 8) * 8 * row_bytes + 4 * (j % 8), *scales = row - 2 * (j % 8);
         for (int64_t b = 0; b < k / 32; b++) {
-            uint8_t blk[20];
-            vf wv[32 / VW];
-            q4_1_r8_block(w, row_bytes, j0 + c, b, blk);
-            deq_q4_1(blk, wv);
-            memcpy(panel + (b * NR + c) * PANEL_K, wv, sizeof wv);
+            const uint8_t *g = row + 160 * b;
+            const vf d = splat(fp16_to_fp32(load_u16(scales + 160 * b + 128))), m = splat(fp16_to_fp32(load_u16(scales + 160 * b + 144)));
+            float *dst = panel + (b * NR + c) * PANEL_K;
+            for (int h = 0; h < 16 / VW; h++) {
+                /* the nibbles split in 64-bit lanes: a shift of bytes has no AVX2 / AVX-512 instruction */
+                uint64_t u[2];
+                for (int i = 0; i < VW / 8; i++) {
+                    uint32_t a, z;
+                    memcpy(&a, g + 32 * (h * VW / 4 + 2 * i), 4);
+                    memcpy(&z, g + 32 * (h * VW / 4 + 2 * i + 1), 4);
+                    u[i] = a | (uint64_t)z << 32;
+                }
+#if VW == 16
+                const vq q = {u[0], u[1]};
+#else
+                const vq q = {u[0]};
+#endif
+                const vb q_lo = (vb)(q & 0x0f0f0f0f0f0f0f0full), q_hi = (vb)((q >> 4) & 0x0f0f0f0f0f0f0f0full);
+                const vf lo = d * bytes_to_float(q_lo) + m, hi = d * bytes_to_float(q_hi) + m;
+                memcpy(dst + h * VW, &lo, sizeof lo);
+                memcpy(dst + 16 + h * VW, &hi, sizeof hi);
+            }
         }
+    }
     for (int64_t g = 0; g < k / PANEL_K; g++) memset(panel + (g * NR + cols) * PANEL_K, 0, (NR - cols) * PANEL_K * sizeof(float));
 }
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import math
 import os
 import statistics
 import time
@@ -66,6 +67,7 @@ from shmvllm.model.kernels import cpu_kernels, quant_isas_supported, quant_kerne
 from shmvllm.model.linear import Linear
 from shmvllm.model.loader import get_model
 from shmvllm.model.registry import resolve_model_dir
+from shmvllm.worker.huge_pages import huge_page_buffer
 
 BLOCK = 16
 CONTEXTS = (150, 4096)
@@ -109,9 +111,11 @@ class Setup:
         self.blocks = -(-(max_context + 1) // BLOCK)
         shape = (layers[0].num_kv_heads, self.blocks, BLOCK, layers[0].head_dim)
         gen = torch.Generator().manual_seed(0)
-        for layer in layers:
-            layer.k_cache = torch.randn(shape, generator=gen) * 0.5
-            layer.v_cache = torch.randn(shape, generator=gen) * 0.5
+        # on huge pages, as the engine's cache (model_runner.py)
+        caches = huge_page_buffer(2 * len(layers) * math.prod(shape) * 4).view(torch.float32).view(-1, *shape)
+        for layer, k_cache, v_cache in zip(layers, caches[0::2], caches[1::2]):
+            layer.k_cache = k_cache.copy_(torch.randn(shape, generator=gen) * 0.5)
+            layer.v_cache = v_cache.copy_(torch.randn(shape, generator=gen) * 0.5)
         self.step = self.model.model.decode_step
 
     def inputs(self, context: int) -> tuple[torch.Tensor, torch.Tensor, Any]:

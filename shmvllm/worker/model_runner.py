@@ -49,16 +49,17 @@ logger = logging.getLogger(__name__)
 @dataclass
 class StepInputs:
     """One step laid out: per batch row its scheduled tokens, tokens computed before, end and
-    known tokens (and proposals, when verified); the flat model inputs."""
+    known tokens (and proposals, when verified); the flat model inputs (None where the step was
+    begun for a native burst, which reads none of them)."""
 
     query_lens: np.ndarray
     num_computed: np.ndarray
     ends: np.ndarray
     known: np.ndarray
     num_proposed: Optional[np.ndarray]
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
+    input_ids: Optional[torch.Tensor]
+    positions: Optional[torch.Tensor]
+    meta: Optional[AttentionMetadata]
 
 
 class ModelRunner:
@@ -172,13 +173,16 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        step = self.begin_step(scheduler_output)
+        native = bool(scheduler_output.burst_tokens) and self.burst_lookup is None
+        step = self.begin_step(scheduler_output, inputs=not native)
         if step is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        if scheduler_output.burst_tokens and self.burst_lookup is None:
+        if native:
             output = self._native_burst(step, scheduler_output.burst_tokens)
             if output is not None:
                 return output
+            verify = step.num_proposed > 0 if step.num_proposed is not None else None
+            step.input_ids, step.positions, step.meta = self._prepare_inputs(step.query_lens, step.num_computed, verify)
         hidden = self.model(step.input_ids, step.positions, step.meta)
         output = self.finish_step(step, hidden, scheduler_output)
         if scheduler_output.burst_tokens:
@@ -247,8 +251,9 @@ class ModelRunner:
         state.output_token_ids.extend(tokens)
         batch.num_computed_tokens[row] = state.num_computed_tokens = computed + len(tokens)
 
-    def begin_step(self, scheduler_output: SchedulerOutput) -> Optional[StepInputs]:
-        """Applies the scheduler's changes and lays out the step's inputs (None: no request runs)."""
+    def begin_step(self, scheduler_output: SchedulerOutput, inputs: bool = True) -> Optional[StepInputs]:
+        """Applies the scheduler's changes and lays out the step's inputs, the flat model inputs
+        only where `inputs` (None: no request runs)."""
         if self.kv_cache is None:
             raise RuntimeError("initialize_kv_cache must run before execute_model.")
         self._update_states(scheduler_output)
@@ -270,6 +275,8 @@ class ModelRunner:
                 f"request {batch.req_ids[row]!r}: num_computed_tokens {num_computed[row]} + scheduled "
                 f"{query_lens[row]} exceeds its {known[row]} known (and proposed) tokens."
             )
+        if not inputs:
+            return StepInputs(query_lens, num_computed, ends, known, num_proposed if proposals else None, None, None, None)
         input_ids, positions, meta = self._prepare_inputs(
             query_lens, num_computed, num_proposed > 0 if proposals else None
         )

@@ -95,10 +95,13 @@ void shm_write_kv_cache(const act_t *k, int64_t k_row_stride, const act_t *v, in
                           num_slots * head_dim, kv_heads, head_dim));
 }
 
-/* Hints the next block's rows into the cache while this block is computed on: blocks are
- * scattered pages, which the hardware prefetcher does not follow. */
+/* Hints a block's rows into L2 ahead of their use: blocks are scattered pages, which the hardware
+ * prefetcher does not follow. Into L2, not L1: a block is 64 lines and L1 holds few misses in
+ * flight (C harness, 150 positions from memory, one thread: 28.2 -> 21.9 us a layer with the
+ * fast heads' next block of keys and values into L2 instead of the next keys and this block's
+ * values into L1; 4,096 positions 630 -> 480 us; from cache unchanged). */
 static inline void prefetch_block(const act_t *rows, int64_t count, int64_t head_dim) {
-    for (int64_t off = 0; off < count * head_dim; off += 64 / sizeof(act_t)) __builtin_prefetch(rows + off, 0, 3);
+    for (int64_t off = 0; off < count * head_dim; off += 64 / sizeof(act_t)) __builtin_prefetch(rows + off, 0, 2);
 }
 
 /* The first row of a request's b-th block in one head's [slots, head_dim] cache. */
@@ -179,8 +182,9 @@ static inline float head_vec_sum(head_vec v) {
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-/* The scores pass also hints each block's value rows, which the values pass reads next: the two
- * streams' misses overlap instead of the values pass waiting on memory block by block. */
+/* The scores pass also hints the value rows, which the values pass reads next: the two streams'
+ * misses overlap instead of the values pass waiting on memory block by block. Each block's keys
+ * and values are hinted one block ahead (the first block's as the pass starts). */
 static inline __attribute__((always_inline)) void scores_fixed(const int64_t nv, const float *q, const float *k_head,
                                                                const float *v_head, const int32_t *blocks, int64_t start,
                                                                int64_t end, int64_t block_size, int64_t group, float scale,
@@ -188,8 +192,10 @@ static inline __attribute__((always_inline)) void scores_fixed(const int64_t nv,
     const int64_t len = end - start, head_dim = 16 * nv;
     for (int64_t b = start / block_size; b * block_size < end; b++) {
         const float *keys = block_rows(k_head, blocks, b, block_size, head_dim);
-        if ((b + 1) * block_size < end) prefetch_block(block_rows(k_head, blocks, b + 1, block_size, head_dim), block_size, head_dim);
-        prefetch_block(block_rows(v_head, blocks, b, block_size, head_dim), block_size, head_dim);
+        for (int64_t ahead = b == start / block_size ? b : b + 1; ahead <= b + 1 && ahead * block_size < end; ahead++) {
+            prefetch_block(block_rows(k_head, blocks, ahead, block_size, head_dim), block_size, head_dim);
+            prefetch_block(block_rows(v_head, blocks, ahead, block_size, head_dim), block_size, head_dim);
+        }
         const int64_t j0 = b * block_size < start ? start - b * block_size : 0;
         for (int64_t j = j0; j < block_size && b * block_size + j < end; j++) {
             const float *key = keys + j * head_dim;

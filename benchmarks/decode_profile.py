@@ -297,6 +297,37 @@ def kernels(setup: Setup, calls: int) -> dict[str, dict[str, float]]:
     return result
 
 
+def piece_timer(spent: dict[str, float], nested_apart: bool) -> Callable[..., Callable[[], None]]:
+    """`timed(owner, name, key)`: wraps owner.name so that each call adds its wall time to
+    spent[key] (key a string, or a function of the call's arguments) and returns the undo; with
+    `nested_apart` a piece's time leaves out the timed pieces it calls. A tree without that
+    attribute (a baseline run) is left as it is."""
+    stack: list[float] = []  # per open call: the time its timed callees took
+
+    def timed(owner: Any, name: str, key: Callable[..., str] | str) -> Callable[[], None]:
+        original = getattr(owner, name, None)
+        if original is None:
+            return lambda: None
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            stack.append(0.0)
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                took = time.perf_counter() - started
+                inner = stack.pop()
+                label = key(*args) if callable(key) else key
+                spent[label] = spent.get(label, 0.0) + took - (inner if nested_apart else 0.0)
+                if stack:
+                    stack[-1] += took
+
+        setattr(owner, name, wrapper)
+        return lambda: setattr(owner, name, original)
+
+    return timed
+
+
 def engine_token(rounds: int) -> dict[str, dict[str, float]]:
     """ms per decoded token of latency.py's request, by piece (in-process), and end to end with
     the engine in-process and in its own process; medians over `rounds` (1-token and 128-token
@@ -311,21 +342,7 @@ def engine_token(rounds: int) -> dict[str, dict[str, float]]:
     from shmvllm.worker import model_runner
 
     spent: dict[str, float] = {}
-
-    def timed(owner: Any, name: str, key: str) -> Callable[[], None]:
-        original = getattr(owner, name, None)
-        if original is None:  # a tree without that piece (a baseline run)
-            return lambda: None
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                spent[key] = spent.get(key, 0.0) + time.perf_counter() - started
-
-        setattr(owner, name, wrapper)
-        return lambda: setattr(owner, name, original)
+    timed = piece_timer(spent, nested_apart=False)
 
     prompt = latency.prompt_token_ids(latency.shipped_gguf("smollm2-135m-instruct"), True)
     result: dict[str, dict[str, float]] = {}
@@ -386,26 +403,7 @@ def prefill_pieces(rounds: int, gap: float, gap_probe: bool) -> dict[str, Any]:
     from shmvllm.worker import model_runner
 
     spent: dict[str, float] = {}
-    stack: list[float] = []  # per open timer: the time its nested timers took
-
-    def timed(owner: Any, name: str, key: Callable[..., str] | str) -> Callable[[], None]:
-        original = getattr(owner, name)
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            stack.append(0.0)
-            started = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                took = time.perf_counter() - started
-                inner = stack.pop()
-                label = key(*args) if callable(key) else key
-                spent[label] = spent.get(label, 0.0) + took - inner
-                if stack:
-                    stack[-1] += took
-
-        setattr(owner, name, wrapper)
-        return lambda: setattr(owner, name, original)
+    timed = piece_timer(spent, nested_apart=True)
 
     def gemm_name(x: torch.Tensor, parts: Any, n: int, *rest: Any) -> str:
         return GEMM_SHAPES.get((n, x.shape[-1]), "lm_head" if n > 10000 else f"GEMM {n}x{x.shape[-1]}")

@@ -58,7 +58,6 @@ def advise_huge_pages(tensor: torch.Tensor) -> int:
     return last - first
 
 
-
 def huge_page_buffer(nbytes: int) -> torch.Tensor:
     """A uint8 tensor of `nbytes` in a fresh private anonymous mapping starting on a 2 MiB boundary,
     advised MADV_HUGEPAGE before anything touches it (unadvised where SHMVLLM_HUGE_PAGES=0 or

@@ -21,7 +21,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "SHMVLLM_RING_CAPACITY": ("4194304", "bytes of each frontend<->engine ring (a multiple of 8)"),
     "SHMVLLM_MAX_N_SEQUENCES": ("16384", "the largest `SamplingParams.n` (vLLM's `VLLM_MAX_N_SEQUENCES`)"),
     "SHMVLLM_NATIVE_KERNELS": ("1", "0: never build or load the C kernels (torch paths only)"),
-    "SHMVLLM_QUANT_ISA": ("the CPU's best", "`avx512vnni`, `avx512`, `avx2` or `portable`: which quantized GEMM build to load (BERT encoders run their AVX2 GEMM on every build but `portable`)"),
+    "SHMVLLM_QUANT_ISA": ("the CPU's best", "`avx512vnni`, `avx512`, `avx2` or `portable`: which quantized GEMM build to load (BERT encoders run their AVX2 GEMM on every build but `portable`); `avx2` also builds the fp32 kernels for AVX2 (x86-64-v3), so an AVX-512 CPU stands in for an AVX2 one"),
     "SHMVLLM_FUSED_DECODE": ("1", "0: no fused C decode step for single-sequence decode"),
     "SHMVLLM_DECODE_BURST": (
         "8",

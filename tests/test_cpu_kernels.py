@@ -5,6 +5,11 @@ where the kernels do not apply."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -276,3 +281,27 @@ def test_linear_few_rows_kernel(kernels, rows, bias, with_residual) -> None:
         if residual is not None:
             reference = reference + residual
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=2e-5)
+
+
+_AVX512 = "avx512f" in next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split() \
+    if os.path.exists("/proc/cpuinfo") else False
+
+
+@pytest.mark.skipif(not _AVX512 or shutil.which("objdump") is None, reason="needs an AVX-512 CPU and objdump")
+def test_the_avx2_build_holds_no_avx512_instructions() -> None:
+    """SHMVLLM_QUANT_ISA=avx2 on an AVX-512 CPU: every kernel library a decoder runs is AVX2 code
+    (no zmm register anywhere), while the default fp32 build does use AVX-512 here."""
+    script = ("from shmvllm.model.kernels import cpu_kernels, logprob_kernels, quant_kernels; import torch; "
+              "print('\\n'.join(k._name for k in (cpu_kernels(), cpu_kernels(torch.bfloat16), logprob_kernels(), quant_kernels())))")
+
+    def zmm_lines(isa: str | None) -> dict[str, int]:
+        env = {k: v for k, v in os.environ.items() if k != "SHMVLLM_QUANT_ISA"} | ({"SHMVLLM_QUANT_ISA": isa} if isa else {})
+        paths = subprocess.run([sys.executable, "-c", script], env=env, check=True, capture_output=True, text=True,
+                               timeout=900).stdout.split()
+        assert len(paths) == 4
+        return {path: subprocess.run(["objdump", "-d", path], check=True, capture_output=True, text=True).stdout.count("zmm")
+                for path in paths}
+
+    capped = zmm_lines("avx2")
+    assert all(count == 0 for count in capped.values()), capped
+    assert next(iter(zmm_lines(None).values())) > 0  # the default fp32 build: AVX-512 on this CPU

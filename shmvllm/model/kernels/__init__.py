@@ -2,8 +2,8 @@
 logprobs' reductions; encoder_gemm.c and encoder_attention.c, the encoders' AVX2 GEMM and
 attention), compiled with the system C compiler on first use.
 
-The library is built for this machine (-march=native) and cached under
-``~/.cache/shmvllm/kernels`` (or ``$TMPDIR/shmvllm-kernels-<uid>`` when the home directory
+The library is built for this machine (-march=native; at most AVX2 with ``SHMVLLM_QUANT_ISA=avx2``)
+and cached under ``~/.cache/shmvllm/kernels`` (or ``$TMPDIR/shmvllm-kernels-<uid>`` when the home directory
 cannot be used), keyed by a hash of the source, the flags and the CPU, so a changed source or
 another CPU builds anew; concurrent first uses race harmlessly (each compiles to a temporary
 file and renames it into place). Without a working compiler `cpu_kernels()` returns None (with
@@ -43,6 +43,17 @@ ATTENTION_HEADER = Path(__file__).with_name("attention.h")  # included by cpu_ke
 # It is given to the compile step only: linked with -ffast-math, gcc adds crtfastmath.o, which
 # would switch the whole process to flush-to-zero arithmetic at load time.
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11", "-c"]
+# SHMVLLM_QUANT_ISA=avx2 caps these builds too, at x86-64-v3 (AVX2, FMA, F16C): an AVX-512 CPU then
+# runs the instructions an AVX2 one would in every kernel, not only in the quantized ones.
+_AVX2_MARCH = ["-march=x86-64-v3", "-mtune=native"]
+
+
+def _native_cflags() -> list[str]:
+    """_CFLAGS, with -march=native capped at AVX2 where $SHMVLLM_QUANT_ISA asks for the AVX2 build."""
+    if envs.SHMVLLM_QUANT_ISA() != "avx2" or platform.machine() != "x86_64":
+        return _CFLAGS
+    return [g for f in _CFLAGS for g in (_AVX2_MARCH if f == "-march=native" else [f])]
+
 _LDFLAGS = ["-shared", "-fopenmp"]
 _LIBS = ["-lmvec", "-lm"]
 
@@ -180,7 +191,7 @@ def cpu_kernels(dtype: Optional[torch.dtype] = None) -> Optional[ctypes.CDLL]:
 @functools.lru_cache(maxsize=None)
 def _cpu_kernels(dtype: str) -> Optional[ctypes.CDLL]:
     stem, defines = _KERNEL_DTYPES[dtype]
-    return _build(stem, SOURCE, _CFLAGS + defines, _SIGNATURES, (ATTENTION_HEADER,))
+    return _build(stem, SOURCE, _native_cflags() + defines, _SIGNATURES, (ATTENTION_HEADER,))
 
 
 LOGPROB_SOURCE = Path(__file__).with_name("logprobs.c")
@@ -195,7 +206,7 @@ _LOGPROB_SIGNATURES = {
 def logprob_kernels() -> Optional[ctypes.CDLL]:
     """The fused logprob kernel (logprobs.c) for fp32 logits, built on first use; None when
     disabled or when building fails."""
-    return _build("logprob_kernels", LOGPROB_SOURCE, _CFLAGS, _LOGPROB_SIGNATURES)
+    return _build("logprob_kernels", LOGPROB_SOURCE, _native_cflags(), _LOGPROB_SIGNATURES)
 
 
 ENCODER_GEMM_SOURCE = Path(__file__).with_name("encoder_gemm.c")

@@ -16,7 +16,7 @@ import torch
 
 from shmvllm.model import attention, decoder, rotary
 from shmvllm.model.attention import PagedAttention, build_attention_metadata
-from shmvllm.model.kernels import cpu_kernels
+from shmvllm.model.kernels import cpu_kernels, quant_isas_supported
 
 
 @pytest.fixture(scope="module")
@@ -283,11 +283,7 @@ def test_linear_few_rows_kernel(kernels, rows, bias, with_residual) -> None:
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=2e-5)
 
 
-_AVX512 = "avx512f" in next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split() \
-    if os.path.exists("/proc/cpuinfo") else False
-
-
-@pytest.mark.skipif(not _AVX512 or shutil.which("objdump") is None, reason="needs an AVX-512 CPU and objdump")
+@pytest.mark.skipif("avx512" not in quant_isas_supported() or shutil.which("objdump") is None, reason="needs an AVX-512 CPU and objdump")
 def test_the_avx2_build_holds_no_avx512_instructions() -> None:
     """SHMVLLM_QUANT_ISA=avx2 on an AVX-512 CPU: every kernel library a decoder runs is AVX2 code
     (no zmm register anywhere), while the default fp32 build does use AVX-512 here."""

@@ -66,6 +66,6 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=flags) if flags else mmap.mmap(-1, nbytes + HUGE_PAGE)
     whole = torch.frombuffer(region, dtype=torch.uint8)
     start = -whole.data_ptr() % HUGE_PAGE
-    if _madvise() is not None and hasattr(mmap, "MADV_HUGEPAGE") and nbytes >= HUGE_PAGE:
-        region.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
-    return whole[start:start + nbytes]
+    buffer = whole[start:start + nbytes]
+    advise_huge_pages(buffer)  # the mapping is ours to its end: its whole 2 MiB pages from `start`
+    return buffer

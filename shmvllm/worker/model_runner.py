@@ -181,8 +181,7 @@ class ModelRunner:
             output = self._native_burst(step, scheduler_output.burst_tokens)
             if output is not None:
                 return output
-            verify = step.num_proposed > 0 if step.num_proposed is not None else None
-            step.input_ids, step.positions, step.meta = self._prepare_inputs(step.query_lens, step.num_computed, verify)
+            self._lay_out_inputs(step)
         hidden = self.model(step.input_ids, step.positions, step.meta)
         output = self.finish_step(step, hidden, scheduler_output)
         if scheduler_output.burst_tokens:
@@ -275,13 +274,15 @@ class ModelRunner:
                 f"request {batch.req_ids[row]!r}: num_computed_tokens {num_computed[row]} + scheduled "
                 f"{query_lens[row]} exceeds its {known[row]} known (and proposed) tokens."
             )
-        if not inputs:
-            return StepInputs(query_lens, num_computed, ends, known, num_proposed if proposals else None, None, None, None)
-        input_ids, positions, meta = self._prepare_inputs(
-            query_lens, num_computed, num_proposed > 0 if proposals else None
-        )
-        return StepInputs(query_lens, num_computed, ends, known, num_proposed if proposals else None,
-                          input_ids, positions, meta)
+        step = StepInputs(query_lens, num_computed, ends, known, num_proposed if proposals else None, None, None, None)
+        if inputs:
+            self._lay_out_inputs(step)
+        return step
+
+    def _lay_out_inputs(self, step: StepInputs) -> None:
+        """The step's flat model inputs: token ids, positions, attention metadata."""
+        verify = None if step.num_proposed is None else step.num_proposed > 0
+        step.input_ids, step.positions, step.meta = self._prepare_inputs(step.query_lens, step.num_computed, verify)
 
     def finish_step(self, step: StepInputs, hidden: torch.Tensor, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Samples (or verifies proposals) from the final hidden states, then `advance`s."""
